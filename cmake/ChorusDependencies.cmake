@@ -1,0 +1,34 @@
+# Finds what chorus needs; shared by the build and by chorusConfig.cmake (consumers).
+include(CMakeFindDependencyMacro)
+find_package(Threads REQUIRED)
+
+# OpenBLAS for CPU matrix products (Debian: libopenblas-dev).
+if(NOT TARGET BLAS::BLAS)
+  set(BLA_VENDOR OpenBLAS)
+  find_package(BLAS REQUIRED)
+endif()
+
+# CUDA: used when nvcc is found (and not switched off); sets CHORUS_HAS_CUDA.
+set(CHORUS_HAS_CUDA OFF)
+if(NOT DEFINED CHORUS_ENABLE_CUDA OR CHORUS_ENABLE_CUDA)
+  if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES 90)  # NVIDIA H100/H200
+    endif()
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    find_library(CHORUS_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib64)
+    find_path(CHORUS_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
+    if(CHORUS_NCCL_LIBRARY AND CHORUS_NCCL_INCLUDE_DIR)
+      set(CHORUS_HAS_CUDA ON)
+    else()
+      message(STATUS "chorus: nvcc found but NCCL not found; CUDA parts disabled")
+    endif()
+  endif()
+endif()
+message(STATUS "chorus: CUDA ${CHORUS_HAS_CUDA}")

@@ -1,0 +1,284 @@
+#pragma once
+// The backward engine.
+//
+// Note [multi-device backward]
+// backward() walks the graph from the roots, counting for each node how many edges lead to
+// it, and runs a node once all of its gradients have arrived. Each node runs on the stream
+// its forward ran on (Node::stream()): nodes of the calling thread's own stream (for a plain
+// thread, the root's device's current stream) run inline on the calling thread; the others
+// are posted to their streams' workers, so the per-replica halves of a DataParallel graph
+// run concurrently on their devices. The calling thread coordinates: it waits for posted
+// nodes, runs the inline ones as they become ready, and rethrows the first error (naming the
+// node and its device) after everything in flight has finished.
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "../backend/backend.hpp"
+#include "node.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace autograd {
+
+template <class T>
+typename Node<T>::TensorList AccumulateGrad<T>::apply(typename Node<T>::TensorList&& grads) {
+  Tensor<T> g = std::move(grads[0]);
+  auto& var = *variable_;
+  CHORUS_CHECK(g.shape() == var.shape, "AccumulateGrad: gradient of shape ", g.shape(),
+               " for a leaf of shape ", var.shape);
+  CHORUS_CHECK(g.device() == var.device(), "AccumulateGrad: gradient on ", g.device(), " for a leaf on ",
+               var.device());
+  if (!var.grad) {
+    // Steal the incoming gradient when nothing else can see its storage; copy otherwise.
+    const auto& st = g.impl()->storage;
+    const bool exclusive = g.impl().use_count() == 1 && st.use_count() == 1 && g.is_contiguous() &&
+                           g.storage_offset() == 0 &&
+                           st->nbytes() == static_cast<std::size_t>(g.numel()) * sizeof(T);
+    if (exclusive) {
+      var.grad = g.impl();
+    } else {
+      auto copy = Tensor<T>::empty(g.shape(), g.device());
+      backend::copy(copy, g);
+      var.grad = copy.impl();
+    }
+  } else {
+    Tensor<T> acc(var.grad);
+    Tensor<T> gc = g;
+    if (!gc.is_contiguous()) {
+      gc = Tensor<T>::empty(g.shape(), g.device());
+      backend::copy(gc, g);
+    }
+    CHORUS_CHECK(acc.is_contiguous(), "AccumulateGrad: existing grad is not contiguous");
+    backend::binary_same(acc, gc, acc, backend::fn::Add{});
+  }
+  return {};
+}
+
+namespace detail {
+
+template <class T>
+class GraphTask {
+ public:
+  using NodePtr = std::shared_ptr<Node<T>>;
+
+  GraphTask(bool retain_graph, Stream* home) : retain_(retain_graph), home_(home) {}
+
+  /// Counts, for every node reachable from `roots`, the edges that lead to it.
+  void compute_dependencies(const std::vector<Edge<T>>& roots) {
+    std::vector<Node<T>*> stack;
+    for (const auto& e : roots) {
+      if (e.valid() && seen_.insert({e.fn.get(), e.fn}).second) stack.push_back(e.fn.get());
+    }
+    while (!stack.empty()) {
+      Node<T>* n = stack.back();
+      stack.pop_back();
+      for (const auto& e : n->next_edges()) {
+        if (!e.valid()) continue;
+        ++deps_[e.fn.get()];
+        if (seen_.insert({e.fn.get(), e.fn}).second) stack.push_back(e.fn.get());
+      }
+    }
+  }
+
+  /// Adds the seed gradients to the root nodes' inputs and runs the graph.
+  void run(const std::vector<Edge<T>>& roots, std::vector<Tensor<T>> seeds) {
+    std::vector<Node<T>*> ready;
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      for (std::size_t i = 0; i < roots.size(); ++i) add_input(roots[i], std::move(seeds[i]));
+      for (const auto& e : roots) {
+        Node<T>* n = e.fn.get();
+        if (deps_[n] == 0 && scheduled_.insert(n).second) ready.push_back(n);
+      }
+    }
+    for (Node<T>* n : ready) schedule(n);
+    coordinate();
+  }
+
+ private:
+  void add_input(const Edge<T>& e, Tensor<T> g) {  // m_ held
+    auto& buf = buffers_[e.fn.get()];
+    if (buf.empty()) buf.resize(e.fn->num_inputs());
+    auto& slot = buf[e.input_nr];
+    if (!slot.defined()) {
+      slot = std::move(g);
+      return;
+    }
+    // Sum into a fresh tensor: the incoming gradients may be shared with other nodes.
+    auto sum = Tensor<T>::empty(slot.shape(), slot.device());
+    Tensor<T> a = slot, b = g;
+    if (!a.is_contiguous()) {
+      a = Tensor<T>::empty(slot.shape(), slot.device());
+      backend::copy(a, slot);
+    }
+    if (!b.is_contiguous()) {
+      b = Tensor<T>::empty(g.shape(), g.device());
+      backend::copy(b, g);
+    }
+    CHORUS_CHECK(a.device() == b.device(), "autograd: gradients for one input arrived on ", a.device(),
+                 " and ", b.device());
+    backend::binary_same(a, b, sum, backend::fn::Add{});
+    slot = std::move(sum);
+  }
+
+  void schedule(Node<T>* n) {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      ++outstanding_;
+    }
+    if (n->stream() == nullptr || n->stream() == home_) {
+      std::lock_guard<std::mutex> lk(m_);
+      local_.push_back(n);
+      cv_.notify_all();
+      return;
+    }
+    const bool grad_mode = is_grad_enabled();
+    n->stream()->post([this, n, grad_mode] {
+      GradModeGuard g(grad_mode);
+      execute(n);
+    });
+  }
+
+  void execute(Node<T>* n) {
+    std::vector<Node<T>*> ready;
+    try {
+      typename Node<T>::TensorList inputs;
+      {
+        std::lock_guard<std::mutex> lk(m_);
+        if (error_) throw Skip{};
+        inputs = std::move(buffers_[n]);
+        buffers_.erase(n);
+      }
+      CHORUS_CHECK(!n->released(), "backward through ", n->name(),
+                   " a second time: its saved tensors were freed after the first backward "
+                   "(pass retain_graph=true to the first call)");
+      inputs.resize(n->num_inputs());
+      for (std::uint32_t i = 0; i < inputs.size(); ++i) {
+        if (!inputs[i].defined()) {
+          const auto& meta = n->input_meta(i);
+          inputs[i] = Tensor<T>::empty(meta.shape, meta.device);
+          backend::fill(inputs[i], T(0));
+        } else if (!inputs[i].is_contiguous()) {  // nodes may assume contiguous gradients
+          auto c = Tensor<T>::empty(inputs[i].shape(), inputs[i].device());
+          backend::copy(c, inputs[i]);
+          inputs[i] = std::move(c);
+        }
+      }
+      auto outputs = n->apply(std::move(inputs));
+      if (!retain_ && n->releasable()) {
+        n->release_saved();
+        n->mark_released();
+      }
+      const auto& edges = n->next_edges();
+      CHORUS_CHECK(outputs.size() == edges.size() || outputs.empty(), n->name(), " returned ", outputs.size(),
+                   " gradients for ", edges.size(), " inputs");
+      std::lock_guard<std::mutex> lk(m_);
+      for (std::size_t i = 0; i < edges.size(); ++i) {
+        const auto& e = edges[i];
+        if (!e.valid()) continue;
+        if (i < outputs.size() && outputs[i].defined()) add_input(e, std::move(outputs[i]));
+        if (--deps_[e.fn.get()] == 0 && scheduled_.insert(e.fn.get()).second) ready.push_back(e.fn.get());
+      }
+    } catch (const Skip&) {
+    } catch (const Error& err) {
+      record_error(std::make_exception_ptr(
+          Error(std::string("in backward of ") + n->name() + " on " + n->device().str() + ": " + err.what())));
+    } catch (...) {
+      record_error(std::current_exception());
+    }
+    for (Node<T>* r : ready) schedule(r);
+    std::lock_guard<std::mutex> lk(m_);
+    --outstanding_;
+    cv_.notify_all();
+  }
+
+  void record_error(std::exception_ptr e) {
+    std::lock_guard<std::mutex> lk(m_);
+    if (!error_) error_ = std::move(e);
+  }
+
+  void coordinate() {
+    for (;;) {
+      Node<T>* n = nullptr;
+      {
+        std::unique_lock<std::mutex> lk(m_);
+        cv_.wait(lk, [this] { return !local_.empty() || outstanding_ == 0; });
+        if (local_.empty()) break;  // outstanding_ == 0: done
+        n = local_.front();
+        local_.pop_front();
+      }
+      execute(n);
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  struct Skip {};
+
+  bool retain_;
+  Stream* home_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::unordered_map<Node<T>*, NodePtr> seen_;  // keeps every node alive during the run
+  std::unordered_map<Node<T>*, int> deps_;
+  std::unordered_map<Node<T>*, typename Node<T>::TensorList> buffers_;
+  std::unordered_set<Node<T>*> scheduled_;
+  std::deque<Node<T>*> local_;
+  int outstanding_ = 0;
+  std::exception_ptr error_;
+};
+
+}  // namespace detail
+
+/// Runs backward from `roots` (seeded with `grads`; an undefined seed means ones for a
+/// one-element root), accumulating into the leaves' grad(). See Note [multi-device backward].
+template <class T>
+void backward(const std::vector<Tensor<T>>& roots, const std::vector<Tensor<T>>& grads = {},
+              bool retain_graph = false) {
+  static_assert(is_floating_v<T>, "backward() needs a floating-point tensor");
+  CHORUS_CHECK(grads.empty() || grads.size() == roots.size(), "backward: ", roots.size(), " roots but ",
+               grads.size(), " gradients");
+  CHORUS_CHECK(!roots.empty(), "backward: no roots");
+  std::vector<Edge<T>> edges;
+  std::vector<Tensor<T>> seeds;
+  for (std::size_t i = 0; i < roots.size(); ++i) {
+    const auto& r = roots[i];
+    CHORUS_CHECK(r.defined(), "backward: root ", i, " is an undefined tensor");
+    CHORUS_CHECK(r.requires_grad(), "backward: root ", i,
+                 " does not require grad and has no grad_fn (was it computed under NoGradGuard, "
+                 "or from tensors that do not require grad?)");
+    Tensor<T> seed = i < grads.size() ? grads[i] : Tensor<T>();
+    if (!seed.defined()) {
+      CHORUS_CHECK(r.numel() == 1, "backward: a gradient can be created implicitly only for a one-element "
+                                   "output, but the output has shape ",
+                   r.shape(), "; pass a gradient of that shape");
+      seed = Tensor<T>::empty(r.shape(), r.device());
+      backend::fill(seed, T(1));
+    } else {
+      CHORUS_CHECK(seed.shape() == r.shape(), "backward: gradient of shape ", seed.shape(),
+                   " for an output of shape ", r.shape());
+      CHORUS_CHECK(seed.device() == r.device(), "backward: gradient on ", seed.device(), " for an output on ",
+                   r.device());
+    }
+    edges.push_back(gradient_edge(r));
+    seeds.push_back(std::move(seed));
+  }
+  Stream* home = ::chorus::detail::worker_stream_of_thread();
+  if (!home) home = &current_stream(roots[0].device());
+  NoGradGuard no_grad;  // backward itself is not recorded
+  detail::GraphTask<T> task(retain_graph, home);
+  task.compute_dependencies(edges);
+  task.run(edges, std::move(seeds));
+}
+
+}  // namespace autograd
+
+template <class T>
+void Tensor<T>::backward(const Tensor<T>& gradient, bool retain_graph) const {
+  autograd::backward<T>({*this}, {gradient}, retain_graph);
+}
+
+CHORUS_NAMESPACE_END

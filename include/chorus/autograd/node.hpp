@@ -1,0 +1,159 @@
+#pragma once
+// Graph nodes: each recorded operation leaves a Node that maps the gradients of its outputs
+// to the gradients of its inputs, plus edges to the nodes that produced those inputs.
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../core/tensor.hpp"
+#include "../core/runtime.hpp"
+#include "grad_mode.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace autograd {
+
+template <class T>
+class Node;
+
+/// Where a gradient goes: input `input_nr` of node `fn` (an empty edge means nowhere).
+template <class T>
+struct Edge {
+  std::shared_ptr<Node<T>> fn;
+  std::uint32_t input_nr = 0;
+  bool valid() const { return fn != nullptr; }
+};
+
+namespace detail {
+inline std::uint64_t next_sequence_nr() {
+  static std::atomic<std::uint64_t> n{0};
+  return n.fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace detail
+
+template <class T>
+class Node {
+ public:
+  using TensorList = std::vector<Tensor<T>>;
+
+  Node() : seq_(detail::next_sequence_nr()) {}
+  virtual ~Node() = default;
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+
+  /// Maps output gradients (one per forward output, never undefined: the engine fills zeros)
+  /// to input gradients (one per next edge; undefined where an input needs none).
+  virtual TensorList apply(TensorList&& grads) = 0;
+  virtual std::string name() const = 0;
+  /// Frees saved tensors once backward has run through this node (unless retain_graph).
+  virtual void release_saved() {}
+  /// False for nodes that outlive one graph (AccumulateGrad is shared by every backward).
+  virtual bool releasable() const { return true; }
+
+  std::uint32_t num_inputs() const { return static_cast<std::uint32_t>(input_meta_.size()); }
+  const std::vector<Edge<T>>& next_edges() const { return next_; }
+  std::vector<Edge<T>>& mutable_next_edges() { return next_; }
+  std::uint64_t sequence_nr() const { return seq_; }
+
+  /// The stream this node's backward runs on (where its forward ran; see Note [streams]).
+  Stream* stream() const { return stream_; }
+  Device device() const { return stream_ ? stream_->device() : Device{}; }
+  void set_stream(Stream* s) { stream_ = s; }
+
+  struct InputMeta {
+    Shape shape;
+    Device device;
+  };
+  /// Registers one more forward output (one more gradient this node receives).
+  std::uint32_t add_input(const Shape& shape, Device device) {
+    input_meta_.push_back({shape, device});
+    return static_cast<std::uint32_t>(input_meta_.size() - 1);
+  }
+  const InputMeta& input_meta(std::uint32_t i) const { return input_meta_[i]; }
+
+  void add_next_edge(Edge<T> e) { next_.push_back(std::move(e)); }
+
+  /// Set by the engine after release_saved(); a second backward then fails clearly.
+  bool released() const { return released_; }
+  void mark_released() { released_ = true; }
+
+ private:
+  std::vector<Edge<T>> next_;
+  std::vector<InputMeta> input_meta_;
+  Stream* stream_ = nullptr;
+  std::uint64_t seq_;
+  bool released_ = false;
+};
+
+/// The sink of a leaf: adds incoming gradients into the leaf's grad().
+template <class T>
+class AccumulateGrad final : public Node<T> {
+ public:
+  explicit AccumulateGrad(std::shared_ptr<TensorImpl<T>> variable) : variable_(std::move(variable)) {
+    this->add_input(variable_->shape, variable_->device());
+  }
+  std::string name() const override { return "AccumulateGrad"; }
+  bool releasable() const override { return false; }
+  typename Node<T>::TensorList apply(typename Node<T>::TensorList&& grads) override;
+  const std::shared_ptr<TensorImpl<T>>& variable() const { return variable_; }
+
+ private:
+  std::shared_ptr<TensorImpl<T>> variable_;
+};
+
+namespace detail {
+inline std::mutex& accumulator_mutex() {
+  static std::mutex m;
+  return m;
+}
+}  // namespace detail
+
+/// The AccumulateGrad node of a leaf that requires grad (made on first use, then shared).
+template <class T>
+std::shared_ptr<Node<T>> grad_accumulator(const Tensor<T>& leaf) {
+  auto& impl = *leaf.impl();
+  std::lock_guard<std::mutex> lk(detail::accumulator_mutex());
+  if (auto acc = impl.grad_accumulator.lock()) return acc;
+  auto acc = std::make_shared<AccumulateGrad<T>>(leaf.impl());
+  acc->set_stream(&current_stream(leaf.device()));
+  impl.grad_accumulator = acc;
+  return acc;
+}
+
+/// Where the gradient of `t` must go: its grad_fn, its accumulator, or nowhere.
+template <class T>
+Edge<T> gradient_edge(const Tensor<T>& t) {
+  if (!t.defined()) return {};
+  if (t.grad_fn()) return {t.grad_fn(), t.output_nr()};
+  if (t.requires_grad()) return {grad_accumulator(t), 0};
+  return {};
+}
+
+/// True when grad mode is on and any of the tensors requires grad.
+template <class... Ts>
+bool needs_grad(const Ts&... ts) {
+  return is_grad_enabled() && (... || (ts.defined() && ts.requires_grad()));
+}
+
+/// Makes node `NodeT` with next edges to `inputs`, ready for set_history().
+template <class NodeT, class T, class... Args>
+std::shared_ptr<NodeT> make_node(std::initializer_list<const Tensor<T>*> inputs, Args&&... args) {
+  auto node = std::make_shared<NodeT>(std::forward<Args>(args)...);
+  for (const auto* in : inputs) node->add_next_edge(in ? gradient_edge(*in) : Edge<T>{});
+  return node;
+}
+
+/// Records `node` as the producer of `out` (its next forward output).
+template <class T>
+void set_history(Tensor<T>& out, const std::shared_ptr<Node<T>>& node) {
+  auto& impl = *out.impl();
+  if (!node->stream()) node->set_stream(&current_stream(out.device()));
+  impl.output_nr = node->add_input(impl.shape, out.device());
+  impl.grad_fn = node;
+  impl.requires_grad = true;
+}
+
+}  // namespace autograd
+CHORUS_NAMESPACE_END

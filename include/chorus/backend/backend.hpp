@@ -1,0 +1,287 @@
+#pragma once
+// Device dispatch: tensor-level kernels that run the CPU loops or the CUDA kernels depending
+// on the tensors' device. ops/ calls these; they do no autograd and little validation
+// (callers pass contiguous tensors where a function says so).
+#include <cstdint>
+#include <vector>
+
+#include "../core/generator.hpp"
+#include "../core/tensor.hpp"
+#include "cpu/blas.hpp"
+#include "cpu/kernels.hpp"
+#if CHORUS_CUDA
+#include "cuda/kernels.cuh"
+#endif
+
+CHORUS_NAMESPACE_BEGIN
+namespace backend {
+
+#if CHORUS_CUDA
+#define CHORUS_DISPATCH(dev, cpu_call, cuda_call) \
+  do {                                            \
+    if ((dev).is_cpu()) {                         \
+      cpu_call;                                   \
+    } else {                                      \
+      cuda_call;                                  \
+    }                                             \
+  } while (0)
+#else
+#define CHORUS_DISPATCH(dev, cpu_call, cuda_call) \
+  do {                                            \
+    if ((dev).is_cpu()) {                         \
+      cpu_call;                                   \
+    } else {                                      \
+      ::chorus::check_device(dev);                \
+    }                                             \
+  } while (0)
+#endif
+
+template <class T>
+void fill(const Tensor<T>& out, T value) {  // out contiguous
+  CHORUS_DISPATCH(out.device(), cpu::fill(out.data(), out.numel(), value),
+                  cuda::fill(out.data(), out.numel(), value, out.device()));
+}
+
+template <class T>
+void arange(const Tensor<T>& out, double start, double step) {
+  CHORUS_DISPATCH(out.device(), cpu::arange(out.data(), out.numel(), start, step),
+                  cuda::arange(out.data(), out.numel(), start, step, out.device()));
+}
+
+/// dst = src elementwise for two tensors of one shape, any strides, any devices.
+template <class T>
+void copy(const Tensor<T>& dst, const Tensor<T>& src) {
+  const Device dd = dst.device(), sd = src.device();
+  if (dd == sd) {
+    if (dst.is_contiguous() && src.is_contiguous()) {
+      copy_bytes(dst.data(), dd, src.data(), sd, static_cast<std::size_t>(src.numel()) * sizeof(T));
+      return;
+    }
+    CHORUS_DISPATCH(dd, cpu::copy_strided(src.data(), src.strides(), dst.data(), dst.strides(), src.shape()),
+                    cuda::copy_strided(src.data(), src.strides(), dst.data(), dst.strides(), src.shape(), dd));
+    return;
+  }
+  // Across devices: make the source contiguous on its device, move the bytes, then scatter
+  // into the destination's layout on its device.
+  Tensor<T> s = src;
+  if (!s.is_contiguous()) {
+    s = Tensor<T>::empty(src.shape(), sd);
+    copy(s, src);
+  }
+  if (dst.is_contiguous()) {
+    copy_bytes(dst.data(), dd, s.data(), sd, static_cast<std::size_t>(s.numel()) * sizeof(T));
+    return;
+  }
+  Tensor<T> d = Tensor<T>::empty(src.shape(), dd);
+  copy_bytes(d.data(), dd, s.data(), sd, static_cast<std::size_t>(s.numel()) * sizeof(T));
+  copy(dst, d);
+}
+
+/// dst = static_cast<U>(src), both contiguous on one device.
+template <class U, class T>
+void convert(const Tensor<U>& dst, const Tensor<T>& src) {
+  CHORUS_DISPATCH(src.device(), cpu::convert(src.data(), dst.data(), src.numel()),
+                  cuda::convert(src.data(), dst.data(), src.numel(), src.device()));
+}
+
+template <class T, class Op>
+void unary(const Tensor<T>& in, const Tensor<T>& out, Op op) {  // contiguous
+  CHORUS_DISPATCH(in.device(), cpu::unary(in.data(), out.data(), in.numel(), op),
+                  cuda::unary(in.data(), out.data(), in.numel(), op, in.device()));
+}
+
+template <class T, class Op>
+void binary_same(const Tensor<T>& a, const Tensor<T>& b, const Tensor<T>& out, Op op) {  // contiguous
+  CHORUS_DISPATCH(a.device(), cpu::binary_same(a.data(), b.data(), out.data(), a.numel(), op),
+                  cuda::binary_same(a.data(), b.data(), out.data(), a.numel(), op, a.device()));
+}
+
+/// out (contiguous) = op(a, b) with a, b read through strides expanded to out's shape.
+template <class T, class Op>
+void binary_broadcast(const Tensor<T>& a, const Strides& as, const Tensor<T>& b, const Strides& bs,
+                      const Tensor<T>& out, Op op) {
+  CHORUS_DISPATCH(a.device(), cpu::binary_broadcast(a.data(), as, b.data(), bs, out.data(), out.shape(), op),
+                  cuda::binary_broadcast(a.data(), as, b.data(), bs, out.data(), out.shape(), op, a.device()));
+}
+
+/// dst += src summed onto dst's broadcast strides (src contiguous).
+template <class T>
+void reduce_add_broadcast(const Tensor<T>& src, const Tensor<T>& dst, const Strides& dst_strides) {
+  CHORUS_DISPATCH(src.device(), cpu::reduce_add_broadcast(src.data(), src.shape(), dst.data(), dst_strides),
+                  cuda::reduce_add_broadcast(src.data(), src.shape(), dst.data(), dst_strides, src.device()));
+}
+
+/// out (one element) = scale * sum(in), in contiguous.
+template <class T>
+void sum_all(const Tensor<T>& in, const Tensor<T>& out, double scale) {
+  CHORUS_DISPATCH(in.device(), *out.data() = static_cast<T>(cpu::sum_all(in.data(), in.numel()) * scale),
+                  cuda::sum_dim(in.data(), 1, in.numel(), 1, out.data(), scale, in.device()));
+}
+
+template <class T>
+void sum_dim(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, const Tensor<T>& out,
+             double scale) {
+  CHORUS_DISPATCH(in.device(), cpu::sum_dim(in.data(), outer, n, inner, out.data(), scale),
+                  cuda::sum_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
+}
+
+template <class T>
+void expand_dim(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, const Tensor<T>& out,
+                double scale) {
+  CHORUS_DISPATCH(in.device(), cpu::expand_dim(in.data(), outer, n, inner, out.data(), scale),
+                  cuda::expand_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
+}
+
+template <class T>
+void softmax(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, const Tensor<T>& out,
+             bool log_space) {
+  CHORUS_DISPATCH(in.device(), cpu::softmax(in.data(), outer, n, inner, out.data(), log_space),
+                  cuda::softmax(in.data(), outer, n, inner, out.data(), log_space, in.device()));
+}
+
+template <class T>
+void softmax_backward(const Tensor<T>& g, const Tensor<T>& y, std::int64_t outer, std::int64_t n,
+                      std::int64_t inner, const Tensor<T>& gx, bool log_space) {
+  CHORUS_DISPATCH(g.device(), cpu::softmax_backward(g.data(), y.data(), outer, n, inner, gx.data(), log_space),
+                  cuda::softmax_backward(g.data(), y.data(), outer, n, inner, gx.data(), log_space, g.device()));
+}
+
+template <class T>
+void index_select(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner,
+                  const Tensor<std::int64_t>& idx, const Tensor<T>& out) {
+  CHORUS_DISPATCH(in.device(), cpu::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data()),
+                  cuda::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), in.device()));
+}
+
+template <class T>
+void index_add(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner,
+               const Tensor<std::int64_t>& idx, const Tensor<T>& out) {
+  CHORUS_DISPATCH(in.device(), cpu::index_add(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data()),
+                  cuda::index_add(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), in.device()));
+}
+
+/// Row-major C = alpha op(A) op(B) + beta C on one device.
+template <class T>
+void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A, std::int64_t lda,
+          const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc, Device dev) {
+  CHORUS_DISPATCH(dev, cpu::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc),
+                  cuda::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, dev));
+}
+
+template <class T>
+void broadcast_rows(const Tensor<T>& bias, std::int64_t rows, std::int64_t cols, const Tensor<T>& out) {
+  CHORUS_DISPATCH(bias.device(), cpu::broadcast_rows(bias.data(), rows, cols, out.data()),
+                  cuda::broadcast_rows(bias.data(), rows, cols, out.data(), bias.device()));
+}
+
+/// out (one element) = scale * sum((a - b)^2).
+template <class T>
+void squared_error_sum(const Tensor<T>& a, const Tensor<T>& b, const Tensor<T>& out, double scale) {
+  CHORUS_DISPATCH(a.device(),
+                  *out.data() = static_cast<T>(cpu::squared_error_sum(a.data(), b.data(), a.numel()) * scale),
+                  cuda::squared_error_sum(a.data(), b.data(), a.numel(), out.data(), scale, a.device()));
+}
+
+/// ga = scale * g * (a - b), gb = -ga. `g` is a one-element tensor (broadcast) or has a's size.
+template <class T>
+void squared_error_backward(const Tensor<T>& a, const Tensor<T>& b, const Tensor<T>& g, T scale,
+                            const Tensor<T>* ga, const Tensor<T>* gb) {
+  const bool per_elem = g.numel() == a.numel() && a.numel() != 1;
+  T* pga = ga ? ga->data() : nullptr;
+  T* pgb = gb ? gb->data() : nullptr;
+  CHORUS_DISPATCH(
+      a.device(),
+      {
+        if (per_elem) {
+          cpu::squared_error_backward(a.data(), b.data(), a.numel(), scale, g.data(), pga, pgb);
+        } else {
+          cpu::squared_error_backward<T>(a.data(), b.data(), a.numel(), T(scale * *g.data()), nullptr, pga, pgb);
+        }
+      },
+      cuda::squared_error_backward(a.data(), b.data(), a.numel(), scale, g.data(), per_elem, pga, pgb, a.device()));
+}
+
+/// Per-row losses; returns the first row whose target is out of range, or -1.
+template <class T>
+std::int64_t cross_entropy_forward(const Tensor<T>& logits, const Tensor<std::int64_t>& target,
+                                   std::int64_t ignore_index, const Tensor<T>& loss) {
+  const auto N = logits.size(0), C = logits.size(1);
+  if (logits.device().is_cpu())
+    return cpu::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data());
+#if CHORUS_CUDA
+  return cuda::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data(), logits.device());
+#else
+  check_device(logits.device());
+  return -1;
+#endif
+}
+
+template <class T>
+void cross_entropy_backward(const Tensor<T>& logits, const Tensor<std::int64_t>& target, std::int64_t ignore_index,
+                            const Tensor<T>& g, std::int64_t g_stride, const Tensor<T>& grad) {
+  const auto N = logits.size(0), C = logits.size(1);
+  CHORUS_DISPATCH(
+      logits.device(),
+      cpu::cross_entropy_backward(logits.data(), N, C, target.data(), ignore_index, g.data(), g_stride, grad.data()),
+      cuda::cross_entropy_backward(logits.data(), N, C, target.data(), ignore_index, g.data(), g_stride,
+                                   grad.data(), logits.device()));
+}
+
+template <class T>
+std::int64_t nll_forward(const Tensor<T>& logp, const Tensor<std::int64_t>& target, std::int64_t ignore_index,
+                         const Tensor<T>& loss) {
+  const auto N = logp.size(0), C = logp.size(1);
+  if (logp.device().is_cpu()) return cpu::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data());
+#if CHORUS_CUDA
+  return cuda::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data(), logp.device());
+#else
+  check_device(logp.device());
+  return -1;
+#endif
+}
+
+template <class T>
+void nll_backward(const Tensor<std::int64_t>& target, std::int64_t C, std::int64_t ignore_index, const Tensor<T>& g,
+                  std::int64_t g_stride, const Tensor<T>& grad) {
+  const auto N = target.numel();
+  CHORUS_DISPATCH(grad.device(), cpu::nll_backward(N, C, target.data(), ignore_index, g.data(), g_stride, grad.data()),
+                  cuda::nll_backward(N, C, target.data(), ignore_index, g.data(), g_stride, grad.data(), grad.device()));
+}
+
+/// Random fill: numbers come from the (host) generator whatever the device, so a seed gives
+/// the same values on every device.
+template <class T, class Fill>
+void random_fill(const Tensor<T>& out, Fill&& fill_host) {
+  if (out.device().is_cpu()) {
+    fill_host(out.data(), out.numel());
+    return;
+  }
+  std::vector<T> host(static_cast<std::size_t>(out.numel()));
+  fill_host(host.data(), out.numel());
+  copy_bytes(out.data(), out.device(), host.data(), Device::cpu(), host.size() * sizeof(T));
+}
+
+template <class T>
+void sgd_step(const Tensor<T>& p, const Tensor<T>& g, const Tensor<T>* buf, double lr, double momentum,
+              double dampening, double wd, bool nesterov, bool first, bool maximize) {
+  T* b = buf ? buf->data() : nullptr;
+  CHORUS_DISPATCH(p.device(),
+                  cpu::sgd_step(p.data(), g.data(), b, p.numel(), lr, momentum, dampening, wd, nesterov, first, maximize),
+                  cuda::sgd_step(p.data(), g.data(), b, p.numel(), lr, momentum, dampening, wd, nesterov, first,
+                                 maximize, p.device()));
+}
+
+template <class T>
+void adam_step(const Tensor<T>& p, const Tensor<T>& g, const Tensor<T>& m, const Tensor<T>& v, const Tensor<T>* vmax,
+               double lr, double b1, double b2, double eps, double wd, bool decoupled, std::int64_t step,
+               bool maximize) {
+  T* vm = vmax ? vmax->data() : nullptr;
+  CHORUS_DISPATCH(p.device(),
+                  cpu::adam_step(p.data(), g.data(), m.data(), v.data(), vm, p.numel(), lr, b1, b2, eps, wd, decoupled,
+                                 step, maximize),
+                  cuda::adam_step(p.data(), g.data(), m.data(), v.data(), vm, p.numel(), lr, b1, b2, eps, wd,
+                                  decoupled, step, maximize, p.device()));
+}
+
+}  // namespace backend
+CHORUS_NAMESPACE_END

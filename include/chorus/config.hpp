@@ -1,0 +1,38 @@
+#pragma once
+// Build configuration of chorus: CUDA on/off, host/device macros and the inline ABI namespace.
+//
+// Note [ABI namespace]
+// Following CCCL, everything lives in `chorus::<abi>` where <abi> is an inline namespace that
+// encodes the version and whether the CUDA backend is compiled in (v0_1_cpu / v0_1_cuda). The
+// same header compiled by g++ and by nvcc therefore produces differently mangled symbols:
+// a program that mixes a CUDA and a CPU-only translation unit gets two distinct libraries
+// (or a link error where a symbol is expected from the other) instead of an ODR violation.
+#include "version.hpp"
+
+#if defined(__CUDACC__) && !defined(CHORUS_DISABLE_CUDA)
+#define CHORUS_CUDA 1
+#else
+#define CHORUS_CUDA 0
+#endif
+
+#if CHORUS_CUDA
+#define CHORUS_HOST_DEVICE __host__ __device__
+#define CHORUS_ABI_NS v0_1_cuda
+#else
+#define CHORUS_HOST_DEVICE
+#define CHORUS_ABI_NS v0_1_cpu
+#endif
+
+#define CHORUS_NAMESPACE_BEGIN \
+  namespace chorus {           \
+  inline namespace CHORUS_ABI_NS {
+#define CHORUS_NAMESPACE_END \
+  }                          \
+  }
+
+namespace chorus {
+inline namespace CHORUS_ABI_NS {
+/// True when this translation unit was compiled with the CUDA backend.
+inline constexpr bool kCudaEnabled = CHORUS_CUDA != 0;
+}  // namespace CHORUS_ABI_NS
+}  // namespace chorus

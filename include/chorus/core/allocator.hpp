@@ -1,0 +1,87 @@
+#pragma once
+// Allocators: one per device, each with its own statistics.
+//
+// Note [virtual CPU devices]
+// chorus can present the host as N devices cpu:0 … cpu:N-1 (CHORUS_CPU_DEVICES, or
+// set_cpu_device_count()). Each has its own allocator (so allocations and statistics are
+// per device), its own streams (worker threads) and real copies between them. They make the
+// whole multi-device path run, and be tested, on a machine without a GPU, the way JAX's host
+// platform device count does.
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <new>
+
+#include "device.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+
+/// Per-device memory statistics, in bytes.
+struct MemoryStats {
+  std::int64_t allocated = 0;       ///< bytes in live tensors
+  std::int64_t peak_allocated = 0;  ///< high-water mark of `allocated` since the last reset
+  std::int64_t reserved = 0;        ///< bytes held from the system (>= allocated when caching)
+  std::int64_t num_allocs = 0;      ///< allocations served
+  std::int64_t num_system_allocs = 0;  ///< allocations that went to the system (malloc/cudaMalloc)
+};
+
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  virtual void* allocate(std::size_t nbytes) = 0;
+  virtual void deallocate(void* p, std::size_t nbytes) noexcept = 0;
+  virtual MemoryStats stats() const = 0;
+  virtual void reset_peak() = 0;
+  /// Returns cached blocks to the system (no-op for non-caching allocators).
+  virtual void empty_cache() {}
+};
+
+namespace detail {
+/// Lock-free running statistics shared by the allocators.
+struct AtomicStats {
+  std::atomic<std::int64_t> allocated{0}, peak{0}, reserved{0}, num_allocs{0}, num_system{0};
+
+  void on_alloc(std::int64_t n) {
+    auto now = allocated.fetch_add(n, std::memory_order_relaxed) + n;
+    auto p = peak.load(std::memory_order_relaxed);
+    while (now > p && !peak.compare_exchange_weak(p, now, std::memory_order_relaxed)) {
+    }
+    num_allocs.fetch_add(1, std::memory_order_relaxed);
+  }
+  void on_free(std::int64_t n) { allocated.fetch_sub(n, std::memory_order_relaxed); }
+  MemoryStats snapshot() const {
+    return {allocated.load(), peak.load(), reserved.load(), num_allocs.load(), num_system.load()};
+  }
+  void reset_peak() { peak.store(allocated.load()); }
+};
+}  // namespace detail
+
+/// Host memory for one virtual CPU device: 64-byte aligned, counted per device.
+class CpuAllocator final : public Allocator {
+ public:
+  static constexpr std::size_t kAlignment = 64;
+
+  void* allocate(std::size_t nbytes) override {
+    if (nbytes == 0) return nullptr;
+    void* p = ::operator new(round_up(nbytes), std::align_val_t(kAlignment), std::nothrow);
+    CHORUS_CHECK(p != nullptr, "out of host memory allocating ", nbytes, " bytes");
+    stats_.on_alloc(static_cast<std::int64_t>(nbytes));
+    stats_.reserved.fetch_add(static_cast<std::int64_t>(nbytes), std::memory_order_relaxed);
+    stats_.num_system.fetch_add(1, std::memory_order_relaxed);
+    return p;
+  }
+  void deallocate(void* p, std::size_t nbytes) noexcept override {
+    if (!p) return;
+    ::operator delete(p, std::align_val_t(kAlignment));
+    stats_.on_free(static_cast<std::int64_t>(nbytes));
+    stats_.reserved.fetch_sub(static_cast<std::int64_t>(nbytes), std::memory_order_relaxed);
+  }
+  MemoryStats stats() const override { return stats_.snapshot(); }
+  void reset_peak() override { stats_.reset_peak(); }
+
+ private:
+  static std::size_t round_up(std::size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment; }
+  detail::AtomicStats stats_;
+};
+
+CHORUS_NAMESPACE_END

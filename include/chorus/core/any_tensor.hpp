@@ -1,0 +1,74 @@
+#pragma once
+// AnyTensor: a Tensor of any supported element type, for registries that hold tensors of
+// several dtypes (module parameters and buffers, optimizers, checkpoints).
+#include <variant>
+
+#include "tensor.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+
+class AnyTensor {
+ public:
+  using Variant = std::variant<Tensor<float>, Tensor<double>, Tensor<std::int64_t>>;
+
+  AnyTensor() = default;
+  template <class T>
+  AnyTensor(Tensor<T> t) : v_(std::move(t)) {}  // NOLINT: implicit on purpose
+
+  DType dtype() const {
+    return std::visit([](const auto& t) { return std::decay_t<decltype(t)>::dtype(); }, v_);
+  }
+  template <class T>
+  bool is() const {
+    return std::holds_alternative<Tensor<T>>(v_);
+  }
+  /// The typed tensor; throws when the dtype differs.
+  template <class T>
+  const Tensor<T>& as() const {
+    const auto* p = std::get_if<Tensor<T>>(&v_);
+    CHORUS_CHECK(p != nullptr, "tensor has dtype ", dtype_name(dtype()), ", not ",
+                 dtype_name(dtype_of<T>()));
+    return *p;
+  }
+  template <class T>
+  Tensor<T>& as() {
+    auto* p = std::get_if<Tensor<T>>(&v_);
+    CHORUS_CHECK(p != nullptr, "tensor has dtype ", dtype_name(dtype()), ", not ",
+                 dtype_name(dtype_of<T>()));
+    return *p;
+  }
+
+  template <class F>
+  decltype(auto) visit(F&& f) const {
+    return std::visit(std::forward<F>(f), v_);
+  }
+  template <class F>
+  decltype(auto) visit(F&& f) {
+    return std::visit(std::forward<F>(f), v_);
+  }
+
+  bool defined() const {
+    return visit([](const auto& t) { return t.defined(); });
+  }
+  Shape shape() const {
+    return visit([](const auto& t) { return t.shape(); });
+  }
+  std::int64_t numel() const {
+    return visit([](const auto& t) { return t.numel(); });
+  }
+  Device device() const {
+    return visit([](const auto& t) { return t.device(); });
+  }
+  bool requires_grad() const {
+    return visit([](const auto& t) { return t.requires_grad(); });
+  }
+  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype()); }
+  const void* impl_key() const {
+    return visit([](const auto& t) -> const void* { return t.impl().get(); });
+  }
+
+ private:
+  Variant v_;
+};
+
+CHORUS_NAMESPACE_END

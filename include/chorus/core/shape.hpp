@@ -1,0 +1,132 @@
+#pragma once
+// Shape: the sizes of a tensor, printed as `[30, 5]`. A fixed-capacity array (no heap
+// allocation per tensor); tensors have at most Shape::kMaxDims dimensions.
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <ostream>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../error.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+
+/// A small fixed-capacity vector of int64 used for sizes and strides.
+class Dims {
+ public:
+  static constexpr int kMaxDims = 8;
+
+  constexpr Dims() = default;
+  Dims(std::initializer_list<std::int64_t> il) { assign(il.begin(), il.end()); }
+  explicit Dims(std::span<const std::int64_t> s) { assign(s.begin(), s.end()); }
+  explicit Dims(const std::vector<std::int64_t>& v) { assign(v.begin(), v.end()); }
+
+  static Dims filled(int n, std::int64_t value) {
+    Dims d;
+    d.resize(n);
+    for (int i = 0; i < n; ++i) d.v_[i] = value;
+    return d;
+  }
+
+  int size() const { return n_; }
+  bool empty() const { return n_ == 0; }
+  std::int64_t operator[](int i) const { return v_[i]; }
+  std::int64_t& operator[](int i) { return v_[i]; }
+  const std::int64_t* begin() const { return v_.data(); }
+  const std::int64_t* end() const { return v_.data() + n_; }
+  std::int64_t* begin() { return v_.data(); }
+  std::int64_t* end() { return v_.data() + n_; }
+  const std::int64_t* data() const { return v_.data(); }
+  std::int64_t back() const { return v_[n_ - 1]; }
+
+  void resize(int n) {
+    CHORUS_CHECK(n >= 0 && n <= kMaxDims, "tensors have at most ", kMaxDims, " dimensions, got ", n);
+    for (int i = n_; i < n; ++i) v_[i] = 0;
+    n_ = n;
+  }
+  void push_back(std::int64_t x) {
+    resize(n_ + 1);
+    v_[n_ - 1] = x;
+  }
+  void insert(int pos, std::int64_t x) {
+    resize(n_ + 1);
+    for (int i = n_ - 1; i > pos; --i) v_[i] = v_[i - 1];
+    v_[pos] = x;
+  }
+  void erase(int pos) {
+    for (int i = pos; i + 1 < n_; ++i) v_[i] = v_[i + 1];
+    --n_;
+  }
+  std::vector<std::int64_t> vec() const { return {begin(), end()}; }
+
+  friend bool operator==(const Dims& a, const Dims& b) {
+    return a.n_ == b.n_ && std::equal(a.begin(), a.end(), b.begin());
+  }
+
+  std::string str() const {
+    std::string s = "[";
+    for (int i = 0; i < n_; ++i) {
+      if (i) s += ", ";
+      s += std::to_string(v_[i]);
+    }
+    return s + "]";
+  }
+  friend std::ostream& operator<<(std::ostream& os, const Dims& d) { return os << d.str(); }
+
+ private:
+  template <class It>
+  void assign(It b, It e) {
+    resize(static_cast<int>(e - b));
+    std::copy(b, e, v_.begin());
+  }
+  std::array<std::int64_t, kMaxDims> v_{};
+  int n_ = 0;
+};
+
+using Shape = Dims;
+using Strides = Dims;
+
+/// Product of the sizes (1 for a 0-dim shape).
+inline std::int64_t numel_of(const Shape& s) {
+  std::int64_t n = 1;
+  for (auto x : s) n *= x;
+  return n;
+}
+
+/// Row-major (contiguous) strides of a shape.
+inline Strides contiguous_strides(const Shape& s) {
+  Strides st = Strides::filled(s.size(), 1);
+  std::int64_t acc = 1;
+  for (int i = s.size() - 1; i >= 0; --i) {
+    st[i] = acc;
+    acc *= std::max<std::int64_t>(s[i], 1);
+  }
+  return st;
+}
+
+/// Wraps a possibly negative dimension index into [0, ndim); throws when out of range.
+inline int wrap_dim(std::int64_t dim, int ndim, const char* what = "dim") {
+  std::int64_t n = std::max(ndim, 1);
+  CHORUS_CHECK(dim >= -n && dim < n, what, " ", dim, " is out of range for a tensor with ", ndim,
+               " dimension(s)");
+  return static_cast<int>(dim < 0 ? dim + n : dim);
+}
+
+/// NumPy broadcasting of two shapes; the error names both shapes.
+inline Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op = "broadcast") {
+  int n = std::max(a.size(), b.size());
+  Shape out = Shape::filled(n, 1);
+  for (int i = 0; i < n; ++i) {
+    int ia = a.size() - n + i, ib = b.size() - n + i;
+    std::int64_t da = ia >= 0 ? a[ia] : 1, db = ib >= 0 ? b[ib] : 1;
+    CHORUS_CHECK(da == db || da == 1 || db == 1, op, ": shapes ", a, " and ", b,
+                 " cannot be broadcast together (dimension ", i, ": ", da, " vs ", db, ")");
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+CHORUS_NAMESPACE_END

@@ -1,0 +1,315 @@
+#pragma once
+// Streams and events.
+//
+// Note [streams]
+// A Stream is an ordered queue of work on one device, served by a persistent worker thread
+// (for CUDA it also owns a cudaStream_t that the work launches onto). Several streams may
+// exist per device (slot 0, 1, …): replicas that share a device each get their own. CPU
+// operations run eagerly on the thread that calls them; a thread's *current stream* for a
+// device (the worker's own stream on a worker, slot 0 elsewhere) is what autograd records
+// so that backward runs each node where its forward ran, and what CUDA kernels launch onto.
+// Work is moved onto a stream with post()/async(); Events order work between streams.
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+
+#include "cuda_runtime.hpp"
+#include "device.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+
+class Stream;
+
+namespace detail {
+/// The streams the calling thread has made current (innermost last).
+inline std::vector<Stream*>& current_stream_overrides() {
+  thread_local std::vector<Stream*> v;
+  return v;
+}
+/// The stream whose worker the calling thread is, or nullptr.
+inline Stream*& worker_stream_of_thread() {
+  thread_local Stream* s = nullptr;
+  return s;
+}
+}  // namespace detail
+
+/// A persistent thread serving a FIFO of tasks. Exceptions escaping a posted task are kept
+/// and rethrown by the next drain(), so none is lost.
+class Worker {
+ public:
+  explicit Worker(std::function<void()> on_start) : on_start_(std::move(on_start)) {
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~Worker() {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  void post(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      q_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+  bool on_this_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+  /// Blocks until every task posted so far has run; rethrows the first escaped exception.
+  void drain() {
+    if (on_this_thread()) return;  // everything before the caller's task has run
+    std::unique_lock<std::mutex> lk(m_);
+    idle_cv_.wait(lk, [this] { return q_.empty() && !busy_; });
+    if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+
+ private:
+  void loop() {
+    if (on_start_) on_start_();
+    std::unique_lock<std::mutex> lk(m_);
+    for (;;) {
+      cv_.wait(lk, [this] { return stop_ || !q_.empty(); });
+      if (q_.empty()) return;  // stop requested and drained
+      auto task = std::move(q_.front());
+      q_.pop_front();
+      busy_ = true;
+      lk.unlock();
+      try {
+        task();
+      } catch (...) {
+        std::lock_guard<std::mutex> g(m_);
+        if (!error_) error_ = std::current_exception();
+      }
+      task = nullptr;
+      lk.lock();
+      busy_ = false;
+      if (q_.empty()) idle_cv_.notify_all();
+    }
+  }
+
+  std::function<void()> on_start_;
+  std::mutex m_;
+  std::condition_variable cv_, idle_cv_;
+  std::deque<std::function<void()>> q_;
+  bool stop_ = false, busy_ = false;
+  std::exception_ptr error_;
+  std::thread thread_;
+};
+
+/// An ordered queue of work on one device (see Note [streams]).
+class Stream {
+ public:
+  Stream(Device device, int slot) : device_(device), slot_(slot) {}
+  ~Stream() {
+    worker_.reset();  // joins before the CUDA stream goes away
+#if CHORUS_CUDA
+    if (handle_) {
+      cuda::DeviceGuard g(device_.index);
+      (void)cudaStreamDestroy(handle_);
+    }
+#endif
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+
+  Device device() const { return device_; }
+  int slot() const { return slot_; }
+  std::string str() const { return device_.str() + "/stream" + std::to_string(slot_); }
+
+  /// True on this stream's worker thread.
+  bool is_worker_thread() const { return detail::worker_stream_of_thread() == this; }
+
+  /// Runs `task` on this stream's worker, after everything posted before it.
+  void post(std::function<void()> task) { worker().post(std::move(task)); }
+
+  /// Like post(), returning a future for the result (or the exception) of `f`.
+  template <class F>
+  auto async(F&& f) -> std::future<std::invoke_result_t<F&>> {
+    using R = std::invoke_result_t<F&>;
+    auto task = std::make_shared<std::packaged_task<R()>>(std::forward<F>(f));
+    auto fut = task->get_future();
+    post([task] { (*task)(); });
+    return fut;
+  }
+
+  /// Blocks until all work posted to (and, for CUDA, launched on) this stream has finished.
+  void synchronize() {
+    {
+      std::unique_lock<std::mutex> lk(m_);
+      if (worker_) {
+        lk.unlock();
+        worker_->drain();
+      }
+    }
+#if CHORUS_CUDA
+    if (device_.is_cuda()) CHORUS_CUDA_CHECK(cudaStreamSynchronize(handle()));
+#endif
+  }
+
+  /// True once the worker thread exists (a stream never posted to has none).
+  bool has_worker() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return worker_ != nullptr;
+  }
+
+#if CHORUS_CUDA
+  /// The CUDA stream (non-blocking with respect to the legacy default stream).
+  cudaStream_t handle() {
+    CHORUS_CHECK(device_.is_cuda(), "Stream::handle() on ", device_, ": only CUDA streams have one");
+    std::call_once(handle_once_, [this] {
+      cuda::DeviceGuard g(device_.index);
+      CHORUS_CUDA_CHECK(cudaStreamCreateWithFlags(&handle_, cudaStreamNonBlocking));
+    });
+    return handle_;
+  }
+#endif
+
+ private:
+  Worker& worker() {
+    std::lock_guard<std::mutex> lk(m_);
+    if (!worker_) {
+      worker_ = std::make_unique<Worker>([this] {
+        detail::worker_stream_of_thread() = this;
+        detail::current_stream_overrides().push_back(this);
+#if CHORUS_CUDA
+        if (device_.is_cuda()) (void)cudaSetDevice(device_.index);
+#endif
+      });
+    }
+    return *worker_;
+  }
+
+  Device device_;
+  int slot_;
+  mutable std::mutex m_;
+  std::unique_ptr<Worker> worker_;
+#if CHORUS_CUDA
+  std::once_flag handle_once_;
+  cudaStream_t handle_ = nullptr;
+#endif
+};
+
+/// Makes `stream` the calling thread's current stream for its device while alive.
+class StreamGuard {
+ public:
+  explicit StreamGuard(Stream& stream) { detail::current_stream_overrides().push_back(&stream); }
+  ~StreamGuard() { detail::current_stream_overrides().pop_back(); }
+  StreamGuard(const StreamGuard&) = delete;
+  StreamGuard& operator=(const StreamGuard&) = delete;
+};
+
+/// A point in a stream's work. record() marks it; synchronize() waits for it on the host;
+/// block(s) makes later work on stream s wait for it.
+class Event {
+ public:
+  Event() : state_(std::make_shared<State>()) {}
+
+  /// Marks the end of the work on `stream` so far. For CPU streams this is the work posted to
+  /// the worker (eager work done by the calling thread has already finished).
+  void record(Stream& stream) {
+    auto st = std::make_shared<State>();
+    state_ = st;
+    device_ = stream.device();
+#if CHORUS_CUDA
+    if (stream.device().is_cuda()) {
+      cuda::DeviceGuard g(stream.device().index);
+      CHORUS_CUDA_CHECK(cudaEventCreateWithFlags(&st->cuda_event, cudaEventDisableTiming));
+      CHORUS_CUDA_CHECK(cudaEventRecord(st->cuda_event, stream.handle()));
+      st->done = true;  // host side is complete; the GPU side is the CUDA event
+      return;
+    }
+#endif
+    if (stream.is_worker_thread() || !stream.has_worker()) {
+      st->done = true;
+      return;
+    }
+    st->done = false;
+    stream.post([st] { st->complete(); });
+  }
+
+  /// Blocks the calling thread until the recorded work has finished.
+  void synchronize() const {
+    state_->wait();
+#if CHORUS_CUDA
+    if (state_->cuda_event) CHORUS_CUDA_CHECK(cudaEventSynchronize(state_->cuda_event));
+#endif
+  }
+
+  /// True when the recorded work has finished (a never-recorded event is complete).
+  bool query() const {
+    {
+      std::lock_guard<std::mutex> lk(state_->m);
+      if (!state_->done) return false;
+    }
+#if CHORUS_CUDA
+    if (state_->cuda_event) return cudaEventQuery(state_->cuda_event) == cudaSuccess;
+#endif
+    return true;
+  }
+
+  /// Makes work submitted to `stream` after this call wait for the recorded work.
+  void block(Stream& stream) const {
+#if CHORUS_CUDA
+    if (state_->cuda_event && stream.device().is_cuda()) {
+      cuda::DeviceGuard g(stream.device().index);
+      CHORUS_CUDA_CHECK(cudaStreamWaitEvent(stream.handle(), state_->cuda_event, 0));
+      return;
+    }
+#endif
+    if (stream.is_worker_thread()) {
+      synchronize();
+      return;
+    }
+    if (query()) return;
+    auto st = state_;
+    stream.post([st] {
+      st->wait();
+#if CHORUS_CUDA
+      if (st->cuda_event) CHORUS_CUDA_CHECK(cudaEventSynchronize(st->cuda_event));
+#endif
+    });
+  }
+
+ private:
+  struct State {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = true;
+#if CHORUS_CUDA
+    cudaEvent_t cuda_event = nullptr;
+    ~State() {
+      if (cuda_event) (void)cudaEventDestroy(cuda_event);
+    }
+#endif
+    State() = default;
+    void complete() {
+      {
+        std::lock_guard<std::mutex> lk(m);
+        done = true;
+      }
+      cv.notify_all();
+    }
+    void wait() {
+      std::unique_lock<std::mutex> lk(m);
+      cv.wait(lk, [this] { return done; });
+    }
+  };
+  std::shared_ptr<State> state_;
+  Device device_;
+};
+
+CHORUS_NAMESPACE_END

@@ -1,0 +1,190 @@
+#pragma once
+// Tensor<T>: a strided view of a Storage on one device, with autograd metadata.
+//
+// Tensor is a handle (shared ownership of a TensorImpl), like torch::Tensor: copying a Tensor
+// shares data. Member functions that are differentiable operations are declared here and
+// defined in ops/ (the only layer that pairs a kernel with its backward); include
+// <chorus/chorus.hpp> (or the ops headers) to use them.
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "clone_scope.hpp"
+#include "dtype.hpp"
+#include "shape.hpp"
+#include "storage.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+
+namespace autograd {
+template <class T>
+class Node;
+}
+
+template <class T>
+struct TensorImpl {
+  Storage storage;
+  std::int64_t offset = 0;  // in elements
+  Shape shape;
+  Strides strides;
+
+  // Autograd metadata. A tensor with grad_fn is the output of a recorded op; a tensor with
+  // requires_grad and no grad_fn is a leaf whose gradient accumulates into `grad`.
+  bool requires_grad = false;
+  std::uint32_t output_nr = 0;
+  std::shared_ptr<autograd::Node<T>> grad_fn;
+  std::shared_ptr<TensorImpl<T>> grad;
+  std::weak_ptr<autograd::Node<T>> grad_accumulator;
+
+  Device device() const { return storage ? storage->device() : Device{}; }
+  T* data() const { return storage ? static_cast<T*>(storage->data()) + offset : nullptr; }
+};
+
+template <class T>
+class Tensor {
+  static_assert(is_supported_scalar_v<T>, "chorus tensors hold float, double or int64_t");
+
+ public:
+  using value_type = T;
+  using Impl = TensorImpl<T>;
+
+  Tensor() = default;
+  explicit Tensor(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+  // See Note [deep copy through copy constructors] (core/clone_scope.hpp).
+  Tensor(const Tensor& o) : impl_(o.impl_) {
+    if (impl_) [[likely]]
+      if (auto* scope = CloneScope::active()) [[unlikely]]
+        impl_ = scope->map_tensor(impl_);
+  }
+  Tensor(Tensor&&) noexcept = default;
+  Tensor& operator=(const Tensor& o) {
+    Tensor tmp(o);
+    impl_ = std::move(tmp.impl_);
+    return *this;
+  }
+  Tensor& operator=(Tensor&&) noexcept = default;
+  ~Tensor() = default;
+
+  /// Allocates an uninitialised contiguous tensor.
+  static Tensor empty(const Shape& shape, Device device = Device::cpu()) {
+    for (auto s : shape) CHORUS_CHECK(s >= 0, "negative size in shape ", shape);
+    auto impl = std::make_shared<Impl>();
+    impl->storage = make_storage(device, static_cast<std::size_t>(numel_of(shape)) * sizeof(T));
+    impl->shape = shape;
+    impl->strides = contiguous_strides(shape);
+    return Tensor(std::move(impl));
+  }
+
+  // ---- properties ----
+  bool defined() const { return impl_ != nullptr; }
+  const std::shared_ptr<Impl>& impl() const { return impl_; }
+  const Shape& shape() const { return checked().shape; }
+  const Shape& sizes() const { return shape(); }
+  std::int64_t size(std::int64_t d) const { return shape()[wrap_dim(d, dim())]; }
+  int dim() const { return shape().size(); }
+  std::int64_t numel() const { return numel_of(shape()); }
+  const Strides& strides() const { return checked().strides; }
+  std::int64_t stride(std::int64_t d) const { return strides()[wrap_dim(d, dim())]; }
+  std::int64_t storage_offset() const { return checked().offset; }
+  Device device() const { return checked().device(); }
+  static constexpr DType dtype() { return dtype_of<T>(); }
+  bool is_contiguous() const {
+    const auto& im = checked();
+    std::int64_t expect = 1;
+    for (int i = im.shape.size() - 1; i >= 0; --i) {
+      if (im.shape[i] != 1 && im.strides[i] != expect) return false;
+      expect *= im.shape[i];
+    }
+    return true;
+  }
+  /// Pointer to the first element (a device pointer for CUDA tensors).
+  T* data() const { return checked().data(); }
+  bool same_storage(const Tensor& o) const { return checked().storage == o.checked().storage; }
+
+  // ---- autograd ----
+  bool requires_grad() const { return impl_ && impl_->requires_grad; }
+  bool is_leaf() const { return !impl_ || impl_->grad_fn == nullptr; }
+  const std::shared_ptr<autograd::Node<T>>& grad_fn() const { return checked().grad_fn; }
+  std::uint32_t output_nr() const { return checked().output_nr; }
+
+  /// Sets requires_grad on a leaf (like torch's requires_grad_). Returns *this.
+  Tensor& requires_grad_(bool on = true) {
+    auto& im = checked();
+    CHORUS_CHECK(is_floating_v<T> || !on, "only floating-point tensors can require gradients (got ",
+                 dtype_name(dtype()), ")");
+    CHORUS_CHECK(im.grad_fn == nullptr || on,
+                 "requires_grad_(false) on a non-leaf tensor: use detach() instead");
+    im.requires_grad = on;
+    return *this;
+  }
+
+  /// The accumulated gradient of a leaf (undefined before the first backward).
+  Tensor grad() const { return Tensor(checked().grad); }
+  /// Replaces (or clears, with an undefined tensor) the accumulated gradient.
+  void set_grad(const Tensor& g) const { checked().grad = g.impl_; }
+
+  /// A tensor sharing this one's data, cut off from the autograd graph.
+  Tensor detach() const {
+    auto impl = std::make_shared<Impl>();
+    const auto& im = checked();
+    impl->storage = im.storage;
+    impl->offset = im.offset;
+    impl->shape = im.shape;
+    impl->strides = im.strides;
+    return Tensor(std::move(impl));
+  }
+
+  // ---- defined in ops/ (differentiable or needing a kernel) ----
+  Tensor narrow(std::int64_t dim, std::int64_t start, std::int64_t length) const;
+  Tensor slice(std::int64_t dim, std::int64_t start, std::int64_t end) const;
+  Tensor select(std::int64_t dim, std::int64_t index) const;
+  Tensor reshape(const Shape& shape) const;
+  Tensor view(const Shape& shape) const;
+  Tensor flatten(std::int64_t start_dim = 0, std::int64_t end_dim = -1) const;
+  Tensor unsqueeze(std::int64_t dim) const;
+  Tensor squeeze(std::int64_t dim) const;
+  Tensor transpose(std::int64_t d0, std::int64_t d1) const;
+  Tensor t() const;
+  Tensor contiguous() const;
+  Tensor clone() const;
+  Tensor to(Device device) const;
+  Tensor index_select(std::int64_t dim, const Tensor<std::int64_t>& index) const;
+  Tensor sum() const;
+  Tensor sum(std::int64_t dim, bool keepdim = false) const;
+  Tensor mean() const;
+  Tensor mean(std::int64_t dim, bool keepdim = false) const;
+  Tensor matmul(const Tensor& other) const;
+  template <class U>
+  Tensor<U> to() const;  // dtype conversion (not differentiable)
+
+  std::vector<T> to_vector() const;
+  T item() const;
+  Tensor& zero_();
+  Tensor& fill_(T value);
+  Tensor& copy_(const Tensor& src);
+
+  /// Computes gradients of this tensor (a scalar, or with `gradient` of its shape) with
+  /// respect to the leaves of its graph, accumulating them into their grad().
+  void backward(const Tensor& gradient = Tensor(), bool retain_graph = false) const;
+
+  friend bool operator==(const Tensor& a, const Tensor& b) = delete;  // ambiguous: use equal()
+
+ private:
+  Impl& checked() const {
+    CHORUS_CHECK(impl_ != nullptr, "operation on an undefined Tensor");
+    return *impl_;
+  }
+  std::shared_ptr<Impl> impl_;
+};
+
+/// True when two tensor handles refer to the same impl.
+template <class T>
+bool is_same(const Tensor<T>& a, const Tensor<T>& b) {
+  return a.impl() == b.impl();
+}
+
+CHORUS_NAMESPACE_END

@@ -1,0 +1,4 @@
+#pragma once
+// Datasets and the DataLoader.
+#include "dataloader.hpp"
+#include "dataset.hpp"

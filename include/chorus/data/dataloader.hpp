@@ -1,0 +1,87 @@
+#pragma once
+// DataLoader: batches of a Dataset, in order or shuffled by a seeded generator.
+#include <algorithm>
+#include <numeric>
+#include <random>
+
+#include "dataset.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace data {
+
+struct DataLoaderOptions {
+  std::size_t batch_size = 1;
+  bool shuffle = false;
+  std::uint64_t seed = 0;   ///< seeds the shuffling; each epoch draws a new permutation
+  bool drop_last = false;   ///< drop a last batch smaller than batch_size
+};
+
+template <Dataset D>
+class DataLoader {
+ public:
+  using Batch = example_t<D>;
+
+  DataLoader(D dataset, DataLoaderOptions options)
+      : dataset_(std::move(dataset)), options_(options), rng_(options.seed) {
+    CHORUS_CHECK(options_.batch_size > 0, "DataLoader: batch_size must be positive");
+  }
+
+  /// Batches in one epoch.
+  std::size_t num_batches() const {
+    const std::size_t n = dataset_.size(), b = options_.batch_size;
+    return options_.drop_last ? n / b : (n + b - 1) / b;
+  }
+  const D& dataset() const { return dataset_; }
+
+  class Iterator {
+   public:
+    using value_type = Batch;
+    using difference_type = std::ptrdiff_t;
+    Iterator(const DataLoader* loader, std::shared_ptr<const std::vector<std::size_t>> order, std::size_t batch)
+        : loader_(loader), order_(std::move(order)), batch_(batch) {}
+    Batch operator*() const { return loader_->make_batch(*order_, batch_); }
+    Iterator& operator++() {
+      ++batch_;
+      return *this;
+    }
+    bool operator==(const Iterator& o) const { return batch_ == o.batch_; }
+    bool operator!=(const Iterator& o) const { return batch_ != o.batch_; }
+
+   private:
+    const DataLoader* loader_;
+    std::shared_ptr<const std::vector<std::size_t>> order_;
+    std::size_t batch_;
+  };
+
+  /// Starts an epoch (drawing a new permutation when shuffling).
+  Iterator begin() {
+    auto order = std::make_shared<std::vector<std::size_t>>(dataset_.size());
+    std::iota(order->begin(), order->end(), std::size_t{0});
+    if (options_.shuffle) std::shuffle(order->begin(), order->end(), rng_);
+    return Iterator(this, std::move(order), 0);
+  }
+  Iterator end() { return Iterator(this, nullptr, num_batches()); }
+
+ private:
+  Batch make_batch(const std::vector<std::size_t>& order, std::size_t b) const {
+    const std::size_t start = b * options_.batch_size;
+    const std::size_t stop = std::min(order.size(), start + options_.batch_size);
+    std::vector<std::size_t> idx(order.begin() + static_cast<std::ptrdiff_t>(start),
+                                 order.begin() + static_cast<std::ptrdiff_t>(stop));
+    if constexpr (BatchDataset<D>) {
+      return dataset_.get_batch(idx);
+    } else {
+      std::vector<Batch> items;
+      items.reserve(idx.size());
+      for (auto i : idx) items.push_back(dataset_.get(i));
+      return stack_batch(items);
+    }
+  }
+
+  D dataset_;
+  DataLoaderOptions options_;
+  std::mt19937_64 rng_;
+};
+
+}  // namespace data
+CHORUS_NAMESPACE_END

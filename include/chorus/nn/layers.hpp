@@ -1,0 +1,131 @@
+#pragma once
+// Layers: Linear, the activations, Dropout and Sequential.
+#include <cmath>
+
+#include "init.hpp"
+#include "module.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace nn {
+
+struct LinearOptions {
+  bool bias = true;
+  Device device = Device::cpu();
+};
+
+/// y = x W^T + b with W: [out, in] and b: [out], initialised as torch.nn.Linear
+/// (weight: kaiming_uniform with a = sqrt(5), i.e. U(±1/sqrt(in)); bias: U(±1/sqrt(in))).
+template <class T = float>
+class LinearImpl : public Module {
+ public:
+  LinearImpl(std::int64_t in_features, std::int64_t out_features, LinearOptions options = {})
+      : in_features(in_features), out_features(out_features), options(options) {
+    CHORUS_CHECK(in_features >= 0 && out_features >= 0, "Linear(", in_features, ", ", out_features,
+                 "): feature counts must be non-negative");
+    weight = register_parameter("weight", Tensor<T>::empty(Shape{out_features, in_features}, options.device));
+    if (options.bias) bias = register_parameter("bias", Tensor<T>::empty(Shape{out_features}, options.device));
+    reset_parameters();
+  }
+
+  void reset_parameters() {
+    init::kaiming_uniform_(weight, std::sqrt(5.0));
+    if (bias.defined()) {
+      const double bound = in_features > 0 ? 1.0 / std::sqrt(static_cast<double>(in_features)) : 0.0;
+      init::uniform_(bias, -bound, bound);
+    }
+  }
+
+  Tensor<T> forward(const Tensor<T>& x) const { return linear(x, weight, bias); }
+  std::string name() const override {
+    return "Linear(" + std::to_string(in_features) + ", " + std::to_string(out_features) + ")";
+  }
+
+  std::int64_t in_features, out_features;
+  LinearOptions options;
+  Tensor<T> weight, bias;
+};
+
+template <class T = float>
+using LinearT = ModuleHolder<LinearImpl<T>>;
+using Linear = LinearT<float>;
+
+#define CHORUS_ACTIVATION_MODULE(Name, fn)                              \
+  class Name##Impl : public Module {                                  \
+   public:                                                            \
+    template <class T>                                                \
+    Tensor<T> forward(const Tensor<T>& x) const {                     \
+      return chorus::fn(x);                                           \
+    }                                                                 \
+    std::string name() const override { return #Name; }               \
+  };                                                                  \
+  using Name = ModuleHolder<Name##Impl>
+
+CHORUS_ACTIVATION_MODULE(ReLU, relu);
+CHORUS_ACTIVATION_MODULE(GELU, gelu);
+CHORUS_ACTIVATION_MODULE(Tanh, tanh);
+CHORUS_ACTIVATION_MODULE(Sigmoid, sigmoid);
+#undef CHORUS_ACTIVATION_MODULE
+
+/// Zeroes inputs with probability p while training (scaled by 1/(1-p)); identity in eval().
+class DropoutImpl : public Module {
+ public:
+  explicit DropoutImpl(double p = 0.5) : p(p) {
+    CHORUS_CHECK(p >= 0.0 && p <= 1.0, "Dropout: probability must be in [0, 1], got ", p);
+  }
+  template <class T>
+  Tensor<T> forward(const Tensor<T>& x) const {
+    return chorus::dropout(x, p, is_training());
+  }
+  std::string name() const override { return "Dropout(p=" + std::to_string(p) + ")"; }
+  double p;
+};
+using Dropout = ModuleHolder<DropoutImpl>;
+
+/// Runs its submodules in order. Build it from holders: Sequential(Linear(4, 8), ReLU(), …).
+template <class T = float>
+class SequentialImpl : public Module {
+ public:
+  SequentialImpl() = default;
+  template <class... Ms>
+    requires(sizeof...(Ms) > 0)
+  explicit SequentialImpl(Ms&&... modules) {
+    (push_back(std::forward<Ms>(modules)), ...);
+  }
+
+  /// Appends a module (a holder or a std::shared_ptr to an implementation), named by position.
+  template <class M>
+  void push_back(M module) {
+    using Impl = typename decltype(impl_of(module))::element_type;
+    register_module(std::to_string(calls_.size()), module);
+    calls_.push_back(&call<Impl>);
+  }
+
+  Tensor<T> forward(Tensor<T> x) const {
+    const auto& children = named_children();
+    for (std::size_t i = 0; i < calls_.size(); ++i) x = calls_[i](*children[i].module, x);
+    return x;
+  }
+  std::size_t size() const { return calls_.size(); }
+  std::string name() const override { return "Sequential"; }
+
+ private:
+  using Call = Tensor<T> (*)(Module&, const Tensor<T>&);
+  template <class Impl>
+  static Tensor<T> call(Module& m, const Tensor<T>& x) {
+    return static_cast<Impl&>(m).forward(x);
+  }
+  template <class M>
+  static auto impl_of(const M& m) {
+    if constexpr (requires { typename M::ImplType; }) return m.ptr();
+    else return m;
+  }
+  // The modules themselves live in the registry (so copies remap them); only the calls are here.
+  std::vector<Call> calls_;
+};
+
+template <class T = float>
+using SequentialT = ModuleHolder<SequentialImpl<T>>;
+using Sequential = SequentialT<float>;
+
+}  // namespace nn
+CHORUS_NAMESPACE_END

@@ -1,0 +1,406 @@
+#pragma once
+// nn::Module: the registry of parameters, buffers and submodules that every layer and user
+// model derives from, plus ModuleHolder (shared handles such as nn::Linear) and clone().
+//
+// Note [holders]
+// As in PyTorch's C++ frontend, a layer is used through a holder (nn::Linear wraps a
+// std::shared_ptr<nn::LinearImpl>); copying a holder shares the layer. Submodules are
+// registered with register_module() and kept in members of holder type. Deep copies
+// (clone(), DataParallel replicas) are made by copy constructors under a CloneScope (Note
+// [deep copy through copy constructors]); a submodule kept in a raw std::shared_ptr member
+// cannot be remapped that way, and clone() reports it instead of silently sharing it.
+#include <functional>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "../core/any_tensor.hpp"
+#include "../ops/ops.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace nn {
+
+class Module;
+
+namespace detail {
+using CloneFn = std::shared_ptr<Module> (*)(const Module&);
+
+template <class Impl>
+std::shared_ptr<Module> clone_as(const Module& m) {
+  return std::make_shared<Impl>(static_cast<const Impl&>(m));
+}
+
+/// Under an active CloneScope, the memoised copy of `module`; otherwise `module` itself.
+template <class Impl>
+std::shared_ptr<Impl> map_module(const std::shared_ptr<Impl>& module, CloneFn clone) {
+  if (!module) return module;
+  auto* scope = CloneScope::active();
+  if (!scope) return module;
+  auto copy = scope->map_object(static_cast<const Module*>(module.get()),
+                                [&] { return std::static_pointer_cast<void>(clone(*module)); });
+  return std::static_pointer_cast<Impl>(std::static_pointer_cast<Module>(copy));
+}
+
+inline void check_name(const std::string& name, const char* what) {
+  CHORUS_CHECK(!name.empty(), what, " name must not be empty");
+  CHORUS_CHECK(name.find('.') == std::string::npos, what, " name '", name, "' must not contain '.'");
+}
+}  // namespace detail
+
+class Module {
+ public:
+  struct NamedTensor {
+    std::string name;
+    AnyTensor tensor;
+  };
+  struct Child {
+    std::string name;
+    std::shared_ptr<Module> module;
+    detail::CloneFn clone;
+  };
+
+  Module() = default;
+  Module(const Module& other)
+      : params_(other.params_), buffers_(other.buffers_), training_(other.training_) {
+    children_.reserve(other.children_.size());
+    for (const auto& c : other.children_)
+      children_.push_back({c.name, detail::map_module(c.module, c.clone), c.clone});
+  }
+  Module& operator=(const Module& other) {
+    if (this != &other) {
+      Module tmp(other);
+      *this = std::move(tmp);
+    }
+    return *this;
+  }
+  Module(Module&&) noexcept = default;
+  Module& operator=(Module&&) noexcept = default;
+  virtual ~Module() = default;
+
+  /// Registers a parameter (a leaf that requires grad unless requires_grad is false).
+  template <class T>
+  Tensor<T> register_parameter(std::string name, Tensor<T> tensor, bool requires_grad = true) {
+    detail::check_name(name, "parameter");
+    CHORUS_CHECK(tensor.defined(), "register_parameter('", name, "'): undefined tensor");
+    CHORUS_CHECK(tensor.is_leaf(), "register_parameter('", name, "'): a parameter must be a leaf tensor (detach it)");
+    check_unique(name);
+    if constexpr (is_floating_v<T>) tensor.requires_grad_(requires_grad);
+    params_.push_back({std::move(name), tensor});
+    return tensor;
+  }
+
+  /// Registers a buffer: state that is saved and moved with the module but not trained.
+  template <class T>
+  Tensor<T> register_buffer(std::string name, Tensor<T> tensor) {
+    detail::check_name(name, "buffer");
+    CHORUS_CHECK(tensor.defined(), "register_buffer('", name, "'): undefined tensor");
+    check_unique(name);
+    buffers_.push_back({std::move(name), tensor});
+    return tensor;
+  }
+
+  /// Registers a submodule held by a holder (nn::Linear, …) or a std::shared_ptr<Impl>.
+  template <class Holder>
+  Holder register_module(std::string name, Holder module) {
+    detail::check_name(name, "submodule");
+    check_unique(name);
+    std::shared_ptr<Module> ptr;
+    detail::CloneFn clone = nullptr;
+    if constexpr (requires { typename Holder::ImplType; }) {
+      ptr = module.ptr();
+      clone = &detail::clone_as<typename Holder::ImplType>;
+    } else {
+      static_assert(std::is_base_of_v<Module, typename Holder::element_type>,
+                    "register_module takes a module holder or a std::shared_ptr to a Module");
+      ptr = module;
+      clone = &detail::clone_as<typename Holder::element_type>;
+    }
+    CHORUS_CHECK(ptr != nullptr, "register_module('", name, "'): empty module");
+    children_.push_back({std::move(name), std::move(ptr), clone});
+    return module;
+  }
+
+  /// Parameters in registration order, this module's first, then each child's (recursively).
+  std::vector<AnyTensor> parameters(bool recurse = true) const {
+    std::vector<AnyTensor> out;
+    for (auto& p : named_parameters(recurse)) out.push_back(std::move(p.tensor));
+    return out;
+  }
+  /// Parameters with dotted names (`fc.weight`).
+  std::vector<NamedTensor> named_parameters(bool recurse = true) const {
+    std::vector<NamedTensor> out;
+    collect(out, "", recurse, &Module::params_);
+    return out;
+  }
+  std::vector<AnyTensor> buffers(bool recurse = true) const {
+    std::vector<AnyTensor> out;
+    for (auto& p : named_buffers(recurse)) out.push_back(std::move(p.tensor));
+    return out;
+  }
+  std::vector<NamedTensor> named_buffers(bool recurse = true) const {
+    std::vector<NamedTensor> out;
+    collect(out, "", recurse, &Module::buffers_);
+    return out;
+  }
+  /// Parameters then buffers, with dotted names (what a checkpoint holds).
+  std::vector<NamedTensor> named_tensors() const {
+    auto out = named_parameters();
+    for (auto& b : named_buffers()) out.push_back(std::move(b));
+    return out;
+  }
+  const std::vector<Child>& named_children() const { return children_; }
+  std::vector<std::shared_ptr<Module>> children() const {
+    std::vector<std::shared_ptr<Module>> out;
+    for (const auto& c : children_) out.push_back(c.module);
+    return out;
+  }
+
+  /// Sets training mode here and in every submodule.
+  virtual void train(bool on = true) {
+    training_ = on;
+    for (auto& c : children_) c.module->train(on);
+  }
+  void eval() { train(false); }
+  bool is_training() const { return training_; }
+
+  /// Moves every parameter and buffer (and accumulated gradient) to `device`, in place: the
+  /// tensors keep their identity, so handles held elsewhere see the move.
+  void to(Device device) {
+    check_device(device);
+    NoGradGuard g;
+    for_each_tensor([&](AnyTensor& t) {
+      t.visit([&](auto& x) {
+        using T = typename std::decay_t<decltype(x)>::value_type;
+        if (x.device() == device) return;
+        auto moved = x.to(device);
+        auto& impl = *x.impl();
+        impl.storage = moved.impl()->storage;
+        impl.offset = moved.storage_offset();
+        impl.strides = moved.strides();
+        if (impl.grad) impl.grad = Tensor<T>(impl.grad).to(device).impl();
+      });
+    });
+  }
+
+  /// Clears (set_to_none, the default) or zeroes every parameter's gradient.
+  void zero_grad(bool set_to_none = true) {
+    NoGradGuard g;
+    for (auto& p : parameters()) {
+      p.visit([&](auto& x) {
+        if (!x.grad().defined()) return;
+        if (set_to_none) {
+          x.set_grad({});
+        } else {
+          x.grad().zero_();
+        }
+      });
+    }
+  }
+
+  /// The C++ type name of this module (for printing).
+  virtual std::string name() const { return "Module"; }
+
+  /// Prints the module tree with parameter shapes.
+  void pretty_print(std::ostream& os, int indent = 0) const {
+    os << name() << "(";
+    bool any = false;
+    for (const auto& p : params_) {
+      os << "\n" << std::string(indent + 2, ' ') << p.name << ": " << p.tensor.shape() << " "
+         << dtype_name(p.tensor.dtype()) << " on " << p.tensor.device();
+      any = true;
+    }
+    for (const auto& c : children_) {
+      os << "\n" << std::string(indent + 2, ' ') << "(" << c.name << "): ";
+      c.module->pretty_print(os, indent + 2);
+      any = true;
+    }
+    if (any) os << "\n" << std::string(indent, ' ');
+    os << ")";
+  }
+
+  /// Calls f(AnyTensor&) for every parameter and buffer, recursively (each tensor once).
+  template <class F>
+  void for_each_tensor(F&& f) {
+    for (auto& p : params_) f(p.tensor);
+    for (auto& b : buffers_) f(b.tensor);
+    for (auto& c : children_) c.module->for_each_tensor(f);
+  }
+
+  /// Replaces the tensor registered as `name` (a dotted path) by `value` of the same dtype
+  /// and shape, in place (the existing handles see the new values). Used by checkpoints.
+  AnyTensor* find_tensor(const std::string& dotted) {
+    auto dot = dotted.find('.');
+    if (dot == std::string::npos) {
+      for (auto& p : params_)
+        if (p.name == dotted) return &p.tensor;
+      for (auto& b : buffers_)
+        if (b.name == dotted) return &b.tensor;
+      return nullptr;
+    }
+    const std::string head = dotted.substr(0, dot);
+    for (auto& c : children_)
+      if (c.name == head) return c.module->find_tensor(dotted.substr(dot + 1));
+    return nullptr;
+  }
+
+ private:
+  void check_unique(const std::string& name) const {
+    for (const auto& p : params_) CHORUS_CHECK(p.name != name, "'", name, "' is already registered as a parameter");
+    for (const auto& b : buffers_) CHORUS_CHECK(b.name != name, "'", name, "' is already registered as a buffer");
+    for (const auto& c : children_) CHORUS_CHECK(c.name != name, "'", name, "' is already registered as a submodule");
+  }
+
+  void collect(std::vector<NamedTensor>& out, const std::string& prefix, bool recurse,
+               std::vector<NamedTensor> Module::*which) const {
+    for (const auto& p : this->*which) out.push_back({prefix + p.name, p.tensor});
+    if (!recurse) return;
+    for (const auto& c : children_) c.module->collect(out, prefix + c.name + ".", true, which);
+  }
+
+  std::vector<NamedTensor> params_;
+  std::vector<NamedTensor> buffers_;
+  std::vector<Child> children_;
+  bool training_ = true;
+};
+
+/// A shared handle to a module implementation (see Note [holders]).
+template <class Impl>
+class ModuleHolder {
+ public:
+  using ImplType = Impl;
+
+  /// An empty holder (assign a constructed one later).
+  ModuleHolder(std::nullptr_t) {}  // NOLINT
+  /// Constructs the implementation from `args`.
+  template <class... Args>
+    requires(!(sizeof...(Args) == 1 && (std::is_same_v<std::decay_t<Args>, ModuleHolder> && ...)) &&
+             std::is_constructible_v<Impl, Args...>)
+  explicit ModuleHolder(Args&&... args) : impl_(std::make_shared<Impl>(std::forward<Args>(args)...)) {}
+  ModuleHolder(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}  // NOLINT
+
+  ModuleHolder(const ModuleHolder& o) : impl_(detail::map_module(o.impl_, &detail::clone_as<Impl>)) {}
+  ModuleHolder& operator=(const ModuleHolder& o) {
+    impl_ = detail::map_module(o.impl_, &detail::clone_as<Impl>);
+    return *this;
+  }
+  ModuleHolder(ModuleHolder&&) noexcept = default;
+  ModuleHolder& operator=(ModuleHolder&&) noexcept = default;
+
+  Impl* operator->() const { return &checked(); }
+  Impl& operator*() const { return checked(); }
+  Impl* get() const { return impl_.get(); }
+  const std::shared_ptr<Impl>& ptr() const { return impl_; }
+  bool is_empty() const { return impl_ == nullptr; }
+  explicit operator bool() const { return impl_ != nullptr; }
+
+  /// Calls the implementation's forward().
+  template <class... Args>
+  decltype(auto) operator()(Args&&... args) const {
+    return checked().forward(std::forward<Args>(args)...);
+  }
+
+ private:
+  Impl& checked() const {
+    CHORUS_CHECK(impl_ != nullptr, "accessing an empty module holder");
+    return *impl_;
+  }
+  std::shared_ptr<Impl> impl_;
+};
+
+namespace detail {
+/// A module behind a holder, a shared_ptr, or a plain Module-derived object.
+template <class M>
+const Module& as_module(const M& m) {
+  if constexpr (requires { typename M::ImplType; }) {
+    return *m;
+  } else if constexpr (requires { typename M::element_type; }) {
+    return *m;
+  } else {
+    return m;
+  }
+}
+
+/// Deep copy of every tensor onto one device (see Note [deep copy through copy constructors]).
+class DeviceCopyScope final : public CloneScope {
+ public:
+  explicit DeviceCopyScope(Device device) : device_(device) {}
+
+ protected:
+  std::shared_ptr<void> copy_tensor(const void* impl, DType dtype) override {
+    switch (dtype) {
+      case DType::Float32: return copy<float>(impl);
+      case DType::Float64: return copy<double>(impl);
+      case DType::Int64: return copy<std::int64_t>(impl);
+    }
+    return nullptr;
+  }
+
+ private:
+  template <class T>
+  std::shared_ptr<void> copy(const void* p) {
+    const auto& src = *static_cast<const TensorImpl<T>*>(p);
+    Tensor<T> view(std::make_shared<TensorImpl<T>>());
+    view.impl()->storage = src.storage;
+    view.impl()->offset = src.offset;
+    view.impl()->shape = src.shape;
+    view.impl()->strides = src.strides;
+    auto out = Tensor<T>::empty(src.shape, device_);
+    backend::copy(out, view);
+    out.impl()->requires_grad = src.requires_grad && src.grad_fn == nullptr;
+    return out.impl();
+  }
+  Device device_;
+};
+
+/// Every module below (and including) `m`, with its dotted name.
+inline void walk(const Module& m, const std::string& prefix,
+                 std::vector<std::pair<std::string, const std::shared_ptr<Module>*>>& out) {
+  for (const auto& c : m.named_children()) {
+    out.push_back({prefix + c.name, &c.module});
+    walk(*c.module, prefix + c.name + ".", out);
+  }
+}
+
+/// Copy-constructs `original` while `scope` is active (made by `make_scope`), then checks
+/// that no submodule of the original gained a reference (which would mean a raw
+/// std::shared_ptr member shares it with the copy).
+template <class M, class MakeScope>
+M copy_checked(const M& original, MakeScope&& make_scope) {
+  std::vector<std::pair<std::string, const std::shared_ptr<Module>*>> subs;
+  walk(as_module(original), "", subs);
+  std::vector<long> before;
+  for (auto& s : subs) before.push_back(s.second->use_count());
+  std::optional<M> copy;
+  {
+    auto scope = make_scope();
+    copy.emplace(original);
+  }  // the scope ends before the copy is moved out: later copies are plain copies
+  for (std::size_t i = 0; i < subs.size(); ++i)
+    CHORUS_CHECK(subs[i].second->use_count() <= before[i], "clone: submodule '", subs[i].first,
+                 "' is also held by a raw std::shared_ptr member, which a copy would share with the original; "
+                 "hold it in a module holder (nn::ModuleHolder / CHORUS_MODULE) instead");
+  return std::move(*copy);
+}
+}  // namespace detail
+
+/// A deep copy of `module` (a holder or a Module-derived class) with every tensor on
+/// `device`: fresh parameters (leaves, no gradients), buffers and submodules.
+template <class M>
+M clone(const M& module, Device device) {
+  check_device(device);
+  return detail::copy_checked(module, [&] { return std::make_unique<detail::DeviceCopyScope>(device); });
+}
+
+}  // namespace nn
+CHORUS_NAMESPACE_END
+
+/// Declares holder `Name` for the module implementation `NameImpl` (as TORCH_MODULE does).
+#define CHORUS_MODULE(Name)                                      \
+  class Name : public ::chorus::nn::ModuleHolder<Name##Impl> {   \
+   public:                                                       \
+    using ::chorus::nn::ModuleHolder<Name##Impl>::ModuleHolder;  \
+  }

@@ -1,0 +1,6 @@
+#pragma once
+// Modules, layers, losses and initialisation.
+#include "functional.hpp"
+#include "init.hpp"
+#include "layers.hpp"
+#include "module.hpp"

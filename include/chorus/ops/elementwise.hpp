@@ -1,0 +1,284 @@
+#pragma once
+// Elementwise operations with NumPy broadcasting, and the activations.
+#include "common.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace ops::detail {
+
+template <class T, class Op>
+Tensor<T> binary_forward(std::string_view name, const Tensor<T>& a, const Tensor<T>& b, Op op) {
+  check_defined(name, a, "left operand");
+  check_defined(name, b, "right operand");
+  check_same_device(name, a, b);
+  Shape out_shape = a.shape() == b.shape() ? a.shape() : broadcast_shapes(a.shape(), b.shape(), name.data());
+  auto out = Tensor<T>::empty(out_shape, a.device());
+  if (a.shape() == b.shape() && a.is_contiguous() && b.is_contiguous()) {
+    backend::binary_same(a, b, out, op);
+  } else {
+    backend::binary_broadcast(a, broadcast_strides(a, out_shape), b, broadcast_strides(b, out_shape), out, op);
+  }
+  return out;
+}
+
+template <class T, class Op>
+Tensor<T> unary_forward(const Tensor<T>& x, Op op) {
+  auto xc = contiguous_data(x);
+  auto out = Tensor<T>::empty(x.shape(), x.device());
+  backend::unary(xc, out, op);
+  return out;
+}
+
+/// grad_in = op(grad, saved) elementwise (saved: the forward input or output).
+template <class T, class BwdOp>
+class PointwiseBackward final : public autograd::Node<T> {
+ public:
+  PointwiseBackward(const char* name, Tensor<T> saved, BwdOp op) : name_(name), saved_(std::move(saved)), op_(op) {}
+  std::string name() const override { return name_; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
+    auto out = Tensor<T>::empty(g[0].shape(), g[0].device());
+    backend::binary_same(g[0], saved_, out, op_);
+    return {out};
+  }
+  void release_saved() override { saved_ = Tensor<T>(); }
+
+ private:
+  const char* name_;
+  Tensor<T> saved_;
+  BwdOp op_;
+};
+
+/// grad_in = op(grad) elementwise (no saved tensor).
+template <class T, class Op>
+class ScaleBackward final : public autograd::Node<T> {
+ public:
+  ScaleBackward(const char* name, Op op) : name_(name), op_(op) {}
+  std::string name() const override { return name_; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
+    auto out = Tensor<T>::empty(g[0].shape(), g[0].device());
+    backend::unary(g[0], out, op_);
+    return {out};
+  }
+
+ private:
+  const char* name_;
+  Op op_;
+};
+
+enum class BinaryKind { Add, Sub, Mul, Div };
+
+template <class T>
+class BinaryBackward final : public autograd::Node<T> {
+ public:
+  BinaryBackward(BinaryKind kind, const Tensor<T>& a, const Tensor<T>& b, bool save)
+      : kind_(kind), a_shape_(a.shape()), b_shape_(b.shape()) {
+    if (save) {
+      a_ = a.detach();
+      b_ = b.detach();
+    }
+  }
+  std::string name() const override {
+    switch (kind_) {
+      case BinaryKind::Add: return "AddBackward";
+      case BinaryKind::Sub: return "SubBackward";
+      case BinaryKind::Mul: return "MulBackward";
+      case BinaryKind::Div: return "DivBackward";
+    }
+    return "?";
+  }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
+    const Tensor<T>& g = grads[0];
+    const bool need_a = this->next_edges()[0].valid(), need_b = this->next_edges()[1].valid();
+    Tensor<T> ga, gb;
+    switch (kind_) {
+      case BinaryKind::Add:
+        if (need_a) ga = sum_to(g, a_shape_);
+        if (need_b) gb = sum_to(g, b_shape_);
+        break;
+      case BinaryKind::Sub:
+        if (need_a) ga = sum_to(g, a_shape_);
+        if (need_b) gb = unary_forward(sum_to(g, b_shape_), backend::fn::Neg{});
+        break;
+      case BinaryKind::Mul:
+        if (need_a) ga = sum_to(binary_forward("mul", g, b_, backend::fn::Mul{}), a_shape_);
+        if (need_b) gb = sum_to(binary_forward("mul", g, a_, backend::fn::Mul{}), b_shape_);
+        break;
+      case BinaryKind::Div:
+        if (need_a) ga = sum_to(binary_forward("div", g, b_, backend::fn::Div{}), a_shape_);
+        if (need_b) {  // -g * a / b^2
+          auto q = binary_forward("div", binary_forward("mul", g, a_, backend::fn::Mul{}),
+                                  binary_forward("mul", b_, b_, backend::fn::Mul{}), backend::fn::Div{});
+          gb = unary_forward(sum_to(q, b_shape_), backend::fn::Neg{});
+        }
+        break;
+    }
+    return {ga, gb};
+  }
+  void release_saved() override {
+    a_ = Tensor<T>();
+    b_ = Tensor<T>();
+  }
+
+ private:
+  BinaryKind kind_;
+  Shape a_shape_, b_shape_;
+  Tensor<T> a_, b_;
+};
+
+template <class T, class Op>
+Tensor<T> binary(BinaryKind kind, std::string_view name, const Tensor<T>& a, const Tensor<T>& b, Op op) {
+  auto out = binary_forward(name, a, b, op);
+  if (autograd::needs_grad(a, b)) {
+    const bool save = kind == BinaryKind::Mul || kind == BinaryKind::Div;
+    auto node = autograd::make_node<BinaryBackward<T>, T>({&a, &b}, kind, a, b, save);
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+/// Unary op whose backward is op_bwd(grad, saved), saved being the input or the output.
+template <class T, class Op, class BwdOp>
+Tensor<T> pointwise(const char* node_name, const Tensor<T>& x, Op op, BwdOp bwd, bool save_output) {
+  check_defined(node_name, x);
+  auto out = unary_forward(x, op);
+  if (autograd::needs_grad(x)) {
+    Tensor<T> saved = save_output ? out.detach() : contiguous_data(x).detach();
+    auto node = autograd::make_node<PointwiseBackward<T, BwdOp>, T>({&x}, node_name, saved, bwd);
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+/// Unary op whose backward is scale(grad) (linear ops: neg, x*s, x+s).
+template <class T, class Op, class BwdOp>
+Tensor<T> linear_pointwise(const char* node_name, const Tensor<T>& x, Op op, BwdOp bwd) {
+  check_defined(node_name, x);
+  auto out = unary_forward(x, op);
+  if (autograd::needs_grad(x)) {
+    auto node = autograd::make_node<ScaleBackward<T, BwdOp>, T>({&x}, node_name, bwd);
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+}  // namespace ops::detail
+
+// ---- binary, tensor ⊕ tensor (broadcasting) ----
+template <class T>
+Tensor<T> add(const Tensor<T>& a, const Tensor<T>& b) {
+  return ops::detail::binary(ops::detail::BinaryKind::Add, "add", a, b, backend::fn::Add{});
+}
+template <class T>
+Tensor<T> sub(const Tensor<T>& a, const Tensor<T>& b) {
+  return ops::detail::binary(ops::detail::BinaryKind::Sub, "sub", a, b, backend::fn::Sub{});
+}
+template <class T>
+Tensor<T> mul(const Tensor<T>& a, const Tensor<T>& b) {
+  return ops::detail::binary(ops::detail::BinaryKind::Mul, "mul", a, b, backend::fn::Mul{});
+}
+template <class T>
+Tensor<T> div(const Tensor<T>& a, const Tensor<T>& b) {
+  return ops::detail::binary(ops::detail::BinaryKind::Div, "div", a, b, backend::fn::Div{});
+}
+
+// ---- with a scalar ----
+template <class T>
+Tensor<T> add(const Tensor<T>& a, double s) {
+  return ops::detail::linear_pointwise("AddScalarBackward", a, backend::fn::AddScalar{s}, backend::fn::MulScalar{1.0});
+}
+template <class T>
+Tensor<T> mul(const Tensor<T>& a, double s) {
+  return ops::detail::linear_pointwise("MulScalarBackward", a, backend::fn::MulScalar{s}, backend::fn::MulScalar{s});
+}
+template <class T>
+Tensor<T> neg(const Tensor<T>& a) {
+  return ops::detail::linear_pointwise("NegBackward", a, backend::fn::Neg{}, backend::fn::Neg{});
+}
+
+// ---- unary ----
+template <class T>
+Tensor<T> exp(const Tensor<T>& x) {
+  return ops::detail::pointwise("ExpBackward", x, backend::fn::Exp{}, backend::fn::Mul{}, true);
+}
+template <class T>
+Tensor<T> log(const Tensor<T>& x) {
+  return ops::detail::pointwise("LogBackward", x, backend::fn::Log{}, backend::fn::LogBackward{}, false);
+}
+template <class T>
+Tensor<T> sqrt(const Tensor<T>& x) {
+  return ops::detail::pointwise("SqrtBackward", x, backend::fn::Sqrt{}, backend::fn::SqrtBackward{}, true);
+}
+template <class T>
+Tensor<T> pow(const Tensor<T>& x, double p) {
+  return ops::detail::pointwise("PowBackward", x, backend::fn::PowScalar{p}, backend::fn::PowBackward{p}, false);
+}
+template <class T>
+Tensor<T> square(const Tensor<T>& x) {
+  return pow(x, 2.0);
+}
+template <class T>
+Tensor<T> relu(const Tensor<T>& x) {
+  return ops::detail::pointwise("ReluBackward", x, backend::fn::Relu{}, backend::fn::ReluBackward{}, true);
+}
+template <class T>
+Tensor<T> gelu(const Tensor<T>& x) {
+  return ops::detail::pointwise("GeluBackward", x, backend::fn::Gelu{}, backend::fn::GeluBackward{}, false);
+}
+template <class T>
+Tensor<T> tanh(const Tensor<T>& x) {
+  return ops::detail::pointwise("TanhBackward", x, backend::fn::Tanh{}, backend::fn::TanhBackward{}, true);
+}
+template <class T>
+Tensor<T> sigmoid(const Tensor<T>& x) {
+  return ops::detail::pointwise("SigmoidBackward", x, backend::fn::Sigmoid{}, backend::fn::SigmoidBackward{}, true);
+}
+
+/// Zeroes each element with probability p and scales the rest by 1/(1-p) (when training).
+template <class T>
+Tensor<T> dropout(const Tensor<T>& x, double p, bool training, Generator& gen = default_generator()) {
+  CHORUS_CHECK(p >= 0.0 && p <= 1.0, "dropout: probability must be in [0, 1], got ", p);
+  if (!training || p == 0.0) return x;
+  auto mask = Tensor<T>::empty(x.shape(), x.device());
+  const double keep = 1.0 - p;
+  backend::random_fill(mask, [&](T* m, std::int64_t n) {
+    gen.bernoulli(m, n, keep);
+    if (keep > 0)
+      for (std::int64_t i = 0; i < n; ++i) m[i] = static_cast<T>(m[i] / keep);
+  });
+  auto out = ops::detail::binary_forward("dropout", ops::detail::contiguous_data(x), mask, backend::fn::Mul{});
+  if (autograd::needs_grad(x)) {
+    auto node = autograd::make_node<ops::detail::PointwiseBackward<T, backend::fn::Mul>, T>({&x}, "DropoutBackward",
+                                                                                           mask, backend::fn::Mul{});
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+// ---- operators ----
+template <class T>
+Tensor<T> operator+(const Tensor<T>& a, const Tensor<T>& b) { return add(a, b); }
+template <class T>
+Tensor<T> operator-(const Tensor<T>& a, const Tensor<T>& b) { return sub(a, b); }
+template <class T>
+Tensor<T> operator*(const Tensor<T>& a, const Tensor<T>& b) { return mul(a, b); }
+template <class T>
+Tensor<T> operator/(const Tensor<T>& a, const Tensor<T>& b) { return div(a, b); }
+template <class T>
+Tensor<T> operator-(const Tensor<T>& a) { return neg(a); }
+template <class T>
+Tensor<T> operator+(const Tensor<T>& a, double s) { return add(a, s); }
+template <class T>
+Tensor<T> operator+(double s, const Tensor<T>& a) { return add(a, s); }
+template <class T>
+Tensor<T> operator-(const Tensor<T>& a, double s) { return add(a, -s); }
+template <class T>
+Tensor<T> operator-(double s, const Tensor<T>& a) { return add(neg(a), s); }
+template <class T>
+Tensor<T> operator*(const Tensor<T>& a, double s) { return mul(a, s); }
+template <class T>
+Tensor<T> operator*(double s, const Tensor<T>& a) { return mul(a, s); }
+template <class T>
+Tensor<T> operator/(const Tensor<T>& a, double s) { return mul(a, 1.0 / s); }
+template <class T>
+Tensor<T> operator/(double s, const Tensor<T>& a) { return mul(pow(a, -1.0), s); }
+
+CHORUS_NAMESPACE_END

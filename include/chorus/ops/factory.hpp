@@ -1,0 +1,120 @@
+#pragma once
+// Tensor factories. Random factories draw from a Generator (the default one unless given),
+// so a seed gives the same numbers on every device.
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "../backend/backend.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+
+/// An uninitialised contiguous tensor.
+template <class T = float>
+Tensor<T> empty(const Shape& shape, Device device = Device::cpu()) {
+  return Tensor<T>::empty(shape, device);
+}
+
+/// A tensor of `shape` filled with `value`.
+template <class T = float>
+Tensor<T> full(const Shape& shape, T value, Device device = Device::cpu()) {
+  auto t = Tensor<T>::empty(shape, device);
+  backend::fill(t, value);
+  return t;
+}
+
+template <class T = float>
+Tensor<T> zeros(const Shape& shape, Device device = Device::cpu()) {
+  return full<T>(shape, T(0), device);
+}
+
+template <class T = float>
+Tensor<T> ones(const Shape& shape, Device device = Device::cpu()) {
+  return full<T>(shape, T(1), device);
+}
+
+template <class T>
+Tensor<T> empty_like(const Tensor<T>& t) {
+  return Tensor<T>::empty(t.shape(), t.device());
+}
+template <class T>
+Tensor<T> zeros_like(const Tensor<T>& t) {
+  return zeros<T>(t.shape(), t.device());
+}
+template <class T>
+Tensor<T> ones_like(const Tensor<T>& t) {
+  return ones<T>(t.shape(), t.device());
+}
+
+/// A 0-dim tensor holding `value`.
+template <class T = float>
+Tensor<T> scalar_tensor(T value, Device device = Device::cpu()) {
+  return full<T>(Shape{}, value, device);
+}
+
+/// [start, end) in steps of `step`, as torch.arange.
+template <class T = float>
+Tensor<T> arange(double start, double end, double step = 1.0, Device device = Device::cpu()) {
+  CHORUS_CHECK(step != 0.0, "arange: step must be nonzero");
+  CHORUS_CHECK((end - start) / step >= 0 || end == start, "arange: range [", start, ", ", end,
+               ") is empty in the direction of step ", step);
+  auto n = static_cast<std::int64_t>(std::ceil((end - start) / step));
+  auto t = Tensor<T>::empty(Shape{std::max<std::int64_t>(n, 0)}, device);
+  backend::arange(t, start, step);
+  return t;
+}
+template <class T = float>
+Tensor<T> arange(double end, Device device = Device::cpu()) {
+  return arange<T>(0.0, end, 1.0, device);
+}
+
+/// A tensor of `shape` holding a copy of `values` (row-major).
+template <class T>
+Tensor<T> from_vector(const std::vector<T>& values, const Shape& shape, Device device = Device::cpu()) {
+  CHORUS_CHECK(numel_of(shape) == static_cast<std::int64_t>(values.size()), "from_vector: ", values.size(),
+               " values do not fill shape ", shape, " (", numel_of(shape), " elements)");
+  auto t = Tensor<T>::empty(shape, device);
+  copy_bytes(t.data(), device, values.data(), Device::cpu(), values.size() * sizeof(T));
+  return t;
+}
+
+/// A 1-D tensor holding a copy of `values`.
+template <class T>
+Tensor<T> from_vector(const std::vector<T>& values, Device device = Device::cpu()) {
+  return from_vector(values, Shape{static_cast<std::int64_t>(values.size())}, device);
+}
+
+/// Uniform numbers in [lo, hi).
+template <class T = float>
+Tensor<T> rand(const Shape& shape, Device device = Device::cpu(), double lo = 0.0, double hi = 1.0,
+               Generator& gen = default_generator()) {
+  static_assert(is_floating_v<T>, "rand: floating-point tensors only");
+  auto t = Tensor<T>::empty(shape, device);
+  backend::random_fill(t, [&](T* p, std::int64_t n) { gen.uniform(p, n, lo, hi); });
+  return t;
+}
+
+/// Normal numbers with the given mean and standard deviation.
+template <class T = float>
+Tensor<T> randn(const Shape& shape, Device device = Device::cpu(), double mean = 0.0, double stddev = 1.0,
+                Generator& gen = default_generator()) {
+  static_assert(is_floating_v<T>, "randn: floating-point tensors only");
+  auto t = Tensor<T>::empty(shape, device);
+  backend::random_fill(t, [&](T* p, std::int64_t n) { gen.normal(p, n, mean, stddev); });
+  return t;
+}
+
+/// Integers uniform in [low, high), as torch.randint.
+template <class T = std::int64_t>
+Tensor<T> randint(std::int64_t low, std::int64_t high, const Shape& shape, Device device = Device::cpu(),
+                  Generator& gen = default_generator()) {
+  CHORUS_CHECK(high > low, "randint: empty range [", low, ", ", high, ")");
+  auto t = Tensor<T>::empty(shape, device);
+  backend::random_fill(t, [&](T* p, std::int64_t n) {
+    for (std::int64_t i = 0; i < n; ++i)
+      p[i] = static_cast<T>(low + static_cast<std::int64_t>(gen.below(static_cast<std::uint64_t>(high - low))));
+  });
+  return t;
+}
+
+CHORUS_NAMESPACE_END

@@ -1,0 +1,166 @@
+#pragma once
+// Loss functions as fused operations: mse_loss, cross_entropy, nll_loss.
+#include "elementwise.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+
+enum class Reduction { None, Mean, Sum };
+
+namespace ops::detail {
+
+template <class T>
+class MseBackward final : public autograd::Node<T> {
+ public:
+  MseBackward(Tensor<T> a, Tensor<T> b, Reduction r) : a_(std::move(a)), b_(std::move(b)), r_(r) {}
+  std::string name() const override { return "MseLossBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
+    const auto& e = this->next_edges();
+    Tensor<T> ga, gb;
+    if (e[0].valid()) ga = Tensor<T>::empty(a_.shape(), a_.device());
+    if (e[1].valid()) gb = Tensor<T>::empty(b_.shape(), b_.device());
+    const T scale = r_ == Reduction::Mean ? T(2.0 / static_cast<double>(std::max<std::int64_t>(a_.numel(), 1))) : T(2);
+    backend::squared_error_backward(a_, b_, g[0], scale, ga.defined() ? &ga : nullptr, gb.defined() ? &gb : nullptr);
+    return {ga, gb};
+  }
+  void release_saved() override {
+    a_ = Tensor<T>();
+    b_ = Tensor<T>();
+  }
+
+ private:
+  Tensor<T> a_, b_;
+  Reduction r_;
+};
+
+template <class T>
+Tensor<T> reduce_rows(const Tensor<T>& per_row, Reduction r, double mean_count) {
+  if (r == Reduction::None) return per_row;
+  auto out = Tensor<T>::empty(Shape{}, per_row.device());
+  if (per_row.numel() == 0 || mean_count == 0) {
+    backend::fill(out, r == Reduction::Sum ? T(0) : std::numeric_limits<T>::quiet_NaN());
+  } else {
+    backend::sum_all(per_row, out, r == Reduction::Mean ? 1.0 / mean_count : 1.0);
+  }
+  return out;
+}
+
+/// Backward of cross_entropy / nll_loss: g is a scalar (Mean/Sum) or per row (None).
+template <class T>
+class ClassLossBackward final : public autograd::Node<T> {
+ public:
+  ClassLossBackward(bool nll, Tensor<T> input, Tensor<std::int64_t> target, std::int64_t ignore, Reduction r,
+                    double count)
+      : nll_(nll), input_(std::move(input)), target_(std::move(target)), ignore_(ignore), r_(r), count_(count) {}
+  std::string name() const override { return nll_ ? "NllLossBackward" : "CrossEntropyBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
+    Tensor<T> gs = g[0];
+    std::int64_t stride = 1;
+    if (r_ != Reduction::None) {
+      stride = 0;
+      if (r_ == Reduction::Mean) gs = unary_forward(gs, backend::fn::MulScalar{count_ ? 1.0 / count_ : 0.0});
+    }
+    auto grad = Tensor<T>::empty(input_.shape(), input_.device());
+    if (input_.numel() == 0) return {grad};
+    if (nll_) {
+      backend::nll_backward(target_, input_.shape()[1], ignore_, gs, stride, grad);
+    } else {
+      backend::cross_entropy_backward(input_, target_, ignore_, gs, stride, grad);
+    }
+    return {grad};
+  }
+  void release_saved() override {
+    input_ = Tensor<T>();
+    target_ = Tensor<std::int64_t>();
+  }
+
+ private:
+  bool nll_;
+  Tensor<T> input_;
+  Tensor<std::int64_t> target_;
+  std::int64_t ignore_;
+  Reduction r_;
+  double count_;
+};
+
+template <class T>
+Tensor<T> class_loss(bool nll, const Tensor<T>& input, const Tensor<std::int64_t>& target, Reduction r,
+                     std::int64_t ignore_index) {
+  const char* op = nll ? "nll_loss" : "cross_entropy";
+  check_defined(op, input);
+  check_defined(op, target, "target");
+  check_same_device(op, input, target);
+  CHORUS_CHECK(input.dim() == 2, op, ": input must be [batch, classes], got shape ", input.shape());
+  CHORUS_CHECK(target.dim() == 1 && target.shape()[0] == input.shape()[0], op, ": target of shape ", target.shape(),
+               " does not match input of shape ", input.shape(), " (expected [", input.shape()[0], "])");
+  auto x = contiguous_data(input);
+  auto t = contiguous_data(target);
+  const auto N = x.shape()[0], C = x.shape()[1];
+  auto per_row = Tensor<T>::empty(Shape{N}, x.device());
+  double count = 0;
+  if (N > 0) {
+    CHORUS_CHECK(C > 0, op, ": input has no classes (shape ", input.shape(), ")");
+    std::int64_t bad = nll ? backend::nll_forward(x, t, ignore_index, per_row)
+                           : backend::cross_entropy_forward(x, t, ignore_index, per_row);
+    if (bad >= 0) {
+      std::int64_t v = t.narrow(0, bad, 1).item();
+      CHORUS_FAIL(op, ": target ", v, " at index ", bad, " is out of range for ", C, " classes");
+    }
+    for (auto v : t.to_vector()) count += v != ignore_index;
+  }
+  auto out = reduce_rows(per_row, r, count);
+  if (autograd::needs_grad(input)) {
+    auto node = autograd::make_node<ClassLossBackward<T>, T>({&input}, nll, x.detach(), t, ignore_index, r, count);
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+}  // namespace ops::detail
+
+namespace nn::functional {
+
+/// Mean (or summed, or elementwise) squared error; input and target must have one shape.
+template <class T>
+Tensor<T> mse_loss(const Tensor<T>& input, const Tensor<T>& target, Reduction reduction = Reduction::Mean) {
+  ops::detail::check_defined("mse_loss", input);
+  ops::detail::check_defined("mse_loss", target, "target");
+  ops::detail::check_same_device("mse_loss", input, target);
+  CHORUS_CHECK(input.shape() == target.shape(), "mse_loss: input shape ", input.shape(), " and target shape ",
+               target.shape(), " differ");
+  auto a = ops::detail::contiguous_data(input), b = ops::detail::contiguous_data(target);
+  Tensor<T> out;
+  if (reduction == Reduction::None) {
+    auto d = ops::detail::binary_forward("mse_loss", a, b, backend::fn::Sub{});
+    out = ops::detail::binary_forward("mse_loss", d, d, backend::fn::Mul{});
+  } else {
+    out = Tensor<T>::empty(Shape{}, a.device());
+    if (a.numel() == 0) {
+      backend::fill(out, reduction == Reduction::Sum ? T(0) : std::numeric_limits<T>::quiet_NaN());
+    } else {
+      backend::squared_error_sum(a, b, out, reduction == Reduction::Mean ? 1.0 / static_cast<double>(a.numel()) : 1.0);
+    }
+  }
+  if (autograd::needs_grad(input, target)) {
+    auto node = autograd::make_node<ops::detail::MseBackward<T>, T>({&input, &target}, a.detach(), b.detach(),
+                                                                    reduction);
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+/// Cross entropy of logits [N, C] against class indices [N] (log_softmax + nll, fused).
+template <class T>
+Tensor<T> cross_entropy(const Tensor<T>& logits, const Tensor<std::int64_t>& target,
+                        Reduction reduction = Reduction::Mean, std::int64_t ignore_index = -100) {
+  return ops::detail::class_loss(false, logits, target, reduction, ignore_index);
+}
+
+/// Negative log likelihood of log-probabilities [N, C] against class indices [N].
+template <class T>
+Tensor<T> nll_loss(const Tensor<T>& log_probs, const Tensor<std::int64_t>& target,
+                   Reduction reduction = Reduction::Mean, std::int64_t ignore_index = -100) {
+  return ops::detail::class_loss(true, log_probs, target, reduction, ignore_index);
+}
+
+}  // namespace nn::functional
+CHORUS_NAMESPACE_END

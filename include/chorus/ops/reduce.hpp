@@ -1,0 +1,162 @@
+#pragma once
+// Reductions (sum, mean) and softmax / log_softmax.
+#include "common.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace ops::detail {
+
+/// Backward of sum/mean: spreads grad (shape = the reduced shape) back over `dim`.
+template <class T>
+class SumBackward final : public autograd::Node<T> {
+ public:
+  SumBackward(Shape in_shape, int dim, double scale, bool all)
+      : in_(in_shape), dim_(dim), scale_(scale), all_(all) {}
+  std::string name() const override { return scale_ == 1.0 ? "SumBackward" : "MeanBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
+    auto out = Tensor<T>::empty(in_, g[0].device());
+    if (all_) {
+      backend::expand_dim(g[0], 1, numel_of(in_), 1, out, scale_);
+    } else {
+      std::int64_t outer, n, inner;
+      split_around(in_, dim_, outer, n, inner);
+      backend::expand_dim(g[0], outer, n, inner, out, scale_);
+    }
+    return {out};
+  }
+
+ private:
+  Shape in_;
+  int dim_;
+  double scale_;
+  bool all_;
+};
+
+template <class T>
+Tensor<T> reduce_all(const Tensor<T>& x, bool mean) {
+  check_defined(mean ? "mean" : "sum", x);
+  auto xc = contiguous_data(x);
+  auto out = Tensor<T>::empty(Shape{}, x.device());
+  const double scale = mean ? 1.0 / static_cast<double>(x.numel()) : 1.0;
+  if (x.numel() == 0) {
+    backend::fill(out, mean ? std::numeric_limits<T>::quiet_NaN() : T(0));
+  } else {
+    backend::sum_all(xc, out, scale);
+  }
+  if (autograd::needs_grad(x)) {
+    auto node = autograd::make_node<SumBackward<T>, T>({&x}, x.shape(), 0, scale, true);
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+template <class T>
+Tensor<T> reduce_dim(const Tensor<T>& x, std::int64_t dim, bool keepdim, bool mean) {
+  check_defined(mean ? "mean" : "sum", x);
+  CHORUS_CHECK(x.dim() > 0, mean ? "mean" : "sum", "(dim): the tensor is 0-dim");
+  const int d = wrap_dim(dim, x.dim());
+  auto xc = contiguous_data(x);
+  std::int64_t outer, n, inner;
+  split_around(x.shape(), d, outer, n, inner);
+  Shape s = x.shape();
+  s[d] = 1;
+  const double scale = mean ? (n ? 1.0 / static_cast<double>(n) : std::numeric_limits<double>::quiet_NaN()) : 1.0;
+  auto out = Tensor<T>::empty(s, x.device());
+  if (n == 0) {
+    backend::fill(out, mean ? std::numeric_limits<T>::quiet_NaN() : T(0));
+  } else {
+    backend::sum_dim(xc, outer, n, inner, out, scale);
+  }
+  if (!keepdim) {
+    s.erase(d);
+    out = view_as_shape(out, s);
+  }
+  if (autograd::needs_grad(x)) {
+    auto node = autograd::make_node<SumBackward<T>, T>({&x}, x.shape(), d, scale, false);
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+template <class T>
+class SoftmaxBackward final : public autograd::Node<T> {
+ public:
+  SoftmaxBackward(Tensor<T> out, int dim, bool log_space) : y_(std::move(out)), dim_(dim), log_(log_space) {}
+  std::string name() const override { return log_ ? "LogSoftmaxBackward" : "SoftmaxBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
+    auto gx = Tensor<T>::empty(y_.shape(), y_.device());
+    std::int64_t outer, n, inner;
+    split_around(y_.shape(), dim_, outer, n, inner);
+    backend::softmax_backward(g[0], y_, outer, n, inner, gx, log_);
+    return {gx};
+  }
+  void release_saved() override { y_ = Tensor<T>(); }
+
+ private:
+  Tensor<T> y_;
+  int dim_;
+  bool log_;
+};
+
+template <class T>
+Tensor<T> softmax_impl(const Tensor<T>& x, std::int64_t dim, bool log_space) {
+  check_defined(log_space ? "log_softmax" : "softmax", x);
+  const int d = wrap_dim(dim, x.dim());
+  auto xc = contiguous_data(x);
+  std::int64_t outer, n, inner;
+  split_around(x.shape(), d, outer, n, inner);
+  auto out = Tensor<T>::empty(x.shape(), x.device());
+  if (x.numel() > 0) backend::softmax(xc, outer, n, inner, out, log_space);
+  if (autograd::needs_grad(x)) {
+    auto node = autograd::make_node<SoftmaxBackward<T>, T>({&x}, out.detach(), d, log_space);
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+}  // namespace ops::detail
+
+/// Sum of all elements (a 0-dim tensor).
+template <class T>
+Tensor<T> sum(const Tensor<T>& x) {
+  return ops::detail::reduce_all(x, false);
+}
+/// Sum over `dim` (kept as size 1 with keepdim).
+template <class T>
+Tensor<T> sum(const Tensor<T>& x, std::int64_t dim, bool keepdim = false) {
+  return ops::detail::reduce_dim(x, dim, keepdim, false);
+}
+template <class T>
+Tensor<T> mean(const Tensor<T>& x) {
+  return ops::detail::reduce_all(x, true);
+}
+template <class T>
+Tensor<T> mean(const Tensor<T>& x, std::int64_t dim, bool keepdim = false) {
+  return ops::detail::reduce_dim(x, dim, keepdim, true);
+}
+template <class T>
+Tensor<T> softmax(const Tensor<T>& x, std::int64_t dim) {
+  return ops::detail::softmax_impl(x, dim, false);
+}
+template <class T>
+Tensor<T> log_softmax(const Tensor<T>& x, std::int64_t dim) {
+  return ops::detail::softmax_impl(x, dim, true);
+}
+
+template <class T>
+Tensor<T> Tensor<T>::sum() const {
+  return chorus::sum(*this);
+}
+template <class T>
+Tensor<T> Tensor<T>::sum(std::int64_t dim, bool keepdim) const {
+  return chorus::sum(*this, dim, keepdim);
+}
+template <class T>
+Tensor<T> Tensor<T>::mean() const {
+  return chorus::mean(*this);
+}
+template <class T>
+Tensor<T> Tensor<T>::mean(std::int64_t dim, bool keepdim) const {
+  return chorus::mean(*this, dim, keepdim);
+}
+
+CHORUS_NAMESPACE_END

@@ -1,0 +1,5 @@
+#pragma once
+// Optimizers.
+#include "adam.hpp"
+#include "optimizer.hpp"
+#include "sgd.hpp"

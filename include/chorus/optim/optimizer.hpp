@@ -1,0 +1,121 @@
+#pragma once
+// Optimizer: the parameters it updates and the per-parameter state it keeps.
+#include <map>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "../core/any_tensor.hpp"
+#include "../ops/ops.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace optim {
+
+class Optimizer {
+ public:
+  explicit Optimizer(std::vector<AnyTensor> params) : params_(std::move(params)) {
+    std::unordered_set<const void*> seen;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const auto& p = params_[i];
+      CHORUS_CHECK(p.defined(), "optimizer: parameter ", i, " is an undefined tensor");
+      CHORUS_CHECK(p.dtype() != DType::Int64, "optimizer: parameter ", i, " is an integer tensor");
+      p.visit([&](const auto& t) {
+        CHORUS_CHECK(t.is_leaf(), "optimizer: parameter ", i, " is not a leaf tensor (it was computed by an op)");
+      });
+      CHORUS_CHECK(seen.insert(p.impl_key()).second, "optimizer: parameter ", i, " appears more than once");
+    }
+    state_.resize(params_.size());
+  }
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  /// Applies one update to every parameter that has a gradient.
+  virtual void step() = 0;
+
+  /// Clears (set_to_none, the default) or zeroes the parameters' gradients.
+  void zero_grad(bool set_to_none = true) {
+    NoGradGuard g;
+    for (auto& p : params_)
+      p.visit([&](auto& t) {
+        if (!t.grad().defined()) return;
+        if (set_to_none) t.set_grad({});
+        else t.grad().zero_();
+      });
+  }
+
+  const std::vector<AnyTensor>& parameters() const { return params_; }
+
+  /// Per-parameter state: for parameter i, named tensors (momentum_buffer, exp_avg, …).
+  /// Scalars such as Adam's step are one-element float64 tensors, so all state is tensors.
+  using State = std::map<std::string, AnyTensor>;
+  const std::vector<State>& state() const { return state_; }
+
+  /// Replaces the state (for checkpoints): one entry per parameter, each tensor matching
+  /// what step() would create. Throws without changing anything when it does not fit.
+  void load_state(std::vector<State> state) {
+    CHORUS_CHECK(state.size() == params_.size(), "optimizer state has ", state.size(), " entries for ",
+                 params_.size(), " parameters");
+    for (std::size_t i = 0; i < state.size(); ++i) validate_state(i, state[i]);
+    state_ = std::move(state);
+  }
+
+  /// The state key names this optimizer uses (for checkpoints and validation).
+  virtual std::vector<std::string> state_keys() const = 0;
+
+ protected:
+  virtual void validate_state(std::size_t i, const State& s) const {
+    for (const auto& [k, v] : s) {
+      bool known = false;
+      for (const auto& key : state_keys()) known = known || key == k;
+      CHORUS_CHECK(known, "optimizer state of parameter ", i, ": unknown entry '", k, "'");
+      if (k == "step") {
+        CHORUS_CHECK(v.dtype() == DType::Float64 && v.numel() == 1, "optimizer state of parameter ", i,
+                     ": 'step' must be a one-element float64 tensor");
+        continue;
+      }
+      CHORUS_CHECK(v.dtype() == params_[i].dtype() && v.shape() == params_[i].shape(), "optimizer state of parameter ",
+                   i, ": '", k, "' has ", dtype_name(v.dtype()), " ", v.shape(), ", expected ",
+                   dtype_name(params_[i].dtype()), " ", params_[i].shape());
+    }
+  }
+
+  /// Calls f(param, grad, state) with typed tensors for each parameter that has a gradient.
+  template <class F>
+  void for_each_with_grad(F&& f) {
+    NoGradGuard g;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      params_[i].visit([&](auto& p) {
+        using T = typename std::decay_t<decltype(p)>::value_type;
+        if constexpr (is_floating_v<T>) {
+          auto grad = p.grad();
+          if (!grad.defined()) return;
+          CHORUS_CHECK(p.is_contiguous() && grad.is_contiguous(), "optimizer: parameter ", i,
+                       " or its gradient is not contiguous");
+          CHORUS_CHECK(grad.device() == p.device(), "optimizer: gradient of parameter ", i, " is on ", grad.device(),
+                       ", the parameter on ", p.device());
+          f(p, grad, state_[i]);
+        }
+      });
+    }
+  }
+
+  /// The state tensor `key` of a parameter, created as zeros on first use.
+  template <class T>
+  static Tensor<T> state_tensor(State& s, const std::string& key, const Tensor<T>& like) {
+    auto it = s.find(key);
+    if (it == s.end()) it = s.emplace(key, zeros_like(like)).first;
+    return it->second.as<T>();
+  }
+  static double step_count(State& s) {
+    auto it = s.find("step");
+    return it == s.end() ? 0.0 : it->second.as<double>().item();
+  }
+  static void set_step_count(State& s, double step) { s["step"] = AnyTensor(scalar_tensor<double>(step)); }
+
+  std::vector<AnyTensor> params_;
+  std::vector<State> state_;
+};
+
+}  // namespace optim
+CHORUS_NAMESPACE_END

@@ -1,0 +1,161 @@
+// The autograd engine: accumulation, graph release, grad mode, multi-device execution.
+#include <atomic>
+#include <set>
+#include <thread>
+
+#include "test_util.hpp"
+
+using namespace chorus;
+using chorus::testing::throws_with;
+using chorus::testing::values_are;
+
+TEST(Autograd, LeafGradientsAccumulateAcrossBackwards) {
+  auto x = from_vector<double>({1, 2, 3}).requires_grad_();
+  (x * x).sum().backward();
+  EXPECT_TRUE(values_are(x.grad(), {2, 4, 6}));
+  (x * 3.0).sum().backward();
+  EXPECT_TRUE(values_are(x.grad(), {5, 7, 9}));
+  x.set_grad({});
+  x.sum().backward();
+  EXPECT_TRUE(values_are(x.grad(), {1, 1, 1}));
+}
+
+TEST(Autograd, DiamondSumsBothPaths) {
+  auto x = from_vector<double>({2}).requires_grad_();
+  auto y = x * 3.0;
+  auto z = y * y + y;  // dz/dx = (2y + 1) * 3 = 39
+  z.sum().backward();
+  EXPECT_TRUE(values_are(x.grad(), {39}));
+}
+
+TEST(Autograd, ExplicitGradientAndNonScalarError) {
+  auto x = from_vector<double>({1, 2}).requires_grad_();
+  auto y = x * 2.0;
+  EXPECT_TRUE(throws_with([&] { y.backward(); }, {"one-element", "[2]"}));
+  y.backward(from_vector<double>({1, 10}));
+  EXPECT_TRUE(values_are(x.grad(), {2, 20}));
+  auto z = x * 2.0;
+  EXPECT_TRUE(throws_with([&] { z.backward(from_vector<double>({1, 2, 3})); }, {"[3]", "[2]"}));
+}
+
+TEST(Autograd, SecondBackwardNeedsRetainGraph) {
+  auto x = from_vector<double>({1, 2}).requires_grad_();
+  auto y = (x * x).sum();
+  y.backward(Tensor<double>(), /*retain_graph=*/true);
+  y.backward();
+  EXPECT_TRUE(values_are(x.grad(), {4, 8}));
+  EXPECT_TRUE(throws_with([&] { y.backward(); }, {"a second time", "retain_graph"}));
+}
+
+TEST(Autograd, NoGradDetachAndLeaves) {
+  auto x = ones<double>({2}).requires_grad_();
+  {
+    NoGradGuard g;
+    auto y = x * 2.0;
+    EXPECT_FALSE(y.requires_grad());
+    EXPECT_TRUE(throws_with([&] { y.sum().backward(); }, {"does not require grad"}));
+  }
+  auto y = x * 2.0;
+  EXPECT_TRUE(y.requires_grad());
+  EXPECT_FALSE(y.is_leaf());
+  EXPECT_TRUE(x.is_leaf());
+  auto d = y.detach();
+  EXPECT_FALSE(d.requires_grad());
+  EXPECT_TRUE(d.same_storage(y));
+  EXPECT_TRUE(throws_with([&] { y.requires_grad_(false); }, {"non-leaf"}));
+  EXPECT_TRUE(throws_with([] { zeros<std::int64_t>({2}).requires_grad_(); }, {"floating-point"}));
+  // Only inputs that require grad get gradients.
+  auto c = ones<double>({2});
+  (x * c).sum().backward();
+  EXPECT_FALSE(c.grad().defined());
+  EXPECT_TRUE(values_are(x.grad(), {1, 1}));
+}
+
+TEST(Autograd, GradIsStolenOnlyWhenExclusive) {
+  auto x = ones<double>({3}).requires_grad_();
+  auto big = zeros<double>({6});
+  // The gradient of a narrow() view must not alias another tensor's storage.
+  x.sum().backward();
+  auto g = x.grad();
+  (x * 2.0).sum().backward();
+  EXPECT_TRUE(values_are(g, {3, 3, 3}));  // accumulated in place into the existing grad
+  auto w = ones<double>({2, 3}).requires_grad_();
+  w.t().sum().backward();  // non-contiguous incoming gradient
+  EXPECT_TRUE(w.grad().is_contiguous());
+  (void)big;
+}
+
+namespace {
+// A node that records which thread ran its backward.
+template <class T>
+class ProbeBackward final : public autograd::Node<T> {
+ public:
+  explicit ProbeBackward(std::set<Stream*>* seen, std::mutex* m) : seen_(seen), m_(m) {}
+  std::string name() const override { return "ProbeBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
+    std::lock_guard<std::mutex> lk(*m_);
+    seen_->insert(::chorus::detail::worker_stream_of_thread());
+    return {g[0]};
+  }
+
+ private:
+  std::set<Stream*>* seen_;
+  std::mutex* m_;
+};
+
+template <class T>
+Tensor<T> probe(const Tensor<T>& x, std::set<Stream*>* seen, std::mutex* m) {
+  auto out = x.detach().clone();
+  auto node = autograd::make_node<ProbeBackward<T>, T>({&x}, seen, m);
+  autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  return out;
+}
+
+template <class T>
+class FailingBackward final : public autograd::Node<T> {
+ public:
+  std::string name() const override { return "FailingBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&&) override {
+    CHORUS_FAIL("boom");
+  }
+};
+}  // namespace
+
+TEST(Autograd, NodesRunOnTheStreamsTheirForwardRanOn) {
+  set_cpu_device_count(4);
+  std::set<Stream*> seen;
+  std::mutex m;
+  auto w = ones<double>({8, 3}).requires_grad_();
+  std::vector<Tensor<double>> outs(4);
+  // Forward of chunk i on device i's stream (as parallel_apply does).
+  std::vector<std::future<Tensor<double>>> futs;
+  for (int i = 1; i < 4; ++i) {
+    futs.push_back(get_stream(Device::cpu(i)).async([&, i] {
+      auto xi = w.narrow(0, 2 * i, 2).to(Device::cpu(i));
+      return probe(xi * 2.0, &seen, &m).to(Device::cpu(0));
+    }));
+  }
+  outs[0] = probe(w.narrow(0, 0, 2) * 2.0, &seen, &m);
+  for (int i = 1; i < 4; ++i) outs[i] = futs[i - 1].get();
+  cat(outs, 0).sum().backward();
+  EXPECT_TRUE(values_are(w.grad(), std::vector<double>(24, 2.0)));
+  std::set<Stream*> expected = {nullptr};  // the calling thread ran device 0's nodes inline
+  for (int i = 1; i < 4; ++i) expected.insert(&get_stream(Device::cpu(i)));
+  EXPECT_EQ(seen, expected);
+}
+
+TEST(Autograd, ErrorInABackwardNodeNamesNodeAndDevice) {
+  set_cpu_device_count(2);
+  auto x = ones<double>({2}).requires_grad_();
+  auto y = get_stream(Device::cpu(1)).async([&] {
+    auto xi = x.to(Device::cpu(1));
+    auto out = xi * 1.0;
+    auto node = autograd::make_node<FailingBackward<double>, double>({&xi});
+    autograd::set_history(out, std::shared_ptr<autograd::Node<double>>(node));
+    return out.to(Device::cpu(0));
+  }).get();
+  EXPECT_TRUE(throws_with([&] { (y + x).sum().backward(); }, {"FailingBackward", "cpu:1", "boom"}));
+  // The engine and the worker are usable afterwards.
+  (x * 2.0).sum().backward();
+  EXPECT_TRUE(x.grad().defined());
+}

@@ -1,0 +1,85 @@
+// Virtual CPU devices: device counts, streams (worker threads), events, per-device memory.
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "test_util.hpp"
+
+using namespace chorus;
+using chorus::testing::throws_with;
+
+TEST(Devices, CountComesFromTheApiAndAvailableDevicesListsThem) {
+  set_cpu_device_count(3);
+  EXPECT_EQ(cpu_device_count(), 3);
+  if (cuda_device_count() == 0) {
+    EXPECT_EQ(available_devices(), (std::vector<Device>{Device::cpu(0), Device::cpu(1), Device::cpu(2)}));
+  }
+  EXPECT_TRUE(throws_with([] { check_device(Device::cpu(3)); }, {"cpu:3", "3 virtual CPU devices"}));
+  EXPECT_TRUE(throws_with([] { set_cpu_device_count(0); }, {"[1, 256]"}));
+  if (!kCudaEnabled) {
+    EXPECT_TRUE(throws_with([] { zeros<float>({1}, Device::cuda(0)); }, {"cuda:0", "without CUDA"}));
+  }
+}
+
+TEST(Devices, StreamsRunInOrderOnTheirOwnThread) {
+  set_cpu_device_count(2);
+  Stream& s = get_stream(Device::cpu(1));
+  std::vector<int> order;
+  std::thread::id worker;
+  for (int i = 0; i < 100; ++i) s.post([&, i] { order.push_back(i); worker = std::this_thread::get_id(); });
+  s.synchronize();
+  ASSERT_EQ(order.size(), 100u);
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(order[i], i);
+  EXPECT_NE(worker, std::this_thread::get_id());
+  EXPECT_EQ(s.async([] { return 41 + 1; }).get(), 42);
+  auto f = s.async([]() -> int { CHORUS_FAIL("inside the worker"); });
+  EXPECT_TRUE(throws_with([&] { f.get(); }, {"inside the worker"}));
+  EXPECT_TRUE(s.async([&] { return s.is_worker_thread() && &current_stream(Device::cpu(1)) == &s; }).get());
+  EXPECT_FALSE(s.is_worker_thread());
+  // Distinct slots are distinct streams with distinct threads.
+  Stream& s2 = get_stream(Device::cpu(1), 1);
+  EXPECT_NE(&s2, &s);
+  EXPECT_NE(s2.async([] { return std::this_thread::get_id(); }).get(), worker);
+}
+
+TEST(Devices, AnExceptionEscapingAPostedTaskIsRethrownBySynchronize) {
+  Stream& s = get_stream(Device::cpu(0), 3);
+  s.post([] { CHORUS_FAIL("lost?"); });
+  EXPECT_TRUE(throws_with([&] { s.synchronize(); }, {"lost?"}));
+  s.synchronize();  // reported once
+}
+
+TEST(Devices, EventsOrderWorkBetweenStreams) {
+  set_cpu_device_count(2);
+  Stream& a = get_stream(Device::cpu(0), 1);
+  Stream& b = get_stream(Device::cpu(1), 1);
+  std::atomic<int> stage{0};
+  a.post([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    stage = 1;
+  });
+  Event e;
+  e.record(a);
+  e.block(b);  // b's next task waits for a's work
+  auto seen = b.async([&] { return stage.load(); });
+  EXPECT_EQ(seen.get(), 1);
+  e.synchronize();
+  EXPECT_TRUE(e.query());
+  Event never;
+  EXPECT_TRUE(never.query());
+}
+
+TEST(Devices, AllocationsAreCountedPerDevice) {
+  set_cpu_device_count(2);
+  auto d1 = memory_stats(Device::cpu(1));
+  auto d0 = memory_stats(Device::cpu(0));
+  {
+    auto t = zeros<double>({1000}, Device::cpu(1));
+    auto s = memory_stats(Device::cpu(1));
+    EXPECT_EQ(s.allocated, d1.allocated + 8000);
+    EXPECT_GE(s.peak_allocated, s.allocated);
+    EXPECT_EQ(memory_stats(Device::cpu(0)).allocated, d0.allocated);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(t.data()) % 64, 0u);
+  }
+  EXPECT_EQ(memory_stats(Device::cpu(1)).allocated, d1.allocated);
+}

@@ -1,0 +1,137 @@
+// Forward values of the operations, broadcasting and argument errors.
+#include <cmath>
+
+#include "test_util.hpp"
+
+using namespace chorus;
+using chorus::testing::throws_with;
+using chorus::testing::values_are;
+
+template <class T>
+class OpsTyped : public ::testing::Test {};
+TYPED_TEST_SUITE(OpsTyped, chorus::testing::FloatTypes);
+
+TYPED_TEST(OpsTyped, ElementwiseWithBroadcasts) {
+  using T = TypeParam;
+  auto a = from_vector<T>({1, 2, 3, 4, 5, 6}, {2, 3});
+  auto row = from_vector<T>({10, 20, 30});
+  auto col = from_vector<T>({1, 2}, {2, 1});
+  EXPECT_TRUE(values_are(a + row, {11, 22, 33, 14, 25, 36}));
+  EXPECT_TRUE(values_are(a - col, {0, 1, 2, 2, 3, 4}));
+  EXPECT_TRUE(values_are(a * scalar_tensor<T>(2), {2, 4, 6, 8, 10, 12}));
+  EXPECT_TRUE(values_are(row / a, {10, 10, 10, 2.5, 4, 5}));
+  EXPECT_TRUE(values_are(a * 2.0, {2, 4, 6, 8, 10, 12}));
+  EXPECT_TRUE(values_are(1.0 - a, {0, -1, -2, -3, -4, -5}));
+  EXPECT_TRUE(values_are(6.0 / a, {6, 3, 2, 1.5, 1.2, 1}));
+  EXPECT_TRUE(values_are(-a + 1.0, {0, -1, -2, -3, -4, -5}));
+  EXPECT_TRUE(values_are(a.t() + col.t(), {2, 6, 3, 7, 4, 8}));  // strided operands
+  EXPECT_TRUE(throws_with([&] { (void)(a + from_vector<T>({1, 2})); }, {"add", "[2, 3]", "[2]"}));
+}
+
+TYPED_TEST(OpsTyped, Activations) {
+  using T = TypeParam;
+  auto x = from_vector<T>({-2, -0.5, 0, 0.5, 2});
+  std::vector<T> relu_v, gelu_v, tanh_v, sig_v;
+  for (auto v : x.to_vector()) {
+    relu_v.push_back(v > 0 ? v : 0);
+    gelu_v.push_back(T(0.5 * v * (1 + std::erf(v / std::sqrt(2.0)))));
+    tanh_v.push_back(std::tanh(v));
+    sig_v.push_back(T(1 / (1 + std::exp(-double(v)))));
+  }
+  EXPECT_TRUE(values_are(relu(x), relu_v));
+  EXPECT_TRUE(values_are(gelu(x), gelu_v));
+  EXPECT_TRUE(values_are(chorus::tanh(x), tanh_v));
+  EXPECT_TRUE(values_are(sigmoid(x), sig_v));
+  EXPECT_TRUE(values_are(chorus::exp(from_vector<T>({0, 1})), {1, T(std::exp(1.0))}));
+  EXPECT_TRUE(values_are(chorus::log(from_vector<T>({1, 4})), {0, T(std::log(4.0))}));
+  EXPECT_TRUE(values_are(chorus::sqrt(from_vector<T>({4, 9})), {2, 3}));
+  EXPECT_TRUE(values_are(chorus::pow(from_vector<T>({2, 3}), 3.0), {8, 27}));
+}
+
+TYPED_TEST(OpsTyped, Reductions) {
+  using T = TypeParam;
+  auto x = arange<T>(6).reshape({2, 3});
+  EXPECT_EQ(x.sum().item(), T(15));
+  EXPECT_EQ(x.sum().shape(), Shape{});
+  EXPECT_TRUE(values_are(x.sum(0), {3, 5, 7}));
+  EXPECT_TRUE(values_are(x.sum(1), {3, 12}));
+  EXPECT_EQ(x.sum(1, true).shape(), (Shape{2, 1}));
+  EXPECT_TRUE(values_are(x.mean(0), {1.5, 2.5, 3.5}));
+  EXPECT_NEAR(x.mean().item(), 2.5, 1e-6);
+  EXPECT_TRUE(values_are(x.t().sum(1), {3, 5, 7}));
+  EXPECT_TRUE(values_are(zeros<T>({0, 3}).sum(0), {0, 0, 0}));
+  EXPECT_TRUE(std::isnan(zeros<T>({0}).mean().item()));
+  EXPECT_THROW(x.sum(2), Error);
+}
+
+TYPED_TEST(OpsTyped, SoftmaxAndLogSoftmaxAreStable) {
+  using T = TypeParam;
+  auto x = from_vector<T>({1000, 1001, 1002, -5, 0, 5}, {2, 3});
+  auto s = softmax(x, 1).to_vector();
+  const double e1 = std::exp(-1.0), e2 = std::exp(-2.0), z = 1 + e1 + e2;
+  EXPECT_NEAR(s[2], 1 / z, 1e-6);
+  EXPECT_NEAR(s[1], e1 / z, 1e-6);
+  auto ls = log_softmax(x, 1).to_vector();
+  EXPECT_NEAR(ls[0], -2 - std::log(z), 1e-4);
+  auto s0 = softmax(x, 0);  // along the other dimension
+  EXPECT_TRUE(values_are(s0.sum(0), {1, 1, 1}));
+}
+
+TYPED_TEST(OpsTyped, MatmulAndLinear) {
+  using T = TypeParam;
+  auto a = from_vector<T>({1, 2, 3, 4, 5, 6}, {2, 3});
+  auto b = from_vector<T>({1, 0, 0, 1, 1, 1}, {3, 2});
+  EXPECT_TRUE(values_are(matmul(a, b), {4, 5, 10, 11}));
+  EXPECT_TRUE(values_are(a.matmul(a.t()), {14, 32, 32, 77}));  // transposed operand without a copy
+  EXPECT_TRUE(values_are(a.t().contiguous().t().matmul(b), {4, 5, 10, 11}));
+  auto a3 = stack<T>({a, a}, 0);
+  EXPECT_EQ(matmul(a3, b).shape(), (Shape{2, 2, 2}));
+  EXPECT_TRUE(values_are(matmul(a3, stack<T>({b, b}, 0)), {4, 5, 10, 11, 4, 5, 10, 11}));
+  EXPECT_TRUE(throws_with([&] { matmul(a, a); }, {"[2, 3]", "cannot be multiplied"}));
+  auto w = from_vector<T>({1, 1, 1, 0, 1, 0}, {2, 3});
+  auto bias = from_vector<T>({100, 200});
+  EXPECT_TRUE(values_are(linear(a, w, bias), {106, 202, 115, 205}));
+  EXPECT_TRUE(values_are(linear(a, w), {6, 2, 15, 5}));
+  EXPECT_EQ(linear(stack<T>({a, a}, 0), w, bias).shape(), (Shape{2, 2, 2}));
+  EXPECT_TRUE(values_are(linear(zeros<T>({0, 3}), w, bias), {}));
+  EXPECT_TRUE(throws_with([&] { linear(b, w, bias); }, {"[3, 2]", "[2, 3]"}));
+}
+
+TYPED_TEST(OpsTyped, Losses) {
+  using T = TypeParam;
+  namespace F = nn::functional;
+  auto p = from_vector<T>({1, 2, 3, 4});
+  auto t = from_vector<T>({1, 0, 3, 0});
+  EXPECT_NEAR(F::mse_loss(p, t).item(), 5.0, 1e-6);
+  EXPECT_NEAR(F::mse_loss(p, t, Reduction::Sum).item(), 20.0, 1e-6);
+  EXPECT_TRUE(values_are(F::mse_loss(p, t, Reduction::None), {0, 4, 0, 16}));
+  EXPECT_TRUE(throws_with([&] { F::mse_loss(p, zeros<T>({2, 2})); }, {"[4]", "[2, 2]"}));
+
+  auto logits = from_vector<T>({1, 2, 3, 1, 1, 1}, {2, 3});
+  auto target = from_vector<std::int64_t>({2, 0});
+  const double l0 = -std::log(std::exp(3.0) / (std::exp(1.0) + std::exp(2.0) + std::exp(3.0)));
+  const double l1 = std::log(3.0);
+  EXPECT_NEAR(F::cross_entropy(logits, target).item(), (l0 + l1) / 2, 1e-6);
+  EXPECT_NEAR(F::cross_entropy(logits, target, Reduction::Sum).item(), l0 + l1, 1e-6);
+  EXPECT_TRUE(values_are(F::cross_entropy(logits, target, Reduction::None), {T(l0), T(l1)}));
+  EXPECT_NEAR(F::cross_entropy(logits, from_vector<std::int64_t>({2, -100})).item(), l0, 1e-6);
+  EXPECT_NEAR(F::nll_loss(log_softmax(logits, 1), target).item(), (l0 + l1) / 2, 1e-6);
+  EXPECT_TRUE(throws_with([&] { F::cross_entropy(logits, from_vector<std::int64_t>({2, 3})); },
+                          {"target 3", "index 1", "3 classes"}));
+  EXPECT_TRUE(throws_with([&] { F::cross_entropy(logits, from_vector<std::int64_t>({2})); }, {"[1]", "[2, 3]"}));
+}
+
+TYPED_TEST(OpsTyped, DropoutScalesAndIsIdentityInEval) {
+  using T = TypeParam;
+  auto x = ones<T>({10000});
+  auto y = dropout(x, 0.25, true).to_vector();
+  int zeros_n = 0;
+  for (auto v : y) {
+    if (v == 0) ++zeros_n;
+    else EXPECT_NEAR(v, 1 / 0.75, 1e-6);
+  }
+  EXPECT_NEAR(zeros_n / 10000.0, 0.25, 0.03);
+  EXPECT_TRUE(is_same(dropout(x, 0.25, false), x));
+  EXPECT_TRUE(values_are(dropout(x.narrow(0, 0, 3), 1.0, true), {0, 0, 0}));
+  EXPECT_THROW(dropout(x, 1.5, true), Error);
+}
