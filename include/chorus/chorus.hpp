@@ -18,3 +18,5 @@
 #include "optim/optim.hpp"
 
 #include "data/data.hpp"
+
+#include "parallel/parallel.hpp"

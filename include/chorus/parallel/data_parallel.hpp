@@ -1,0 +1,213 @@
+#pragma once
+// DataParallel: one model, many devices. Each call splits the batch (Note [chunk plan]),
+// refreshes the replicas from the primary (Note [flat replication]), runs the replicas'
+// forward passes concurrently on their devices' streams, and gathers the outputs on the
+// output device; backward runs each replica's half of the graph on its device and sums the
+// gradients into the primary's parameters bucket by bucket (Note [gradient buckets]).
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+#include "chunk_plan.hpp"
+#include "comm.hpp"
+#include "gather.hpp"
+#include "parallel_apply.hpp"
+#include "replicate.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+
+namespace parallel::detail {
+template <class X>
+struct is_tensor : std::false_type {};
+template <class T>
+struct is_tensor<Tensor<T>> : std::true_type {};
+template <class X>
+inline constexpr bool is_tensor_v = is_tensor<std::decay_t<X>>::value;
+
+template <class X>
+struct is_tensor_tuple : std::false_type {};
+template <class... Ts>
+struct is_tensor_tuple<std::tuple<Ts...>> : std::bool_constant<(is_tensor_v<Ts> && ...)> {};
+
+template <class M, class... Args>
+decltype(auto) call_forward(M& m, Args&&... args) {
+  if constexpr (requires { m.forward(std::forward<Args>(args)...); }) {
+    return m.forward(std::forward<Args>(args)...);
+  } else {
+    return m->forward(std::forward<Args>(args)...);
+  }
+}
+
+/// The communicator for a device list: copies for CPU devices and repeated GPUs; the CUDA
+/// backend overrides this for distinct GPUs (see backend/cuda/nccl.hpp).
+inline std::shared_ptr<Communicator> make_communicator(const std::vector<Device>& devices,
+                                                       const std::vector<Stream*>& streams);
+}  // namespace parallel::detail
+
+/// Default size of a gradient bucket (Note [gradient buckets]).
+inline constexpr std::size_t kDefaultBucketBytes = std::size_t{8} << 20;
+
+template <class M>
+class DataParallel {
+  static_assert(std::is_base_of_v<nn::Module, M> || requires { typename M::ImplType; },
+                "DataParallel wraps an nn::Module (or a module holder)");
+
+ public:
+  /// Wraps `module` (which must live on devices[0]) for `devices` (default: all GPUs, else
+  /// the virtual CPU devices); outputs are gathered on `output_device` (default devices[0])
+  /// along `dim` (the dimension inputs are split along, default 0).
+  explicit DataParallel(M module, std::vector<Device> devices = {}, std::optional<Device> output_device = std::nullopt,
+                        std::int64_t dim = 0, std::size_t bucket_bytes = kDefaultBucketBytes)
+      : module_(std::move(module)), devices_(devices.empty() ? available_devices() : std::move(devices)), dim_(dim) {
+    CHORUS_CHECK(!devices_.empty(), "DataParallel: no devices");
+    CHORUS_CHECK(dim_ >= 0, "DataParallel: dim must be non-negative, got ", dim_);
+    for (const auto& d : devices_) {
+      check_device(d);
+      CHORUS_CHECK(d.kind == devices_[0].kind, "DataParallel: devices mix kinds (", devices_[0], " and ", d, ")");
+    }
+    output_device_ = output_device.value_or(devices_[0]);
+    check_device(output_device_);
+    streams_.push_back(&get_stream(devices_[0], 0));
+    for (std::size_t r = 1; r < devices_.size(); ++r) {
+      int slot = 0;
+      for (std::size_t q = 0; q < r; ++q) slot += devices_[q] == devices_[r];
+      streams_.push_back(&get_stream(devices_[r], slot));
+    }
+    comm_ = parallel::detail::make_communicator(devices_, streams_);
+    replicator_ = std::make_unique<parallel::Replicator<M>>(module_, devices_, comm_, bucket_bytes);
+  }
+
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  /// Scatters the tensor arguments, runs the replicas, gathers the outputs (Tensor or tuple).
+  template <class... Args>
+  auto forward(Args&&... args) {
+    const std::int64_t batch = batch_size(args...);
+    using R = decltype(parallel::detail::call_forward(module_, scatter(args, 0, batch)...));
+    static_assert(parallel::detail::is_tensor_v<R> || parallel::detail::is_tensor_tuple<R>::value,
+                  "DataParallel: forward must return a Tensor or a std::tuple of Tensors");
+    if (devices_.size() == 1) {  // passthrough: nothing to split, nothing to copy
+      replicator_->prepare(1);
+      return to_output(parallel::detail::call_forward(module_, scatter(args, 0, batch)...));
+    }
+    const auto plan = parallel::plan_chunks(batch, devices_.size());
+    auto modules = replicator_->prepare(plan.used());
+    std::vector<Stream*> streams(streams_.begin(), streams_.begin() + static_cast<std::ptrdiff_t>(plan.used()));
+    streams[0] = &current_stream(devices_[0]);
+    auto outs = parallel::parallel_apply(streams, [&](std::size_t r) -> R {
+      return parallel::detail::call_forward(*modules[r], scatter(args, plan, r)...);
+    });
+    return gather_outputs(outs);
+  }
+
+  template <class... Args>
+  auto operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  /// The wrapped (primary) module.
+  M& module() { return module_; }
+  const M& module() const { return module_; }
+  std::vector<AnyTensor> parameters() const { return parallel::detail::module_of(const_cast<M&>(module_)).parameters(); }
+  std::vector<nn::Module::NamedTensor> named_parameters() const {
+    return parallel::detail::module_of(const_cast<M&>(module_)).named_parameters();
+  }
+  void train(bool on = true) { parallel::detail::module_of(module_).train(on); }
+  void eval() { train(false); }
+  void zero_grad(bool set_to_none = true) { parallel::detail::module_of(module_).zero_grad(set_to_none); }
+
+  const std::vector<Device>& devices() const { return devices_; }
+  Device output_device() const { return output_device_; }
+  std::int64_t dim() const { return dim_; }
+  /// The replica on devices()[r] (0 is the primary module itself).
+  const M& replica(std::size_t r) const { return replicator_->replica(r); }
+  const parallel::Communicator& communicator() const { return *comm_; }
+
+ private:
+  // ---- scattering ----
+  template <class... Args>
+  std::int64_t batch_size(const Args&... args) const {
+    std::int64_t batch = -1;
+    std::size_t first = 0, i = 0;
+    auto one = [&](const auto& a) {
+      if constexpr (parallel::detail::is_tensor_v<decltype(a)>) {
+        CHORUS_CHECK(a.defined(), "DataParallel: argument ", i, " is an undefined tensor");
+        CHORUS_CHECK(a.dim() > dim_, "DataParallel: argument ", i, " of shape ", a.shape(),
+                     " has no dimension ", dim_, " to split along");
+        const auto n = a.shape()[static_cast<int>(dim_)];
+        if (batch < 0) {
+          batch = n;
+          first = i;
+        }
+        CHORUS_CHECK(n == batch, "DataParallel: tensor arguments disagree in dimension ", dim_, ": argument ", first,
+                     " has ", batch, ", argument ", i, " has ", n);
+      }
+      ++i;
+    };
+    (one(args), ...);
+    CHORUS_CHECK(batch >= 0, "DataParallel: forward needs at least one tensor argument to split");
+    return batch;
+  }
+
+  /// Argument for the passthrough: tensors moved to the primary (a no-op when already there).
+  template <class A>
+  decltype(auto) scatter(const A& a, int, std::int64_t) const {
+    if constexpr (parallel::detail::is_tensor_v<A>) return a.to(devices_[0]);
+    else return (a);
+  }
+  /// Argument of replica r: its rows of each tensor, copied straight to its device (on its
+  /// worker, so the copies to different devices run in parallel); other values as they are.
+  template <class A>
+  decltype(auto) scatter(const A& a, const parallel::ChunkPlan& plan, std::size_t r) const {
+    if constexpr (parallel::detail::is_tensor_v<A>) return a.narrow(dim_, plan.offsets[r], plan.sizes[r]).to(devices_[r]);
+    else return (a);
+  }
+
+  // ---- gathering ----
+  template <class R>
+  R to_output(R out) const {
+    if constexpr (parallel::detail::is_tensor_v<R>) {
+      return out.to(output_device_);
+    } else {
+      return std::apply([&](auto&... t) { return R(t.to(output_device_)...); }, out);
+    }
+  }
+
+  template <class R>
+  R gather_outputs(std::vector<R>& outs) const {
+    if constexpr (parallel::detail::is_tensor_v<R>) {
+      return parallel::gather(outs, dim_, output_device_);
+    } else {
+      return gather_tuple(outs, std::make_index_sequence<std::tuple_size_v<R>>{});
+    }
+  }
+  template <class R, std::size_t... I>
+  R gather_tuple(std::vector<R>& outs, std::index_sequence<I...>) const {
+    auto column = [&](auto index) {
+      using E = std::tuple_element_t<decltype(index)::value, R>;
+      std::vector<E> parts;
+      for (auto& o : outs) parts.push_back(std::get<decltype(index)::value>(o));
+      return parallel::gather(parts, dim_, output_device_);
+    };
+    return R(column(std::integral_constant<std::size_t, I>{})...);
+  }
+
+  M module_;
+  std::vector<Device> devices_;
+  Device output_device_;
+  std::int64_t dim_;
+  std::vector<Stream*> streams_;
+  std::shared_ptr<parallel::Communicator> comm_;
+  std::unique_ptr<parallel::Replicator<M>> replicator_;
+};
+
+namespace parallel::detail {
+inline std::shared_ptr<Communicator> make_communicator(const std::vector<Device>& devices,
+                                                       const std::vector<Stream*>& streams) {
+  (void)devices;
+  return std::make_shared<CopyCommunicator>(streams);
+}
+}  // namespace parallel::detail
+
+CHORUS_NAMESPACE_END

@@ -1,0 +1,66 @@
+#pragma once
+// parallel_apply: runs one task per replica, each on its stream's worker thread.
+#include <exception>
+#include <future>
+#include <optional>
+#include <vector>
+
+#include "../autograd/grad_mode.hpp"
+#include "../core/runtime.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace parallel {
+
+/// Runs fn(r) for r in [0, streams.size()): r = 0 on the calling thread (whose current stream
+/// must be streams[0]), the others on their streams' workers, with the caller's grad mode.
+/// Waits for all; if any failed, throws chorus::Error naming the first failed replica and its
+/// device (after every replica has finished, so the next call starts clean).
+template <class F>
+auto parallel_apply(const std::vector<Stream*>& streams, F&& fn) -> std::vector<decltype(fn(std::size_t{}))> {
+  using R = decltype(fn(std::size_t{}));
+  const std::size_t n = streams.size();
+  const bool grad_mode = autograd::is_grad_enabled();
+  std::vector<std::future<R>> futures;
+  futures.reserve(n);
+  for (std::size_t r = 1; r < n; ++r) {
+    futures.push_back(streams[r]->async([&fn, r, grad_mode]() -> R {
+      GradModeGuard g(grad_mode);
+      return fn(r);
+    }));
+  }
+  std::vector<std::optional<R>> results(n);
+  std::vector<std::exception_ptr> errors(n);
+  try {
+    results[0].emplace(fn(0));
+  } catch (...) {
+    errors[0] = std::current_exception();
+  }
+  for (std::size_t r = 1; r < n; ++r) {
+    try {
+      results[r].emplace(futures[r - 1].get());
+    } catch (...) {
+      errors[r] = std::current_exception();
+    }
+  }
+  std::size_t failed = 0;
+  for (auto& e : errors) failed += e != nullptr;
+  for (std::size_t r = 0; r < n; ++r) {
+    if (!errors[r]) continue;
+    std::string what = "unknown exception";
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    CHORUS_FAIL("in replica ", r, " on ", streams[r]->device(), ": ", what,
+                failed > 1 ? " (and " + std::to_string(failed - 1) + " more replica(s) failed)" : std::string());
+  }
+  std::vector<R> out;
+  out.reserve(n);
+  for (auto& x : results) out.push_back(std::move(*x));
+  return out;
+}
+
+}  // namespace parallel
+CHORUS_NAMESPACE_END

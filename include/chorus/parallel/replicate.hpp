@@ -1,0 +1,335 @@
+#pragma once
+// Replication: the replicas of a module on the other devices, built once, refreshed from the
+// primary at every step, and wired into autograd so that their gradients are summed into the
+// primary's parameters, bucket by bucket, while the backward pass is still running.
+//
+// Note [flat replication]
+// At construction the primary's parameters and buffers are re-seated, in place, into one
+// flat buffer per dtype (the tensors keep their identity; only their storage moves), and
+// each replica is a deep copy (Note [deep copy through copy constructors]) whose parameters
+// and buffers are views into the same layout on its device. Refreshing a replica is then one
+// broadcast per dtype, not one copy per tensor.
+//
+// Note [gradient buckets]
+// A replica's parameters are not leaves: each step their grad_fn is set to a
+// BroadcastBackward node, one per bucket of primary parameters (a few MB, in reverse
+// registration order, which is about the order backward produces them). The engine runs a
+// bucket's node as soon as every replica has produced that bucket's gradients, so reducing
+// the late layers overlaps the backward of the early ones; the node sums the replicas'
+// gradients into the primary device (through the Communicator) and hands the sums to the
+// primary parameters' AccumulateGrad, which also receives replica 0's own gradients.
+#include <memory>
+#include <unordered_map>
+#include <vector>
+
+#include "../nn/module.hpp"
+#include "comm.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace parallel {
+namespace detail {
+
+/// Sums one bucket's gradients from replicas 1 … n-1 into the primary device.
+template <class T>
+class BroadcastBackward final : public autograd::Node<T> {
+ public:
+  BroadcastBackward(std::shared_ptr<Communicator> comm, std::vector<Shape> shapes, Device primary, std::size_t replicas)
+      : comm_(std::move(comm)), shapes_(std::move(shapes)), primary_(primary), replicas_(replicas) {}
+  std::string name() const override { return "BroadcastBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
+    const std::size_t m = shapes_.size();
+    std::vector<std::vector<AnyTensor>> srcs(replicas_);
+    for (std::size_t r = 0; r < replicas_; ++r)
+      for (std::size_t j = 0; j < m; ++j) srcs[r].push_back(AnyTensor(std::move(grads[r * m + j])));
+    typename autograd::Node<T>::TensorList out;
+    std::vector<AnyTensor> dsts;
+    for (std::size_t j = 0; j < m; ++j) {
+      out.push_back(Tensor<T>::empty(shapes_[j], primary_));
+      dsts.push_back(AnyTensor(out.back()));
+    }
+    comm_->reduce_add(srcs, dsts);
+    return out;
+  }
+
+ private:
+  std::shared_ptr<Communicator> comm_;
+  std::vector<Shape> shapes_;
+  Device primary_;
+  std::size_t replicas_;
+};
+
+/// Where one primary tensor lives in the flat layout.
+struct FlatSlot {
+  std::size_t group;     // index of the dtype group
+  std::int64_t offset;   // in elements
+};
+
+/// The CloneScope that builds a replica: registered tensors become views of the replica's
+/// flat buffers; anything else is deep-copied to the replica's device.
+class ReplicaScope final : public CloneScope {
+ public:
+  ReplicaScope(Device device, const std::unordered_map<const void*, FlatSlot>& slots,
+               const std::vector<AnyTensor>& flats, std::unordered_map<const void*, AnyTensor>& made)
+      : device_(device), slots_(slots), flats_(flats), made_(made) {}
+
+ protected:
+  std::shared_ptr<void> copy_tensor(const void* impl, DType dtype) override {
+    switch (dtype) {
+      case DType::Float32: return copy<float>(impl);
+      case DType::Float64: return copy<double>(impl);
+      case DType::Int64: return copy<std::int64_t>(impl);
+    }
+    return nullptr;
+  }
+
+ private:
+  template <class T>
+  std::shared_ptr<void> copy(const void* p) {
+    const auto& src = *static_cast<const TensorImpl<T>*>(p);
+    auto it = slots_.find(p);
+    if (it == slots_.end()) {  // not registered: a plain deep copy
+      Tensor<T> view(std::make_shared<TensorImpl<T>>());
+      view.impl()->storage = src.storage;
+      view.impl()->offset = src.offset;
+      view.impl()->shape = src.shape;
+      view.impl()->strides = src.strides;
+      auto out = Tensor<T>::empty(src.shape, device_);
+      backend::copy(out, view);
+      return out.impl();
+    }
+    const auto& flat = flats_[it->second.group].as<T>();
+    auto impl = std::make_shared<TensorImpl<T>>();
+    impl->storage = flat.impl()->storage;
+    impl->offset = it->second.offset;
+    impl->shape = src.shape;
+    impl->strides = contiguous_strides(src.shape);
+    made_.emplace(p, AnyTensor(Tensor<T>(impl)));
+    return impl;
+  }
+
+  Device device_;
+  const std::unordered_map<const void*, FlatSlot>& slots_;
+  const std::vector<AnyTensor>& flats_;
+  std::unordered_map<const void*, AnyTensor>& made_;
+};
+
+template <class M>
+nn::Module& module_of(M& m) {
+  if constexpr (requires { typename M::ImplType; }) return *m;
+  else return m;
+}
+
+}  // namespace detail
+
+/// Replicas of module M on devices[1 …], kept in step with the primary (devices[0]).
+template <class M>
+class Replicator {
+ private:
+  struct Entry {
+    std::string name;
+    AnyTensor tensor;
+    bool is_param;
+  };
+
+  struct Bucket {
+    DType dtype;
+    std::vector<std::size_t> members;  // indices into tensors_
+  };
+
+ public:
+  Replicator(M& primary, const std::vector<Device>& devices, std::shared_ptr<Communicator> comm,
+             std::size_t bucket_bytes)
+      : primary_(primary), devices_(devices), comm_(std::move(comm)) {
+    auto& root = detail::module_of(primary_);
+    for (auto& p : root.named_parameters()) tensors_.push_back({p.name, p.tensor, true});
+    for (auto& b : root.named_buffers()) tensors_.push_back({b.name, b.tensor, false});
+    check_on_primary();
+    build_layout();
+    flatten_primary();
+    build_buckets(bucket_bytes);
+    for (std::size_t r = 1; r < devices_.size(); ++r) build_replica(r);
+  }
+
+  /// Makes replicas 1 … used-1 current with the primary and wires them into autograd for
+  /// this step; returns the modules of replicas 0 … used-1 (replica 0 is the primary).
+  std::vector<M*> prepare(std::size_t used) {
+    check_on_primary();
+    if (!primary_is_flat()) flatten_primary();  // the user moved or replaced a tensor
+    std::vector<M*> out{&primary_};
+    if (used <= 1) return out;
+    for (std::size_t g = 0; g < flats_.size(); ++g) {
+      std::vector<AnyTensor> dsts;
+      for (std::size_t r = 1; r < used; ++r) dsts.push_back(replica_flats_[r - 1][g]);
+      comm_->broadcast(flats_[g], dsts);
+    }
+    const bool training = detail::module_of(primary_).is_training();
+    for (std::size_t r = 1; r < used; ++r) {
+      auto& rep = detail::module_of(*replicas_[r - 1]);
+      if (rep.is_training() != training) rep.train(training);
+      out.push_back(replicas_[r - 1].get());
+    }
+    wire_autograd(used);
+    return out;
+  }
+
+  const M& replica(std::size_t r) const { return r == 0 ? primary_ : *replicas_[r - 1]; }
+
+ private:
+  void check_on_primary() const {
+    for (const auto& e : tensors_)
+      CHORUS_CHECK(e.tensor.device() == devices_[0], "DataParallel: ", e.is_param ? "parameter '" : "buffer '", e.name,
+                   "' is on ", e.tensor.device(), " but the primary device is ", devices_[0],
+                   " (move the module there first)");
+  }
+
+  void build_layout() {
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      const DType dt = tensors_[i].tensor.dtype();
+      std::size_t g = 0;
+      while (g < group_dtypes_.size() && group_dtypes_[g] != dt) ++g;
+      if (g == group_dtypes_.size()) {
+        group_dtypes_.push_back(dt);
+        group_numel_.push_back(0);
+      }
+      slots_.emplace(tensors_[i].tensor.impl_key(), detail::FlatSlot{g, group_numel_[g]});
+      offsets_.push_back(group_numel_[g]);
+      groups_.push_back(g);
+      group_numel_[g] += tensors_[i].tensor.numel();
+    }
+  }
+
+  static AnyTensor make_flat(DType dt, std::int64_t n, Device d) {
+    switch (dt) {
+      case DType::Float32: return Tensor<float>::empty(Shape{n}, d);
+      case DType::Float64: return Tensor<double>::empty(Shape{n}, d);
+      case DType::Int64: return Tensor<std::int64_t>::empty(Shape{n}, d);
+    }
+    return {};
+  }
+
+  /// Re-seats every primary tensor into the flat buffers (values kept, identity kept).
+  void flatten_primary() {
+    flats_.clear();
+    for (std::size_t g = 0; g < group_dtypes_.size(); ++g)
+      flats_.push_back(make_flat(group_dtypes_[g], group_numel_[g], devices_[0]));
+    NoGradGuard ng;
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      tensors_[i].tensor.visit([&](auto& t) {
+        using T = typename std::decay_t<decltype(t)>::value_type;
+        const auto& flat = flats_[groups_[i]].template as<T>();
+        auto slot = flat.narrow(0, offsets_[i], t.numel()).view(t.shape());
+        backend::copy(slot, t);
+        auto& impl = *t.impl();
+        impl.storage = flat.impl()->storage;
+        impl.offset = offsets_[i];
+        impl.strides = contiguous_strides(impl.shape);
+      });
+    }
+  }
+
+  bool primary_is_flat() const {
+    for (std::size_t i = 0; i < tensors_.size(); ++i) {
+      const bool ok = tensors_[i].tensor.visit([&](const auto& t) {
+        using T = typename std::decay_t<decltype(t)>::value_type;
+        return t.impl()->storage == flats_[groups_[i]].template as<T>().impl()->storage &&
+               t.storage_offset() == offsets_[i] && t.is_contiguous();
+      });
+      if (!ok) return false;
+    }
+    return true;
+  }
+
+  void build_buckets(std::size_t bucket_bytes) {
+    // Parameters that train, latest registered first (backward produces those first).
+    std::vector<std::size_t> current;
+    std::size_t bytes = 0;
+    DType dt = DType::Float32;
+    auto flush = [&] {
+      if (!current.empty()) buckets_.push_back({dt, current});
+      current.clear();
+      bytes = 0;
+    };
+    for (std::size_t k = tensors_.size(); k-- > 0;) {
+      const auto& e = tensors_[k];
+      if (!e.is_param || !e.tensor.requires_grad() || e.tensor.dtype() == DType::Int64) continue;
+      if (!current.empty() && (e.tensor.dtype() != dt || bytes >= bucket_bytes)) flush();
+      dt = e.tensor.dtype();
+      current.push_back(k);
+      bytes += e.tensor.nbytes();
+    }
+    flush();
+  }
+
+  void build_replica(std::size_t r) {
+    std::vector<AnyTensor> flats;
+    for (std::size_t g = 0; g < group_dtypes_.size(); ++g)
+      flats.push_back(make_flat(group_dtypes_[g], group_numel_[g], devices_[r]));
+    std::unordered_map<const void*, AnyTensor> made;
+    M copy = nn::detail::copy_checked(
+        primary_, [&] { return std::make_unique<detail::ReplicaScope>(devices_[r], slots_, flats, made); });
+    std::vector<AnyTensor> views;
+    for (const auto& e : tensors_) {
+      auto it = made.find(e.tensor.impl_key());
+      CHORUS_CHECK(it != made.end(), "DataParallel: replica ", r, " has no copy of '", e.name,
+                   "' (is the tensor registered but not reachable from a copy of the module?)");
+      views.push_back(it->second);
+    }
+    replicas_.push_back(std::make_unique<M>(std::move(copy)));
+    replica_flats_.push_back(std::move(flats));
+    replica_tensors_.push_back(std::move(views));
+  }
+
+  void wire_autograd(std::size_t used) {
+    const bool grad = autograd::is_grad_enabled();
+    // Clear last step's wiring (a replica parameter with no bucket this step is a plain leaf).
+    for (std::size_t r = 1; r < devices_.size(); ++r)
+      for (auto& t : replica_tensors_[r - 1])
+        t.visit([](auto& x) {
+          x.impl()->grad_fn = nullptr;
+          x.impl()->requires_grad = false;
+        });
+    if (!grad) return;
+    Stream* home = ::chorus::detail::worker_stream_of_thread();
+    if (!home) home = &current_stream(devices_[0]);
+    for (const auto& bucket : buckets_) {
+      if (bucket.dtype == DType::Float32) wire_bucket<float>(bucket, used, home);
+      else wire_bucket<double>(bucket, used, home);
+    }
+  }
+
+  template <class T>
+  void wire_bucket(const Bucket& bucket, std::size_t used, Stream* home) {
+    std::vector<Shape> shapes;
+    for (auto k : bucket.members) shapes.push_back(tensors_[k].tensor.shape());
+    auto node = std::make_shared<detail::BroadcastBackward<T>>(comm_, shapes, devices_[0], used - 1);
+    node->set_stream(home);
+    for (auto k : bucket.members) node->add_next_edge(autograd::gradient_edge(tensors_[k].tensor.template as<T>()));
+    std::shared_ptr<autograd::Node<T>> base = node;
+    for (std::size_t r = 1; r < used; ++r) {
+      for (auto k : bucket.members) {
+        auto& impl = *replica_tensors_[r - 1][k].template as<T>().impl();
+        impl.output_nr = node->add_input(impl.shape, devices_[r]);
+        impl.grad_fn = base;
+        impl.requires_grad = true;
+      }
+    }
+  }
+
+  M& primary_;
+  std::vector<Device> devices_;
+  std::shared_ptr<Communicator> comm_;
+  std::vector<Entry> tensors_;  // parameters, then buffers, in registry order
+  std::vector<DType> group_dtypes_;
+  std::vector<std::int64_t> group_numel_;
+  std::vector<std::size_t> groups_;
+  std::vector<std::int64_t> offsets_;
+  std::unordered_map<const void*, detail::FlatSlot> slots_;
+  std::vector<AnyTensor> flats_;                               // [group], on the primary
+  std::vector<Bucket> buckets_;
+  std::vector<std::unique_ptr<M>> replicas_;                   // replica r at r - 1
+  std::vector<std::vector<AnyTensor>> replica_flats_;          // [r - 1][group]
+  std::vector<std::vector<AnyTensor>> replica_tensors_;        // [r - 1][tensor index]
+};
+
+}  // namespace parallel
+CHORUS_NAMESPACE_END

@@ -1,0 +1,247 @@
+// DataParallel on virtual CPU devices: the multi-device run equals the single-device run.
+#include <atomic>
+
+#include "test_util.hpp"
+
+using namespace chorus;
+using chorus::testing::all_close;
+using chorus::testing::throws_with;
+namespace F = chorus::nn::functional;
+
+namespace {
+template <class T>
+struct Net : nn::Module {
+  nn::LinearT<T> fc1, fc2;
+  Tensor<T> scale;
+  Net() : fc1(register_module("fc1", nn::LinearT<T>(6, 16))), fc2(register_module("fc2", nn::LinearT<T>(16, 3))) {
+    scale = register_buffer("scale", full<T>({3}, T(0.5)));
+  }
+  Tensor<T> forward(const Tensor<T>& x) { return fc2(chorus::tanh(fc1(x))) * scale; }
+};
+
+std::vector<Device> cpus(int k, int first = 0) {
+  set_cpu_device_count(std::max(cpu_device_count(), first + k));
+  std::vector<Device> d;
+  for (int i = 0; i < k; ++i) d.push_back(Device::cpu(first + i));
+  return d;
+}
+
+template <class T>
+void expect_grads_equal(const nn::Module& a, const nn::Module& b, double rtol, const std::string& what) {
+  auto pa = a.named_parameters(), pb = b.named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    auto ga = pa[i].tensor.template as<T>().grad(), gb = pb[i].tensor.template as<T>().grad();
+    ASSERT_TRUE(ga.defined() && gb.defined()) << what << " " << pa[i].name;
+    EXPECT_TRUE(all_close(ga, gb, rtol, rtol)) << what << " grad of " << pa[i].name;
+  }
+}
+}  // namespace
+
+template <class T>
+class DataParallelTyped : public ::testing::Test {};
+TYPED_TEST_SUITE(DataParallelTyped, chorus::testing::FloatTypes);
+
+TYPED_TEST(DataParallelTyped, OutputsAndGradientsEqualTheSingleDeviceRun) {
+  using T = TypeParam;
+  const double rtol = chorus::testing::tol<T>();
+  for (int k = 1; k <= 8; ++k) {
+    manual_seed(static_cast<std::uint64_t>(k));
+    Net<T> reference;
+    DataParallel<Net<T>> dp(nn::clone(reference, Device::cpu(0)), cpus(k));
+    for (int batch = 0; batch <= 3 * k + 1; ++batch) {
+      const std::string what = std::to_string(k) + " devices, batch " + std::to_string(batch);
+      auto x = randn<T>({batch, 6});
+      auto w = randn<T>({batch, 3});
+      reference.zero_grad();
+      dp.zero_grad();
+      auto ref_out = reference.forward(x);
+      auto out = dp(x);
+      ASSERT_EQ(out.device(), Device::cpu(0)) << what;
+      EXPECT_TRUE(all_close(out, ref_out, rtol, rtol)) << what;
+      (ref_out * w).sum().backward();
+      (out * w).sum().backward();
+      expect_grads_equal<T>(reference, dp.module(), rtol, what);
+    }
+  }
+}
+
+TYPED_TEST(DataParallelTyped, TenSgdStepsMatchSingleDeviceTraining) {
+  using T = TypeParam;
+  manual_seed(11);
+  Net<T> single;
+  DataParallel<Net<T>> dp(nn::clone(single, Device::cpu(0)), cpus(3));
+  optim::SGD opt_single(single.parameters(), {.lr = 0.1, .momentum = 0.9});
+  optim::SGD opt_dp(dp.parameters(), {.lr = 0.1, .momentum = 0.9});
+  for (int step = 0; step < 10; ++step) {
+    auto x = randn<T>({20, 6});
+    auto y = randn<T>({20, 3});
+    auto l1 = F::mse_loss(single.forward(x), y);
+    opt_single.zero_grad();
+    l1.backward();
+    opt_single.step();
+    auto l2 = F::mse_loss(dp(x), y);
+    opt_dp.zero_grad();
+    l2.backward();
+    opt_dp.step();
+    EXPECT_NEAR(l1.item(), l2.item(), 10 * chorus::testing::tol<T>() * (1 + std::abs(l1.item())));
+  }
+  auto a = single.named_parameters(), b = dp.named_parameters();
+  for (std::size_t i = 0; i < a.size(); ++i)
+    EXPECT_TRUE(all_close(b[i].tensor.template as<T>(), a[i].tensor.template as<T>(), 10 * chorus::testing::tol<T>(),
+                          10 * chorus::testing::tol<T>()))
+        << a[i].name;
+}
+
+TEST(DataParallel, RepeatedDevicesGetTheirOwnStreams) {
+  set_cpu_device_count(2);
+  manual_seed(5);
+  Net<double> reference;
+  DataParallel<Net<double>> dp(nn::clone(reference, Device::cpu(0)), {Device::cpu(0), Device::cpu(0), Device::cpu(1)});
+  auto x = randn<double>({7, 6});
+  auto out = dp(x);
+  auto ref = reference.forward(x);
+  EXPECT_TRUE(all_close(out, ref, 1e-12, 1e-12));
+  out.sum().backward();
+  ref.sum().backward();
+  expect_grads_equal<double>(reference, dp.module(), 1e-12, "repeated devices");
+}
+
+TEST(DataParallel, SmallBucketsGiveTheSameGradients) {
+  manual_seed(6);
+  Net<double> reference;
+  DataParallel<Net<double>> dp(nn::clone(reference, Device::cpu(0)), cpus(4), std::nullopt, 0, /*bucket_bytes=*/64);
+  auto x = randn<double>({13, 6});
+  (dp(x) * 2.0).sum().backward();
+  (reference.forward(x) * 2.0).sum().backward();
+  expect_grads_equal<double>(reference, dp.module(), 1e-12, "64-byte buckets");
+}
+
+TEST(DataParallel, ReplicasAreBuiltOnceAndLiveOnTheirDevices) {
+  manual_seed(7);
+  DataParallel<Net<float>> dp(Net<float>(), cpus(3));
+  const auto* r1 = &dp.replica(1);
+  for (int i = 0; i < 3; ++i) dp(randn<float>({9, 6})).sum().backward();
+  EXPECT_EQ(&dp.replica(1), r1);
+  auto ps = dp.replica(2).named_tensors();
+  for (auto& p : ps) EXPECT_EQ(p.tensor.device(), Device::cpu(2)) << p.name;
+  // Replica tensors share one flat buffer per dtype (one broadcast refreshes them all).
+  const auto& w = dp.replica(2).fc1->weight;
+  const auto& b = dp.replica(2).fc2->bias;
+  EXPECT_TRUE(w.same_storage(b));
+  // The primary's tensors were re-seated into a flat buffer too, keeping their identity.
+  EXPECT_TRUE(dp.module().fc1->weight.same_storage(dp.module().scale));
+  // Replicas see the primary's current values at every step.
+  {
+    NoGradGuard g;
+    dp.module().fc2->bias.fill_(7);
+  }
+  dp(randn<float>({9, 6}));
+  EXPECT_EQ(dp.replica(2).fc2->bias.to_vector(), std::vector<float>(3, 7.0f));
+}
+
+TEST(DataParallel, OutputDeviceDimAndMultipleArguments) {
+  struct TwoInputs : nn::Module {
+    nn::Linear fc;
+    TwoInputs() : fc(register_module("fc", nn::Linear(4, 2))) {}
+    std::tuple<Tensor<float>, Tensor<float>> forward(const Tensor<float>& a, const Tensor<float>& b, double scale,
+                                                     const std::string& tag) {
+      EXPECT_EQ(tag, "tag");
+      auto y = fc(a) * scale;
+      return {y, y + b};
+    }
+  };
+  manual_seed(8);
+  TwoInputs single;
+  DataParallel<TwoInputs> dp(nn::clone(single, Device::cpu(0)), cpus(3), Device::cpu(2));
+  auto a = randn<float>({10, 4}), b = randn<float>({10, 2});
+  auto [y, z] = dp(a, b, 3.0, std::string("tag"));
+  EXPECT_EQ(y.device(), Device::cpu(2));
+  auto [ry, rz] = single.forward(a, b, 3.0, "tag");
+  EXPECT_TRUE(all_close(y.to(Device::cpu(0)), ry, 1e-5, 1e-6));
+  EXPECT_TRUE(all_close(z.to(Device::cpu(0)), rz, 1e-5, 1e-6));
+  EXPECT_TRUE(throws_with([&] { dp(a, randn<float>({9, 2}), 1.0, std::string("tag")); },
+                          {"disagree", "argument 0 has 10", "argument 1 has 9"}));
+
+  // Splitting along dimension 1.
+  struct Cols : nn::Module {
+    Tensor<float> forward(const Tensor<float>& x) { return x * 2.0; }
+  };
+  DataParallel<Cols> by_col(Cols(), cpus(2), std::nullopt, 1);
+  auto m = randn<float>({3, 5});
+  EXPECT_TRUE(all_close(by_col(m), m * 2.0, 0));
+}
+
+TEST(DataParallel, InputsThatRequireGradGetGradients) {
+  manual_seed(9);
+  Net<double> reference;
+  DataParallel<Net<double>> dp(nn::clone(reference, Device::cpu(0)), cpus(3));
+  auto x = randn<double>({8, 6}).requires_grad_();
+  auto x2 = x.detach().clone().requires_grad_();
+  dp(x).sum().backward();
+  reference.forward(x2).sum().backward();
+  EXPECT_TRUE(all_close(x.grad(), x2.grad(), 1e-12, 1e-12));
+}
+
+TEST(DataParallel, AnExceptionInAReplicaIsReportedAndTheNextStepWorks) {
+  struct Flaky : nn::Module {
+    nn::Linear fc;
+    std::shared_ptr<std::atomic<bool>> fail = std::make_shared<std::atomic<bool>>(false);
+    Flaky() : fc(register_module("fc", nn::Linear(3, 3))) {}
+    Tensor<float> forward(const Tensor<float>& x) {
+      if (*fail && x.device() == Device::cpu(2)) throw std::runtime_error("replica blew up");
+      return fc(x);
+    }
+  };
+  DataParallel<Flaky> dp(Flaky(), cpus(3));
+  dp.module().fail->store(true);
+  EXPECT_TRUE(throws_with([&] { dp(randn<float>({9, 3})); }, {"replica 2", "cpu:2", "replica blew up"}));
+  dp.module().fail->store(false);
+  auto out = dp(randn<float>({9, 3}));
+  out.sum().backward();
+  EXPECT_EQ(out.shape(), (Shape{9, 3}));
+  EXPECT_TRUE(dp.module().fc->weight.grad().defined());
+}
+
+TEST(DataParallel, EvalModeNoGradAndPassthrough) {
+  struct Drop : nn::Module {
+    nn::Dropout drop;
+    Drop() : drop(register_module("drop", nn::Dropout(0.5))) {}
+    Tensor<float> forward(const Tensor<float>& x) { return drop(x); }
+  };
+  DataParallel<Drop> dp(Drop(), cpus(4));
+  dp.eval();
+  auto x = randn<float>({12, 5});
+  EXPECT_TRUE(all_close(dp(x), x, 0));
+  EXPECT_FALSE(dp.replica(3).drop->is_training());
+  dp.train();
+  auto y = dp(ones<float>({400, 5})).to_vector();
+  int zeros_n = 0;
+  for (auto v : y) zeros_n += v == 0;
+  EXPECT_GT(zeros_n, 600);  // every replica applies dropout in training mode
+  {
+    NoGradGuard g;
+    EXPECT_FALSE(dp(x).requires_grad());
+  }
+  // One device: a passthrough, the very same tensor flows in.
+  struct Identity : nn::Module {
+    Tensor<float> forward(const Tensor<float>& x) { return x; }
+  };
+  DataParallel<Identity> one(Identity(), {Device::cpu(0)});
+  EXPECT_TRUE(is_same(one(x), x));
+}
+
+TEST(DataParallel, ParametersMustBeOnThePrimary) {
+  set_cpu_device_count(3);
+  Net<float> net;
+  net.to(Device::cpu(1));
+  EXPECT_TRUE(throws_with([&] { DataParallel<Net<float>> dp(std::move(net), cpus(2)); },
+                          {"fc1.weight", "cpu:1", "primary device is cpu:0"}));
+  DataParallel<Net<float>> dp(Net<float>(), cpus(2));
+  dp.module().to(Device::cpu(2));
+  EXPECT_TRUE(throws_with([&] { dp(randn<float>({4, 6})); }, {"cpu:2", "primary"}));
+  dp.module().to(Device::cpu(0));  // back on the primary: it works again
+  EXPECT_EQ(dp(randn<float>({4, 6})).shape(), (Shape{4, 3}));
+  EXPECT_TRUE(throws_with([] { DataParallel<Net<float>>(Net<float>(), {Device::cpu(0), Device::cpu(9)}); },
+                          {"cpu:9"}));
+}
