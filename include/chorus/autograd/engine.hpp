@@ -23,6 +23,17 @@
 
 CHORUS_NAMESPACE_BEGIN
 namespace autograd {
+namespace detail {
+/// True when `t` is the only handle to its storage and covers all of it (so it may be
+/// written in place or kept as a gradient without anyone else seeing the change).
+template <class T>
+bool exclusively_owned(const Tensor<T>& t) {
+  const auto& st = t.impl()->storage;
+  return t.impl().use_count() == 1 && st.use_count() == 1 && t.is_contiguous() && t.storage_offset() == 0 &&
+         st->nbytes() == static_cast<std::size_t>(t.numel()) * sizeof(T);
+}
+
+}  // namespace detail
 
 template <class T>
 typename Node<T>::TensorList AccumulateGrad<T>::apply(typename Node<T>::TensorList&& grads) {
@@ -34,11 +45,7 @@ typename Node<T>::TensorList AccumulateGrad<T>::apply(typename Node<T>::TensorLi
                var.device());
   if (!var.grad) {
     // Steal the incoming gradient when nothing else can see its storage; copy otherwise.
-    const auto& st = g.impl()->storage;
-    const bool exclusive = g.impl().use_count() == 1 && st.use_count() == 1 && g.is_contiguous() &&
-                           g.storage_offset() == 0 &&
-                           st->nbytes() == static_cast<std::size_t>(g.numel()) * sizeof(T);
-    if (exclusive) {
+    if (detail::exclusively_owned(g)) {
       var.grad = g.impl();
     } else {
       auto copy = Tensor<T>::empty(g.shape(), g.device());
@@ -100,29 +107,42 @@ class GraphTask {
   }
 
  private:
-  void add_input(const Edge<T>& e, Tensor<T> g) {  // m_ held
+  // Only records the gradient (m_ held); several gradients for one input are summed by
+  // the thread that runs the node, outside the lock (Note [multi-device backward]).
+  void add_input(const Edge<T>& e, Tensor<T> g) {
     auto& buf = buffers_[e.fn.get()];
     if (buf.empty()) buf.resize(e.fn->num_inputs());
-    auto& slot = buf[e.input_nr];
-    if (!slot.defined()) {
-      slot = std::move(g);
-      return;
+    buf[e.input_nr].push_back(std::move(g));
+  }
+
+  /// The sum of the gradients that arrived for one input (undefined when none did).
+  static Tensor<T> sum_gradients(std::vector<Tensor<T>>& parts) {
+    if (parts.empty()) return {};
+    if (parts.size() == 1) return std::move(parts[0]);
+    auto contiguous = [](const Tensor<T>& t) {
+      if (t.is_contiguous()) return t;
+      auto c = Tensor<T>::empty(t.shape(), t.device());
+      backend::copy(c, t);
+      return c;
+    };
+    for (std::size_t i = 1; i < parts.size(); ++i)
+      CHORUS_CHECK(parts[i].device() == parts[0].device(), "autograd: gradients for one input arrived on ",
+                   parts[0].device(), " and ", parts[i].device());
+    // Sum into a gradient nothing else can see, when there is one; else into a new tensor.
+    std::size_t into = parts.size();
+    for (std::size_t i = 0; i < parts.size() && into == parts.size(); ++i)
+      if (exclusively_owned(parts[i])) into = i;
+    Tensor<T> sum;
+    if (into < parts.size()) {
+      sum = std::move(parts[into]);
+    } else {
+      sum = Tensor<T>::empty(parts[0].shape(), parts[0].device());
+      backend::copy(sum, parts[0]);
+      into = 0;
     }
-    // Sum into a fresh tensor: the incoming gradients may be shared with other nodes.
-    auto sum = Tensor<T>::empty(slot.shape(), slot.device());
-    Tensor<T> a = slot, b = g;
-    if (!a.is_contiguous()) {
-      a = Tensor<T>::empty(slot.shape(), slot.device());
-      backend::copy(a, slot);
-    }
-    if (!b.is_contiguous()) {
-      b = Tensor<T>::empty(g.shape(), g.device());
-      backend::copy(b, g);
-    }
-    CHORUS_CHECK(a.device() == b.device(), "autograd: gradients for one input arrived on ", a.device(),
-                 " and ", b.device());
-    backend::binary_same(a, b, sum, backend::fn::Add{});
-    slot = std::move(sum);
+    for (std::size_t i = 0; i < parts.size(); ++i)
+      if (i != into) backend::binary_same(sum, contiguous(parts[i]), sum, backend::fn::Add{});
+    return sum;
   }
 
   void schedule(Node<T>* n) {
@@ -146,13 +166,15 @@ class GraphTask {
   void execute(Node<T>* n) {
     std::vector<Node<T>*> ready;
     try {
-      typename Node<T>::TensorList inputs;
+      std::vector<std::vector<Tensor<T>>> arrived;
       {
         std::lock_guard<std::mutex> lk(m_);
         if (error_) throw Skip{};
-        inputs = std::move(buffers_[n]);
+        arrived = std::move(buffers_[n]);
         buffers_.erase(n);
       }
+      typename Node<T>::TensorList inputs(arrived.size());
+      for (std::size_t i = 0; i < arrived.size(); ++i) inputs[i] = sum_gradients(arrived[i]);
       CHORUS_CHECK(!n->released(), "backward through ", n->name(),
                    " a second time: its saved tensors were freed after the first backward "
                    "(pass retain_graph=true to the first call)");
@@ -224,7 +246,7 @@ class GraphTask {
   std::condition_variable cv_;
   std::unordered_map<Node<T>*, NodePtr> seen_;  // keeps every node alive during the run
   std::unordered_map<Node<T>*, int> deps_;
-  std::unordered_map<Node<T>*, typename Node<T>::TensorList> buffers_;
+  std::unordered_map<Node<T>*, std::vector<std::vector<Tensor<T>>>> buffers_;  // [node][input] arrivals
   std::unordered_set<Node<T>*> scheduled_;
   std::deque<Node<T>*> local_;
   int outstanding_ = 0;

@@ -289,20 +289,22 @@ class Replicator {
           x.impl()->requires_grad = false;
         });
     if (!grad) return;
-    Stream* home = ::chorus::detail::worker_stream_of_thread();
-    if (!home) home = &current_stream(devices_[0]);
-    for (const auto& bucket : buckets_) {
-      if (bucket.dtype == DType::Float32) wire_bucket<float>(bucket, used, home);
-      else wire_bucket<double>(bucket, used, home);
+    // Note [where buckets reduce]: each bucket's reduction runs on one of the other replicas'
+    // streams, round-robin, not on the primary's: the primary's thread already carries
+    // replica 0's backward, the loss and the AccumulateGrad sums, so this balances the load.
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      Stream* stream = comm_->streams()[1 + b % (used - 1)];
+      if (buckets_[b].dtype == DType::Float32) wire_bucket<float>(buckets_[b], used, stream);
+      else wire_bucket<double>(buckets_[b], used, stream);
     }
   }
 
   template <class T>
-  void wire_bucket(const Bucket& bucket, std::size_t used, Stream* home) {
+  void wire_bucket(const Bucket& bucket, std::size_t used, Stream* stream) {
     std::vector<Shape> shapes;
     for (auto k : bucket.members) shapes.push_back(tensors_[k].tensor.shape());
     auto node = std::make_shared<detail::BroadcastBackward<T>>(comm_, shapes, devices_[0], used - 1);
-    node->set_stream(home);
+    node->set_stream(stream);
     for (auto k : bucket.members) node->add_next_edge(autograd::gradient_edge(tensors_[k].tensor.template as<T>()));
     std::shared_ptr<autograd::Node<T>> base = node;
     for (std::size_t r = 1; r < used; ++r) {
