@@ -8,6 +8,9 @@ if(NOT TARGET BLAS::BLAS)
   find_package(BLAS REQUIRED)
 endif()
 
+# nlohmann/json for checkpoint headers (Debian: nlohmann-json3-dev).
+find_package(nlohmann_json 3.9 REQUIRED)
+
 # CUDA: used when nvcc is found (and not switched off); sets CHORUS_HAS_CUDA.
 set(CHORUS_HAS_CUDA OFF)
 if(NOT DEFINED CHORUS_ENABLE_CUDA OR CHORUS_ENABLE_CUDA)

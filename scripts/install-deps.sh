@@ -4,7 +4,10 @@
 # without them the CPU library, tests and examples still build and run.
 set -euo pipefail
 
-packages=(cmake make g++ libopenblas-dev libgtest-dev)
+packages=(cmake make g++ libopenblas-dev libgtest-dev nlohmann-json3-dev)
+if ! python3 -m pip --version >/dev/null 2>&1; then
+  packages+=(python3 python3-pip)  # for the safetensors interoperability test
+fi
 if [[ "${CHORUS_WITH_LIBTORCH:-0}" == 1 ]]; then
   packages+=(libtorch-dev)  # the CPU peer of the benchmarks
 fi
@@ -20,4 +23,11 @@ if ((${#missing[@]})); then
   echo "install-deps: installing ${missing[*]}"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The safetensors interoperability test reads and writes files with Python's safetensors.
+if ! python3 -c "import safetensors, numpy" 2>/dev/null; then
+  echo "install-deps: installing the Python packages safetensors and numpy"
+  python3 -m pip install --quiet safetensors numpy 2>/dev/null ||
+    python3 -m pip install --quiet --break-system-packages safetensors numpy
 fi

@@ -20,3 +20,5 @@
 #include "data/data.hpp"
 
 #include "parallel/parallel.hpp"
+
+#include "io/safetensors.hpp"

@@ -22,7 +22,7 @@ namespace detail {
 class AdamBase : public Optimizer {
  public:
   AdamBase(std::vector<AnyTensor> params, AdamOptions options, bool decoupled, const char* name)
-      : Optimizer(std::move(params)), options(options), decoupled_(decoupled) {
+      : Optimizer(std::move(params)), options(options), decoupled_(decoupled), name_(name) {
     CHORUS_CHECK(options.lr >= 0.0, name, ": invalid learning rate ", options.lr);
     CHORUS_CHECK(options.eps >= 0.0, name, ": invalid epsilon ", options.eps);
     CHORUS_CHECK(options.beta1 >= 0.0 && options.beta1 < 1.0, name, ": invalid beta1 ", options.beta1);
@@ -46,11 +46,13 @@ class AdamBase : public Optimizer {
   }
 
   std::vector<std::string> state_keys() const override { return {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}; }
+  std::string name() const override { return name_; }
 
   AdamOptions options;
 
  private:
   bool decoupled_;
+  std::string name_;
 };
 }  // namespace detail
 

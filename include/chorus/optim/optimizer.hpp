@@ -62,6 +62,8 @@ class Optimizer {
 
   /// The state key names this optimizer uses (for checkpoints and validation).
   virtual std::vector<std::string> state_keys() const = 0;
+  /// The optimizer's name ("SGD", "Adam", …), recorded in checkpoints.
+  virtual std::string name() const = 0;
 
  protected:
   virtual void validate_state(std::size_t i, const State& s) const {

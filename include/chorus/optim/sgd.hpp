@@ -43,6 +43,7 @@ class SGD final : public Optimizer {
   }
 
   std::vector<std::string> state_keys() const override { return {"momentum_buffer"}; }
+  std::string name() const override { return "SGD"; }
 
   SGDOptions options;
 };

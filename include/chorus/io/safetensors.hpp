@@ -1,0 +1,374 @@
+#pragma once
+// Checkpoints in the safetensors format (https://github.com/huggingface/safetensors):
+// an 8-byte little-endian header length N, N bytes of JSON mapping each tensor name to
+// {dtype, shape, data_offsets} (plus an optional "__metadata__" of strings), then the raw
+// little-endian data. Module files are keyed by named_parameters()/named_buffers() names, so
+// they load into the state_dict of the equivalent PyTorch module and back.
+//
+// Note [checkpoint safety]
+// Loading validates the whole file against the module before writing a single value, so a
+// bad file leaves the module unchanged. Saving writes a temporary file in the destination's
+// folder, flushes it to disk and renames it over the destination, so a failure part-way
+// leaves the previous checkpoint intact.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "../nn/module.hpp"
+#include "../optim/optimizer.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace io {
+
+static_assert(std::endian::native == std::endian::little, "the safetensors reader assumes a little-endian host");
+
+/// Free-form string metadata stored in the header's "__metadata__".
+using Metadata = std::map<std::string, std::string>;
+
+/// One tensor of a parsed file: where its bytes are inside the data section.
+struct TensorRecord {
+  DType dtype;
+  Shape shape;
+  std::size_t begin = 0, end = 0;  // byte offsets into the data section
+};
+
+/// A parsed and validated safetensors file held in memory.
+struct File {
+  Metadata metadata;
+  std::map<std::string, TensorRecord> tensors;
+  std::vector<std::uint8_t> bytes;  // the whole file
+  std::size_t data_start = 0;       // 8 + header length
+  const std::uint8_t* data(const TensorRecord& r) const { return bytes.data() + data_start + r.begin; }
+};
+
+namespace detail {
+
+inline constexpr std::size_t kMaxHeader = std::size_t{100} << 20;  // as the reference implementation
+
+inline const char* dtype_code(DType d) {
+  switch (d) {
+    case DType::Float32: return "F32";
+    case DType::Float64: return "F64";
+    case DType::Int64: return "I64";
+  }
+  return "?";
+}
+
+inline DType parse_dtype(const std::string& code, const std::string& name) {
+  if (code == "F32") return DType::Float32;
+  if (code == "F64") return DType::Float64;
+  if (code == "I64") return DType::Int64;
+  static const std::set<std::string> known = {"BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16",
+                                              "F16",  "BF16", "I32", "U32", "U64"};
+  if (known.count(code))
+    CHORUS_FAIL("safetensors: tensor '", name, "' has dtype ", code,
+                ", which chorus does not hold (F32, F64 and I64 are supported)");
+  CHORUS_FAIL("safetensors: tensor '", name, "' has unknown dtype '", code, "'");
+}
+
+/// Parses and validates a file image (see Note [checkpoint safety]).
+inline File parse(std::vector<std::uint8_t> bytes, const std::string& what) {
+  File f;
+  CHORUS_CHECK(bytes.size() >= 8, "safetensors: ", what, " is truncated: ", bytes.size(),
+               " bytes, fewer than the 8-byte header length");
+  std::uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  CHORUS_CHECK(n <= kMaxHeader, "safetensors: ", what, ": header length ", n, " exceeds the 100 MiB limit");
+  CHORUS_CHECK(n <= bytes.size() - 8, "safetensors: ", what, ": header length ", n, " runs past the end of the file (",
+               bytes.size(), " bytes)");
+  f.data_start = 8 + static_cast<std::size_t>(n);
+  const std::size_t data_size = bytes.size() - f.data_start;
+
+  std::set<std::string> seen;
+  std::string duplicate;
+  auto on_event = [&](int depth, nlohmann::json::parse_event_t ev, nlohmann::json& parsed) {
+    if (ev == nlohmann::json::parse_event_t::key && depth == 1 && !seen.insert(parsed.get<std::string>()).second)
+      duplicate = parsed.get<std::string>();
+    return true;
+  };
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + static_cast<std::ptrdiff_t>(f.data_start),
+                                   on_event);
+  } catch (const nlohmann::json::exception& e) {
+    CHORUS_FAIL("safetensors: ", what, ": the header is not valid JSON (", e.what(), ")");
+  }
+  CHORUS_CHECK(duplicate.empty(), "safetensors: ", what, ": tensor name '", duplicate, "' appears twice in the header");
+  CHORUS_CHECK(header.is_object(), "safetensors: ", what, ": the header is not a JSON object");
+
+  std::vector<std::pair<std::size_t, std::size_t>> ranges;
+  for (auto it = header.begin(); it != header.end(); ++it) {
+    const std::string& name = it.key();
+    const auto& v = it.value();
+    if (name == "__metadata__") {
+      CHORUS_CHECK(v.is_object(), "safetensors: ", what, ": __metadata__ is not an object");
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        CHORUS_CHECK(m.value().is_string(), "safetensors: ", what, ": metadata '", m.key(), "' is not a string");
+        f.metadata[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    CHORUS_CHECK(v.is_object() && v.contains("dtype") && v.contains("shape") && v.contains("data_offsets"),
+                 "safetensors: ", what, ": entry '", name, "' needs dtype, shape and data_offsets");
+    CHORUS_CHECK(v["dtype"].is_string(), "safetensors: ", what, ": dtype of '", name, "' is not a string");
+    TensorRecord r;
+    r.dtype = parse_dtype(v["dtype"].get<std::string>(), name);
+    CHORUS_CHECK(v["shape"].is_array() && v["shape"].size() <= static_cast<std::size_t>(Dims::kMaxDims),
+                 "safetensors: ", what, ": shape of '", name, "' is not an array of at most ", Dims::kMaxDims,
+                 " sizes");
+    std::uint64_t numel = 1;
+    bool overflow = false;
+    for (const auto& d : v["shape"]) {
+      CHORUS_CHECK(d.is_number_unsigned(), "safetensors: ", what, ": shape of '", name,
+                   "' holds something other than non-negative integers");
+      const auto s = d.get<std::uint64_t>();
+      CHORUS_CHECK(s <= (std::uint64_t{1} << 48), "safetensors: ", what, ": size ", s, " in the shape of '", name,
+                   "' is too large");
+      r.shape.push_back(static_cast<std::int64_t>(s));
+      if (s != 0 && numel > (std::uint64_t{1} << 60) / s) overflow = true;
+      numel *= s;
+    }
+    const auto& off = v["data_offsets"];
+    CHORUS_CHECK(off.is_array() && off.size() == 2 && off[0].is_number_unsigned() && off[1].is_number_unsigned(),
+                 "safetensors: ", what, ": data_offsets of '", name, "' is not a pair of non-negative integers");
+    const auto b = off[0].get<std::uint64_t>(), e = off[1].get<std::uint64_t>();
+    CHORUS_CHECK(b <= e && e <= data_size, "safetensors: ", what, ": data_offsets [", b, ", ", e, ") of '", name,
+                 "' are out of range for ", data_size, " bytes of data");
+    CHORUS_CHECK(!overflow && numel * dtype_size(r.dtype) == e - b, "safetensors: ", what, ": '", name, "' has shape ",
+                 r.shape, " and dtype ", dtype_code(r.dtype), " (", overflow ? 0 : numel * dtype_size(r.dtype),
+                 " bytes) but its data_offsets span ", e - b, " bytes");
+    r.begin = static_cast<std::size_t>(b);
+    r.end = static_cast<std::size_t>(e);
+    ranges.push_back({r.begin, r.end});
+    f.tensors.emplace(name, r);
+  }
+  // The tensors must tile the data section exactly: no overlaps, no holes.
+  std::sort(ranges.begin(), ranges.end());
+  std::size_t pos = 0;
+  for (const auto& [b, e] : ranges) {
+    CHORUS_CHECK(b >= pos, "safetensors: ", what, ": tensor data overlap at byte ", b);
+    CHORUS_CHECK(b == pos, "safetensors: ", what, ": bytes [", pos, ", ", b, ") of the data belong to no tensor");
+    pos = e;
+  }
+  CHORUS_CHECK(pos == data_size, "safetensors: ", what, ": bytes [", pos, ", ", data_size,
+               ") of the data belong to no tensor");
+  f.bytes = std::move(bytes);
+  return f;
+}
+
+inline std::vector<std::uint8_t> read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  CHORUS_CHECK(in.good(), "safetensors: cannot open '", path, "': ", std::strerror(errno));
+  std::vector<std::uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHORUS_CHECK(!in.bad(), "safetensors: error reading '", path, "'");
+  return bytes;
+}
+
+/// Writes `bytes` to `path` atomically (Note [checkpoint safety]).
+inline void write_atomically(const std::string& path, const std::vector<std::uint8_t>& bytes) {
+  std::random_device rd;
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(rd());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  CHORUS_CHECK(fd >= 0, "safetensors: cannot create '", tmp, "': ", std::strerror(errno));
+  auto fail = [&](const char* step) {
+    const int err = errno;
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    CHORUS_FAIL("safetensors: ", step, " '", path, "' failed: ", std::strerror(err), "; the previous file is intact");
+  };
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) fail("writing");
+    done += static_cast<std::size_t>(w);
+  }
+  if (::fsync(fd) != 0) fail("flushing");
+  if (::close(fd) != 0) {
+    fd = -1;
+    ::unlink(tmp.c_str());
+    CHORUS_FAIL("safetensors: closing '", tmp, "' failed: ", std::strerror(errno));
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    CHORUS_FAIL("safetensors: renaming '", tmp, "' to '", path, "' failed: ", std::strerror(err));
+  }
+}
+
+/// Serialises named tensors (copied to the host) with metadata.
+inline std::vector<std::uint8_t> serialise(const std::vector<nn::Module::NamedTensor>& tensors, const Metadata& meta) {
+  nlohmann::json header = nlohmann::json::object();
+  if (!meta.empty()) header["__metadata__"] = meta;
+  std::vector<std::vector<std::uint8_t>> blobs;
+  std::size_t offset = 0;
+  std::set<std::string> names;
+  for (const auto& t : tensors) {
+    CHORUS_CHECK(names.insert(t.name).second, "safetensors: two tensors are named '", t.name, "'");
+    CHORUS_CHECK(t.name != "__metadata__", "safetensors: a tensor may not be named __metadata__");
+    std::vector<std::uint8_t> blob(t.tensor.nbytes());
+    t.tensor.visit([&](const auto& x) {
+      auto v = x.to_vector();
+      if (!v.empty()) std::memcpy(blob.data(), v.data(), blob.size());
+    });
+    header[t.name] = {{"dtype", dtype_code(t.tensor.dtype())},
+                      {"shape", t.tensor.shape().vec()},
+                      {"data_offsets", {offset, offset + blob.size()}}};
+    offset += blob.size();
+    blobs.push_back(std::move(blob));
+  }
+  std::string h = header.dump();
+  h.append((8 - h.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
+  std::vector<std::uint8_t> out(8 + h.size() + offset);
+  const std::uint64_t n = h.size();
+  std::memcpy(out.data(), &n, 8);
+  std::memcpy(out.data() + 8, h.data(), h.size());
+  std::size_t pos = 8 + h.size();
+  for (const auto& b : blobs) {
+    if (!b.empty()) std::memcpy(out.data() + pos, b.data(), b.size());
+    pos += b.size();
+  }
+  return out;
+}
+
+/// A host tensor holding a record's bytes.
+template <class T>
+Tensor<T> host_tensor(const File& f, const TensorRecord& r) {
+  auto t = Tensor<T>::empty(r.shape, Device::cpu());
+  if (r.end > r.begin) std::memcpy(t.data(), f.data(r), r.end - r.begin);
+  return t;
+}
+
+template <class M>
+nn::Module& as_module(M& m) {
+  if constexpr (requires { typename M::ImplType; }) return *m;
+  else if constexpr (requires { m.module(); }) return as_module(m.module());  // DataParallel
+  else return m;
+}
+
+inline std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (std::size_t i = 0; i < v.size() && i < 8; ++i) s += (i ? ", " : "") + ("'" + v[i] + "'");
+  if (v.size() > 8) s += ", … (" + std::to_string(v.size()) + " in all)";
+  return s;
+}
+
+}  // namespace detail
+
+/// Reads and validates a safetensors file.
+inline File read(const std::string& path) { return detail::parse(detail::read_file(path), "'" + path + "'"); }
+
+/// Validates an in-memory safetensors image.
+inline File parse(std::span<const std::uint8_t> bytes) {
+  return detail::parse(std::vector<std::uint8_t>(bytes.begin(), bytes.end()), "buffer");
+}
+
+/// Copies a file's tensors into `module`'s parameters and buffers (matched by dotted name,
+/// dtype and shape; every tensor of each side must be matched). On any mismatch it throws
+/// and leaves the module unchanged.
+inline void load_into(nn::Module& module, const File& f, const std::string& what = "checkpoint") {
+  auto named = module.named_tensors();
+  std::vector<std::string> missing, unexpected;
+  std::set<std::string> names;
+  for (const auto& t : named) {
+    names.insert(t.name);
+    if (!f.tensors.count(t.name)) missing.push_back(t.name);
+  }
+  for (const auto& [name, r] : f.tensors)
+    if (!names.count(name)) unexpected.push_back(name);
+  CHORUS_CHECK(missing.empty(), "load: ", what, " lacks ", missing.size(), " tensor(s) of the module: ",
+               detail::join(missing));
+  CHORUS_CHECK(unexpected.empty(), "load: ", what, " has ", unexpected.size(), " tensor(s) the module lacks: ",
+               detail::join(unexpected));
+  for (const auto& t : named) {
+    const auto& r = f.tensors.at(t.name);
+    CHORUS_CHECK(r.dtype == t.tensor.dtype(), "load: '", t.name, "' is ", dtype_name(r.dtype), " in ", what,
+                 " but ", dtype_name(t.tensor.dtype()), " in the module");
+    CHORUS_CHECK(r.shape == t.tensor.shape(), "load: '", t.name, "' has shape ", r.shape, " in ", what,
+                 " but shape ", t.tensor.shape(), " in the module");
+  }
+  NoGradGuard g;  // everything checked: now write
+  for (auto& t : named) {
+    const auto& r = f.tensors.at(t.name);
+    t.tensor.visit([&](auto& x) {
+      using T = typename std::decay_t<decltype(x)>::value_type;
+      backend::copy(x, detail::host_tensor<T>(f, r));
+    });
+  }
+}
+
+}  // namespace io
+
+/// Saves a module's parameters and buffers (a DataParallel saves its wrapped module).
+template <class M>
+  requires(!std::is_base_of_v<optim::Optimizer, M>)
+void save(const M& module, const std::string& path, const io::Metadata& metadata = {}) {
+  auto& m = io::detail::as_module(const_cast<M&>(module));
+  io::detail::write_atomically(path, io::detail::serialise(m.named_tensors(), metadata));
+}
+
+/// Loads a checkpoint written by save() (or by safetensors' save_file) into a module.
+template <class M>
+  requires(!std::is_base_of_v<optim::Optimizer, M>)
+void load(M& module, const std::string& path) {
+  auto f = io::read(path);
+  io::load_into(io::detail::as_module(module), f, "'" + path + "'");
+}
+
+/// Saves an optimizer's state: tensor "<i>.<key>" is entry `key` of parameter i's state.
+inline void save(const optim::Optimizer& opt, const std::string& path) {
+  std::vector<nn::Module::NamedTensor> tensors;
+  for (std::size_t i = 0; i < opt.state().size(); ++i)
+    for (const auto& [k, v] : opt.state()[i]) tensors.push_back({std::to_string(i) + "." + k, v});
+  io::Metadata meta{{"format", "chorus.optimizer"},
+                    {"optimizer", opt.name()},
+                    {"parameters", std::to_string(opt.parameters().size())}};
+  io::detail::write_atomically(path, io::detail::serialise(tensors, meta));
+}
+
+/// Loads optimizer state saved by save(optimizer): same optimizer type, same parameters.
+inline void load(optim::Optimizer& opt, const std::string& path) {
+  auto f = io::read(path);
+  auto get = [&](const char* k) {
+    auto it = f.metadata.find(k);
+    return it == f.metadata.end() ? std::string() : it->second;
+  };
+  CHORUS_CHECK(get("format") == "chorus.optimizer", "load: '", path, "' is not an optimizer checkpoint");
+  CHORUS_CHECK(get("optimizer") == opt.name(), "load: '", path, "' holds ", get("optimizer"), " state, not ",
+               opt.name());
+  CHORUS_CHECK(get("parameters") == std::to_string(opt.parameters().size()), "load: '", path, "' holds state for ",
+               get("parameters"), " parameters, the optimizer has ", opt.parameters().size());
+  std::vector<optim::Optimizer::State> state(opt.parameters().size());
+  for (const auto& [name, r] : f.tensors) {
+    const auto dot = name.find('.');
+    CHORUS_CHECK(dot != std::string::npos && dot > 0 && name.find_first_not_of("0123456789") == dot, "load: '", path,
+                 "': '", name, "' is not of the form <parameter index>.<state>");
+    const std::size_t i = std::stoul(name.substr(0, dot));
+    CHORUS_CHECK(i < state.size(), "load: '", path, "': '", name, "' names parameter ", i, " of ", state.size());
+    const Device dev = opt.parameters()[i].device();
+    AnyTensor t;
+    switch (r.dtype) {
+      case DType::Float32: t = io::detail::host_tensor<float>(f, r).to(dev); break;
+      case DType::Float64: t = io::detail::host_tensor<double>(f, r); break;  // scalars stay on the host
+      case DType::Int64: t = io::detail::host_tensor<std::int64_t>(f, r).to(dev); break;
+    }
+    if (r.dtype == DType::Float64 && name.substr(dot + 1) != "step") t = t.as<double>().to(dev);
+    state[i][name.substr(dot + 1)] = t;
+  }
+  opt.load_state(std::move(state));
+}
+
+CHORUS_NAMESPACE_END
