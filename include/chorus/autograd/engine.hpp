@@ -107,12 +107,38 @@ class GraphTask {
   }
 
  private:
+  struct Arrival {
+    Tensor<T> grad;
+    Event ready;  // CUDA: recorded where the gradient was produced
+    bool has_event;
+  };
+
   // Only records the gradient (m_ held); several gradients for one input are summed by
   // the thread that runs the node, outside the lock (Note [multi-device backward]).
   void add_input(const Edge<T>& e, Tensor<T> g) {
     auto& buf = buffers_[e.fn.get()];
     if (buf.empty()) buf.resize(e.fn->num_inputs());
-    buf[e.input_nr].push_back(std::move(g));
+    Arrival a{std::move(g), Event(), false};
+    if (a.grad.device().is_cuda()) {  // produced on this thread's current stream for its device
+      a.ready.record(current_stream(a.grad.device()));
+      a.has_event = true;
+    }
+    buf[e.input_nr].push_back(std::move(a));
+  }
+
+  /// Orders the consumer's stream after each gradient's producer and notes the use of its
+  /// memory there (CUDA; see Note [CUDA allocator]).
+  static std::vector<Tensor<T>> take_arrivals(std::vector<Arrival>& arrivals) {
+    std::vector<Tensor<T>> out;
+    for (auto& a : arrivals) {
+      if (a.has_event) {
+        Stream& s = current_stream(a.grad.device());
+        a.ready.block(s);
+        record_stream(a.grad.impl()->storage->data(), a.grad.device(), s);
+      }
+      out.push_back(std::move(a.grad));
+    }
+    return out;
   }
 
   /// The sum of the gradients that arrived for one input (undefined when none did).
@@ -166,7 +192,7 @@ class GraphTask {
   void execute(Node<T>* n) {
     std::vector<Node<T>*> ready;
     try {
-      std::vector<std::vector<Tensor<T>>> arrived;
+      std::vector<std::vector<Arrival>> arrived;
       {
         std::lock_guard<std::mutex> lk(m_);
         if (error_) throw Skip{};
@@ -174,7 +200,10 @@ class GraphTask {
         buffers_.erase(n);
       }
       typename Node<T>::TensorList inputs(arrived.size());
-      for (std::size_t i = 0; i < arrived.size(); ++i) inputs[i] = sum_gradients(arrived[i]);
+      for (std::size_t i = 0; i < arrived.size(); ++i) {
+        auto grads = take_arrivals(arrived[i]);
+        inputs[i] = sum_gradients(grads);
+      }
       CHORUS_CHECK(!n->released(), "backward through ", n->name(),
                    " a second time: its saved tensors were freed after the first backward "
                    "(pass retain_graph=true to the first call)");
@@ -246,7 +275,7 @@ class GraphTask {
   std::condition_variable cv_;
   std::unordered_map<Node<T>*, NodePtr> seen_;  // keeps every node alive during the run
   std::unordered_map<Node<T>*, int> deps_;
-  std::unordered_map<Node<T>*, std::vector<std::vector<Tensor<T>>>> buffers_;  // [node][input] arrivals
+  std::unordered_map<Node<T>*, std::vector<std::vector<Arrival>>> buffers_;  // [node][input]
   std::unordered_set<Node<T>*> scheduled_;
   std::deque<Node<T>*> local_;
   int outstanding_ = 0;

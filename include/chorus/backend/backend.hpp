@@ -168,6 +168,29 @@ void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T al
                   cuda::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, dev));
 }
 
+/// out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N]) for contiguous row-major x and w. On CUDA a
+/// float32 product with a bias is one cuBLASLt call with the bias fused into its epilogue.
+template <class T>
+void linear_forward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>* bias, const Tensor<T>& out) {
+  const auto M = x.size(0), K = x.size(1), N = w.size(0);
+  const Device d = x.device();
+#if CHORUS_CUDA
+  if constexpr (std::is_same_v<T, float>) {
+    if (d.is_cuda() && bias && M > 0 && N > 0 && K > 0 &&
+        cuda::linear_bias_lt(x.data(), w.data(), bias->data(), out.data(), M, N, K, d))
+      return;
+  }
+#endif
+  T beta = T(0);
+  if (bias && M > 0) {
+    CHORUS_DISPATCH(d, cpu::broadcast_rows(bias->data(), M, N, out.data()),
+                    cuda::broadcast_rows(bias->data(), M, N, out.data(), d));
+    beta = T(1);
+  }
+  gemm(false, true, M, N, K, T(1), x.data(), std::max<std::int64_t>(K, 1), w.data(), std::max<std::int64_t>(K, 1),
+       beta, out.data(), std::max<std::int64_t>(N, 1), d);
+}
+
 template <class T>
 void broadcast_rows(const Tensor<T>& bias, std::int64_t rows, std::int64_t cols, const Tensor<T>& out) {
   CHORUS_DISPATCH(bias.device(), cpu::broadcast_rows(bias.data(), rows, cols, out.data()),

@@ -17,6 +17,9 @@
 
 CHORUS_NAMESPACE_BEGIN
 
+class Stream;
+inline Stream& current_stream(Device d);
+
 namespace detail {
 
 class Runtime {
@@ -119,7 +122,11 @@ class Runtime {
   }
 
  private:
-  Runtime() = default;
+  Runtime() {
+#if CHORUS_CUDA
+    current_cuda_stream_fn() = [](int device) { return current_stream(Device::cuda(device)).handle(); };
+#endif
+  }
 
   static int count_from_env() {
     const char* v = std::getenv("CHORUS_CPU_DEVICES");
@@ -182,6 +189,19 @@ inline Stream& current_stream(Device d) {
   for (auto it = ov.rbegin(); it != ov.rend(); ++it)
     if ((*it)->device() == d) return **it;
   return get_stream(d, 0);
+}
+
+/// Notes that `stream` reads or writes the memory at `p` on device `d`, so that the memory is
+/// not reused before that work finishes (Note [CUDA allocator]; a no-op for CPU devices).
+inline void record_stream(const void* p, Device d, Stream& stream) {
+#if CHORUS_CUDA
+  if (d.is_cuda())
+    static_cast<CudaCachingAllocator&>(allocator_of(d)).record_stream(p, stream.handle());
+#else
+  (void)p;
+  (void)d;
+  (void)stream;
+#endif
 }
 
 /// Waits for all work on every stream of device `d`.

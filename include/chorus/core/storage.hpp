@@ -48,27 +48,33 @@ inline void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_de
   if (dst_dev.is_cuda() && src_dev.is_cuda()) {
     Stream& s = current_stream(dst_dev);
     cuda::DeviceGuard g(dst_dev.index);
-    if (dst_dev == src_dev) {
-      CHORUS_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice, s.handle()));
-    } else {
+    if (dst_dev != src_dev) {
       // The source was produced on the source device's current stream: order after it.
       Event ev;
       ev.record(current_stream(src_dev));
       ev.block(s);
+    }
+    record_stream(src, src_dev, s);
+    record_stream(dst, dst_dev, s);
+    if (dst_dev == src_dev) {
+      CHORUS_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice, s.handle()));
+    } else {
       CHORUS_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_dev.index, src, src_dev.index, nbytes, s.handle()));
     }
     return;
   }
-  if (dst_dev.is_cuda()) {  // host → device: synchronous with respect to the host buffer
+  if (dst_dev.is_cuda()) {  // host -> device: the host buffer is free to change on return
     Stream& s = current_stream(dst_dev);
     cuda::DeviceGuard g(dst_dev.index);
+    record_stream(dst, dst_dev, s);
     CHORUS_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyHostToDevice, s.handle()));
     CHORUS_CUDA_CHECK(cudaStreamSynchronize(s.handle()));
     return;
   }
-  {  // device → host
+  {  // device -> host: the values are on the host on return
     Stream& s = current_stream(src_dev);
     cuda::DeviceGuard g(src_dev.index);
+    record_stream(src, src_dev, s);
     CHORUS_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToHost, s.handle()));
     CHORUS_CUDA_CHECK(cudaStreamSynchronize(s.handle()));
     return;

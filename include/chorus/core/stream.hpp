@@ -9,6 +9,8 @@
 // device (the worker's own stream on a worker, slot 0 elsewhere) is what autograd records
 // so that backward runs each node where its forward ran, and what CUDA kernels launch onto.
 // Work is moved onto a stream with post()/async(); Events order work between streams.
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -60,11 +62,14 @@ class Worker {
   Worker& operator=(const Worker&) = delete;
 
   void post(std::function<void()> task) {
+    bool wake;
     {
       std::lock_guard<std::mutex> lk(m_);
       q_.push_back(std::move(task));
+      pending_.store(q_.size(), std::memory_order_release);
+      wake = sleeping_;
     }
-    cv_.notify_one();
+    if (wake) cv_.notify_one();
   }
 
   bool on_this_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
@@ -78,14 +83,29 @@ class Worker {
   }
 
  private:
+  // Note [worker spin]: a worker that has just run a task spins briefly before sleeping, so
+  // the next task of a step (DataParallel posts several in quick succession) starts in well
+  // under a microsecond instead of after a futex wake-up (~10 us on a loaded VM).
+  static constexpr auto kSpin = std::chrono::microseconds(50);
+
   void loop() {
     if (on_start_) on_start_();
     std::unique_lock<std::mutex> lk(m_);
     for (;;) {
+      if (q_.empty() && !stop_) {
+        lk.unlock();
+        const auto until = std::chrono::steady_clock::now() + kSpin;
+        while (pending_.load(std::memory_order_acquire) == 0 && std::chrono::steady_clock::now() < until) {
+        }
+        lk.lock();
+      }
+      sleeping_ = true;
       cv_.wait(lk, [this] { return stop_ || !q_.empty(); });
+      sleeping_ = false;
       if (q_.empty()) return;  // stop requested and drained
       auto task = std::move(q_.front());
       q_.pop_front();
+      pending_.store(q_.size(), std::memory_order_release);
       busy_ = true;
       lk.unlock();
       try {
@@ -105,7 +125,8 @@ class Worker {
   std::mutex m_;
   std::condition_variable cv_, idle_cv_;
   std::deque<std::function<void()>> q_;
-  bool stop_ = false, busy_ = false;
+  bool stop_ = false, busy_ = false, sleeping_ = false;
+  std::atomic<std::size_t> pending_{0};
   std::exception_ptr error_;
   std::thread thread_;
 };

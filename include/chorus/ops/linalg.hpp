@@ -196,17 +196,13 @@ Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
                  " does not match weight of shape ", weight.shape());
   }
   const auto outf = weight.shape()[0];
-  auto x2 = ops::detail::as_matrix(x.dim() == 1 ? x.detach().unsqueeze(0) : x.detach());
+  auto x2 = ops::detail::contiguous_data(ops::detail::as_matrix(x.dim() == 1 ? x.detach().unsqueeze(0) : x.detach()));
   Shape s = x.shape();
   s[s.size() - 1] = outf;
   auto out = Tensor<T>::empty(s, x.device());
-  auto out2 = ops::detail::view_as_shape(out, Shape{x2.shape()[0], outf});
-  T beta = T(0);
-  if (bias.defined() && x2.shape()[0] > 0) {
-    backend::broadcast_rows(ops::detail::contiguous_data(bias), x2.shape()[0], outf, out2);
-    beta = T(1);
-  }
-  ops::detail::gemm_2d(x2, ops::detail::make_view2d(weight.detach()), out2, T(1), beta);
+  auto w = ops::detail::contiguous_data(weight.detach());
+  Tensor<T> b = bias.defined() ? ops::detail::contiguous_data(bias.detach()) : Tensor<T>();
+  backend::linear_forward(x2, w, b.defined() ? &b : nullptr, ops::detail::view_as_shape(out, Shape{x2.shape()[0], outf}));
   if (autograd::needs_grad(x, weight, bias)) {
     auto node = autograd::make_node<ops::detail::LinearBackward<T>, T>(
         {&x, &weight, bias.defined() ? &bias : nullptr}, x.detach(), weight.detach(), bias.defined());

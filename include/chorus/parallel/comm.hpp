@@ -13,6 +13,9 @@
 
 #include "../core/any_tensor.hpp"
 #include "../ops/ops.hpp"
+#if CHORUS_CUDA
+#include "../backend/cuda/nccl.cuh"
+#endif
 
 CHORUS_NAMESPACE_BEGIN
 namespace parallel {
@@ -54,6 +57,11 @@ class CopyCommunicator final : public Communicator {
     CHORUS_CHECK(dsts.size() < streams_.size(), "broadcast: ", dsts.size(), " destinations for a group of ",
                  streams_.size());
     for (std::size_t r = 1; r <= dsts.size(); ++r) {
+      if (streams_[r]->device().is_cuda()) {  // after the root's work so far (the optimizer step)
+        Event ready;
+        ready.record(current_stream(streams_[0]->device()));
+        ready.block(*streams_[r]);
+      }
       src.visit([&](const auto& s) {
         using T = typename std::decay_t<decltype(s)>::value_type;
         const auto& d = dsts[r - 1].as<T>();
@@ -89,6 +97,123 @@ class CopyCommunicator final : public Communicator {
 
   std::string name() const override { return "copy"; }
 };
+
+#if CHORUS_CUDA
+/// NCCL collectives for a group of distinct GPUs, on one dedicated stream per device and
+/// ordered against the compute streams by events (Note [communicators]).
+class NcclCommunicator final : public Communicator {
+ public:
+  static constexpr int kCommSlot = 63;  // the stream slot of the communication streams
+
+  explicit NcclCommunicator(std::vector<Stream*> streams)
+      : Communicator(std::move(streams)), comms_(device_indices(streams_)) {
+    for (auto* s : streams_) comm_.push_back(&get_stream(s->device(), kCommSlot));
+  }
+
+  void broadcast(const AnyTensor& src, const std::vector<AnyTensor>& dsts) override {
+    CHORUS_CHECK(dsts.size() + 1 == size(), "NCCL broadcast: every rank takes part (", dsts.size() + 1, " of ",
+                 size(), " buffers given)");
+    std::vector<void*> bufs;
+    std::vector<cudaStream_t> streams;
+    for (std::size_t r = 0; r < size(); ++r) {
+      const AnyTensor& t = r == 0 ? src : dsts[r - 1];
+      CHORUS_CHECK(t.numel() == src.numel() && t.dtype() == src.dtype(), "NCCL broadcast: buffer ", r, " differs");
+      // The root waits for its producer (the optimizer step); the others for their last use.
+      Event ready;
+      ready.record(r == 0 ? current_stream(streams_[0]->device()) : *streams_[r]);
+      ready.block(*comm_[r]);
+      bufs.push_back(data_of(t));
+      streams.push_back(comm_[r]->handle());
+    }
+    comms_.broadcast(bufs, static_cast<std::size_t>(src.numel()), src.dtype(), 0, streams);
+    for (std::size_t r = 1; r < size(); ++r) {  // the replica's next work sees the new values
+      Event done;
+      done.record(*comm_[r]);
+      done.block(*streams_[r]);
+    }
+  }
+
+  void reduce_add(const std::vector<std::vector<AnyTensor>>& srcs, const std::vector<AnyTensor>& dsts) override {
+    CHORUS_CHECK(srcs.size() < size(), "NCCL reduce: ", srcs.size(), " sources for a group of ", size());
+    if (dsts.empty()) return;
+    const DType dt = dsts[0].dtype();
+    std::int64_t total = 0;
+    for (const auto& d : dsts) {
+      CHORUS_CHECK(d.dtype() == dt, "NCCL reduce: a bucket mixes dtypes");
+      total += d.numel();
+    }
+    // Pack each rank's gradients into one flat buffer on its communication stream; ranks
+    // without gradients this step (rank 0, unused replicas) send zeros.
+    std::vector<AnyTensor> flats;
+    std::vector<const void*> send;
+    std::vector<cudaStream_t> streams;
+    for (std::size_t r = 0; r < size(); ++r) {
+      const Device dev = streams_[r]->device();
+      Stream& cs = *comm_[r];
+      AnyTensor flat = make_flat(dt, total, dev);
+      record_stream(data_of(flat), dev, cs);
+      ::chorus::cuda::DeviceGuard g(dev.index);
+      if (r >= 1 && r <= srcs.size()) {
+        Event produced;  // the gradients came from the replica's stream
+        produced.record(*streams_[r]);
+        produced.block(cs);
+        std::size_t off = 0;
+        for (const auto& t : srcs[r - 1]) {
+          const std::size_t bytes = t.nbytes();
+          CHORUS_CHECK(t.device() == dev, "NCCL reduce: a gradient of rank ", r, " is on ", t.device());
+          record_stream(data_of(t), dev, cs);
+          CHORUS_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(data_of(flat)) + off, data_of(t), bytes,
+                                            cudaMemcpyDeviceToDevice, cs.handle()));
+          off += bytes;
+        }
+      } else {
+        CHORUS_CUDA_CHECK(cudaMemsetAsync(data_of(flat), 0, flat.nbytes(), cs.handle()));
+      }
+      send.push_back(data_of(flat));
+      streams.push_back(cs.handle());
+      flats.push_back(std::move(flat));
+    }
+    AnyTensor recv = make_flat(dt, total, streams_[0]->device());
+    record_stream(data_of(recv), streams_[0]->device(), *comm_[0]);
+    comms_.reduce(send, data_of(recv), static_cast<std::size_t>(total), dt, 0, streams);
+    // Unpack into the outputs on rank 0, then order the caller's stream after it.
+    ::chorus::cuda::DeviceGuard g(streams_[0]->device().index);
+    std::size_t off = 0;
+    for (const auto& d : dsts) {
+      record_stream(data_of(d), d.device(), *comm_[0]);
+      CHORUS_CUDA_CHECK(cudaMemcpyAsync(data_of(d), static_cast<char*>(data_of(recv)) + off, d.nbytes(),
+                                        cudaMemcpyDeviceToDevice, comm_[0]->handle()));
+      off += d.nbytes();
+    }
+    Event done;
+    done.record(*comm_[0]);
+    done.block(current_stream(streams_[0]->device()));
+  }
+
+  std::string name() const override { return "nccl"; }
+
+ private:
+  static std::vector<int> device_indices(const std::vector<Stream*>& streams) {
+    std::vector<int> d;
+    for (auto* s : streams) d.push_back(s->device().index);
+    return d;
+  }
+  static void* data_of(const AnyTensor& t) {
+    return t.visit([](const auto& x) -> void* { return static_cast<void*>(x.data()); });
+  }
+  static AnyTensor make_flat(DType dt, std::int64_t n, Device d) {
+    switch (dt) {
+      case DType::Float32: return Tensor<float>::empty(Shape{n}, d);
+      case DType::Float64: return Tensor<double>::empty(Shape{n}, d);
+      case DType::Int64: return Tensor<std::int64_t>::empty(Shape{n}, d);
+    }
+    return {};
+  }
+
+  backend::cuda::NcclComms comms_;
+  std::vector<Stream*> comm_;
+};
+#endif
 
 }  // namespace parallel
 CHORUS_NAMESPACE_END

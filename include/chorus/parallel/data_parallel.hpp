@@ -92,6 +92,11 @@ class DataParallel {
       return to_output(parallel::detail::call_forward(module_, scatter(args, 0, batch)...));
     }
     const auto plan = parallel::plan_chunks(batch, devices_.size());
+    if (devices_[0].is_cuda()) {  // replica streams start after the work issued so far (inputs, optimizer step)
+      Event fork;
+      fork.record(current_stream(devices_[0]));
+      for (std::size_t r = 1; r < devices_.size(); ++r) fork.block(*streams_[r]);
+    }
     auto modules = replicator_->prepare(plan.used());
     std::vector<Stream*> streams(streams_.begin(), streams_.begin() + static_cast<std::ptrdiff_t>(plan.used()));
     streams[0] = &current_stream(devices_[0]);
@@ -205,7 +210,15 @@ class DataParallel {
 namespace parallel::detail {
 inline std::shared_ptr<Communicator> make_communicator(const std::vector<Device>& devices,
                                                        const std::vector<Stream*>& streams) {
+#if CHORUS_CUDA
+  // Distinct GPUs: NCCL. A repeated GPU (NCCL refuses it) or CPU devices: copies.
+  bool distinct = devices.size() > 1 && devices[0].is_cuda();
+  for (std::size_t i = 0; i < devices.size() && distinct; ++i)
+    for (std::size_t j = 0; j < i; ++j) distinct = distinct && devices[i] != devices[j];
+  if (distinct) return std::make_shared<NcclCommunicator>(streams);
+#else
   (void)devices;
+#endif
   return std::make_shared<CopyCommunicator>(streams);
 }
 }  // namespace parallel::detail

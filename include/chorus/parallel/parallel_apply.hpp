@@ -1,5 +1,6 @@
 #pragma once
 // parallel_apply: runs one task per replica, each on its stream's worker thread.
+#include <chrono>
 #include <exception>
 #include <future>
 #include <optional>
@@ -22,10 +23,13 @@ auto parallel_apply(const std::vector<Stream*>& streams, F&& fn) -> std::vector<
   const bool grad_mode = autograd::is_grad_enabled();
   std::vector<std::future<R>> futures;
   futures.reserve(n);
+  std::vector<Event> joins(n);  // CUDA: the replica's stream, joined into the caller's afterwards
   for (std::size_t r = 1; r < n; ++r) {
-    futures.push_back(streams[r]->async([&fn, r, grad_mode]() -> R {
+    futures.push_back(streams[r]->async([&fn, &joins, r, grad_mode, s = streams[r]]() -> R {
       GradModeGuard g(grad_mode);
-      return fn(r);
+      R out = fn(r);
+      if (s->device().is_cuda()) joins[r].record(*s);
+      return out;
     }));
   }
   std::vector<std::optional<R>> results(n);
@@ -37,11 +41,18 @@ auto parallel_apply(const std::vector<Stream*>& streams, F&& fn) -> std::vector<
   }
   for (std::size_t r = 1; r < n; ++r) {
     try {
+      // Spin briefly before blocking: short replica tasks finish within microseconds.
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+      while (futures[r - 1].wait_for(std::chrono::seconds(0)) != std::future_status::ready &&
+             std::chrono::steady_clock::now() < until) {
+      }
       results[r].emplace(futures[r - 1].get());
     } catch (...) {
       errors[r] = std::current_exception();
     }
   }
+  for (std::size_t r = 1; r < n; ++r)
+    if (streams[r]->device().is_cuda()) joins[r].block(current_stream(streams[r]->device()));
   std::size_t failed = 0;
   for (auto& e : errors) failed += e != nullptr;
   for (std::size_t r = 0; r < n; ++r) {

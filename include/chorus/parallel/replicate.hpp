@@ -157,9 +157,11 @@ class Replicator {
     if (!primary_is_flat()) flatten_primary();  // the user moved or replaced a tensor
     std::vector<M*> out{&primary_};
     if (used <= 1) return out;
+    // Every replica is refreshed, also those this step leaves idle: a collective such as an
+    // NCCL broadcast needs every rank.
     for (std::size_t g = 0; g < flats_.size(); ++g) {
       std::vector<AnyTensor> dsts;
-      for (std::size_t r = 1; r < used; ++r) dsts.push_back(replica_flats_[r - 1][g]);
+      for (std::size_t r = 1; r < devices_.size(); ++r) dsts.push_back(replica_flats_[r - 1][g]);
       comm_->broadcast(flats_[g], dsts);
     }
     const bool training = detail::module_of(primary_).is_training();

@@ -1,0 +1,51 @@
+#pragma once
+// Timing helpers shared by the benchmark programs (chorus and its peers): warm-up, repeats,
+// median/min/max, and one JSON record per measurement.
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace bench {
+
+struct Stats {
+  double median_ms = 0, min_ms = 0, max_ms = 0;
+  int repeats = 0;
+};
+
+/// Runs `fn` `warmup` times untimed, then `repeats` times timed by `clock` (which returns
+/// the milliseconds one call took; the default times the host wall clock).
+inline Stats measure(const std::function<void()>& fn, int warmup, int repeats,
+                     std::function<double(const std::function<void()>&)> clock = {}) {
+  if (!clock) {
+    clock = [](const std::function<void()>& f) {
+      auto t0 = std::chrono::steady_clock::now();
+      f();
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    };
+  }
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> t;
+  for (int i = 0; i < repeats; ++i) t.push_back(clock(fn));
+  std::sort(t.begin(), t.end());
+  Stats s;
+  s.repeats = repeats;
+  s.min_ms = t.front();
+  s.max_ms = t.back();
+  s.median_ms = t.size() % 2 ? t[t.size() / 2] : 0.5 * (t[t.size() / 2 - 1] + t[t.size() / 2]);
+  return s;
+}
+
+/// FLOPs of one training step of an MLP whose input needs no gradient: forward 2·B·in·out per
+/// layer, weight gradient the same, input gradient the same except for the first layer.
+inline double mlp_step_flops(double batch, const std::vector<std::pair<int, int>>& layers) {
+  double f = 0;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    const double mac = batch * layers[i].first * layers[i].second;
+    f += 2 * mac * (i == 0 ? 2 : 3);
+  }
+  return f;
+}
+
+}  // namespace bench

@@ -1,0 +1,96 @@
+// The same workloads as chorus_bench, in LibTorch (the CPU peer). Writes JSON records.
+//   libtorch_bench --threads T [--workloads ...] [--repeats N] --json FILE
+#include <torch/torch.h>
+
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "bench_util.hpp"
+
+namespace {
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+std::function<void()> make_workload(const std::string& w) {
+  if (w == "tutorial") {
+    auto model = std::make_shared<torch::nn::Linear>(5, 2);
+    auto data = torch::randn({100, 5});
+    return [model, data] {
+      auto perm = torch::randperm(100, torch::kLong);
+      for (int64_t s = 0; s < 100; s += 30) {
+        auto idx = perm.slice(0, s, std::min<int64_t>(s + 30, 100));
+        (void)(*model)->forward(data.index_select(0, idx));
+      }
+    };
+  }
+  if (w == "mlp-small") {
+    auto model = std::make_shared<torch::nn::Sequential>(torch::nn::Linear(784, 512), torch::nn::ReLU(),
+                                                         torch::nn::Linear(512, 512), torch::nn::ReLU(),
+                                                         torch::nn::Linear(512, 10));
+    auto opt = std::make_shared<torch::optim::SGD>((*model)->parameters(), torch::optim::SGDOptions(0.01));
+    auto x = torch::randn({256, 784});
+    auto y = torch::randint(0, 10, {256}, torch::kLong);
+    return [model, opt, x, y] {
+      auto loss = torch::nn::functional::cross_entropy((*model)->forward(x), y);
+      opt->zero_grad();
+      loss.backward();
+      opt->step();
+    };
+  }
+  if (w == "mlp-medium") {
+    auto model = std::make_shared<torch::nn::Sequential>(
+        torch::nn::Linear(1024, 1024), torch::nn::ReLU(), torch::nn::Linear(1024, 1024), torch::nn::ReLU(),
+        torch::nn::Linear(1024, 1024), torch::nn::ReLU(), torch::nn::Linear(1024, 1024));
+    auto opt = std::make_shared<torch::optim::SGD>((*model)->parameters(), torch::optim::SGDOptions(0.01));
+    auto x = torch::randn({512, 1024});
+    auto y = torch::randn({512, 1024});
+    return [model, opt, x, y] {
+      auto loss = torch::mse_loss((*model)->forward(x), y);
+      opt->zero_grad();
+      loss.backward();
+      opt->step();
+    };
+  }
+  throw std::runtime_error("unknown workload " + w);
+}
+}  // namespace
+
+int main(int argc, char** argv) try {
+  int threads = 1, omp_threads = 0, repeats = 0;
+  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium"};
+  std::string json_path = "libtorch_bench.json";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i], v = argv[i + 1];
+    if (a == "--threads") threads = std::stoi(v);
+    else if (a == "--omp-threads") omp_threads = std::stoi(v);
+    else if (a == "--workloads") workloads = split(v);
+    else if (a == "--repeats") repeats = std::stoi(v);
+    else if (a == "--json") json_path = v;
+  }
+  // Intra-op threads (OpenMP); the BLAS threads come from OPENBLAS_NUM_THREADS (set by the driver).
+  if (omp_threads == 0) omp_threads = threads;
+  torch::set_num_threads(omp_threads);
+  torch::manual_seed(0);
+  nlohmann::json records = nlohmann::json::array();
+  for (const auto& w : workloads) {
+    const int reps = repeats > 0 ? repeats : (w == "tutorial" ? 200 : w == "mlp-small" ? 30 : 15);
+    auto s = bench::measure(make_workload(w), std::max(2, reps / 10), reps);
+    records.push_back({{"impl", "libtorch"}, {"workload", w}, {"config", std::to_string(threads) + " thread(s), " + std::to_string(omp_threads) + " intra-op"},
+                       {"devices", 1}, {"threads", threads}, {"median_ms", s.median_ms}, {"min_ms", s.min_ms},
+                       {"max_ms", s.max_ms}, {"repeats", s.repeats}, {"version", TORCH_VERSION}});
+    std::fprintf(stderr, "  %-10s %-10s %-28s median %9.3f ms\n", "libtorch", w.c_str(),
+                 (std::to_string(threads) + " thread(s)").c_str(), s.median_ms);
+  }
+  std::ofstream(json_path) << records.dump(2) << "\n";
+  return 0;
+} catch (const std::exception& e) {
+  std::cerr << "error: " << e.what() << "\n";
+  return 1;
+}
