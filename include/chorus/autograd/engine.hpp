@@ -120,8 +120,11 @@ class GraphTask {
     if (buf.empty()) buf.resize(e.fn->num_inputs());
     Arrival a{std::move(g), Event(), false};
     if (a.grad.device().is_cuda()) {  // produced on this thread's current stream for its device
-      a.ready.record(current_stream(a.grad.device()));
-      a.has_event = true;
+      Stream& produced = current_stream(a.grad.device());
+      if (e.fn->stream() != &produced) {  // the consumer runs elsewhere: it must wait for it
+        a.ready.record(produced);
+        a.has_event = true;
+      }
     }
     buf[e.input_nr].push_back(std::move(a));
   }

@@ -9,7 +9,10 @@
 // record_stream() notes other streams that use it, and the free then waits for them (as
 // PyTorch's recordStream does), so memory is never reused while another stream still reads
 // it. CHORUS_CUDA_CACHING_ALLOCATOR=0 switches to plain cudaMalloc/cudaFree (synchronous),
-// which is what compute-sanitizer should see.
+// which is what compute-sanitizer should see. (Empty unless compiled by nvcc.)
+#include <atomic>
+#include "../config.hpp"
+#if CHORUS_CUDA
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -23,6 +26,10 @@
 CHORUS_NAMESPACE_BEGIN
 
 namespace detail {
+inline std::atomic<bool>& poison_flag() {
+  static std::atomic<bool> on{false};
+  return on;
+}
 inline bool caching_allocator_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("CHORUS_CUDA_CACHING_ALLOCATOR");
@@ -80,6 +87,9 @@ class CudaCachingAllocator final : public Allocator {
       blocks_[reinterpret_cast<std::uintptr_t>(p)] = Block{s, nbytes, {}};
     }
     stats_.on_alloc(static_cast<std::int64_t>(nbytes));
+    if (detail::poison_flag().load(std::memory_order_relaxed)) {  // all-ones bytes: NaN in every float type
+      CHORUS_CUDA_CHECK(cudaMemsetAsync(p, 0xFF, nbytes, s ? s : detail::current_cuda_stream_fn()(device_)));
+    }
     return p;
   }
 
@@ -162,4 +172,11 @@ class CudaCachingAllocator final : public Allocator {
   detail::AtomicStats stats_;
 };
 
+namespace cuda {
+/// Tests: fill every new CUDA allocation with NaN bytes, so elements a kernel failed to
+/// write show up in comparisons.
+inline void set_poison_allocations(bool on) { detail::poison_flag() = on; }
+}  // namespace cuda
+
 CHORUS_NAMESPACE_END
+#endif  // CHORUS_CUDA
