@@ -128,7 +128,7 @@ TEST(Autograd, NodesRunOnTheStreamsTheirForwardRanOn) {
   auto w = ones<double>({8, 3}).requires_grad_();
   std::vector<Tensor<double>> outs(4);
   // Forward of chunk i on device i's stream (as parallel_apply does).
-  std::vector<std::future<Tensor<double>>> futs;
+  std::vector<Future<Tensor<double>>> futs;
   for (int i = 1; i < 4; ++i) {
     futs.push_back(get_stream(Device::cpu(i)).async([&, i] {
       auto xi = w.narrow(0, 2 * i, 2).to(Device::cpu(i));

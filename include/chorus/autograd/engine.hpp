@@ -194,6 +194,7 @@ class GraphTask {
 
   void execute(Node<T>* n) {
     std::vector<Node<T>*> ready;
+    std::exception_ptr failure;
     try {
       std::vector<std::vector<Arrival>> arrived;
       {
@@ -242,8 +243,9 @@ class GraphTask {
       record_error(std::make_exception_ptr(
           Error(std::string("in backward of ") + n->name() + " on " + n->device().str() + ": " + err.what())));
     } catch (...) {
-      record_error(std::current_exception());
+      failure = std::current_exception();
     }
+    if (failure) record_error(std::move(failure));  // after the handler let go (see Future)
     for (Node<T>* r : ready) schedule(r);
     std::lock_guard<std::mutex> lk(m_);
     --outstanding_;

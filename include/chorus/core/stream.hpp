@@ -15,7 +15,8 @@
 #include <deque>
 #include <exception>
 #include <functional>
-#include <future>
+#include <optional>
+#include <variant>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -108,14 +109,15 @@ class Worker {
       pending_.store(q_.size(), std::memory_order_release);
       busy_ = true;
       lk.unlock();
+      std::exception_ptr failure;  // kept past the catch block: see Future
       try {
         task();
       } catch (...) {
-        std::lock_guard<std::mutex> g(m_);
-        if (!error_) error_ = std::current_exception();
+        failure = std::current_exception();
       }
       task = nullptr;
       lk.lock();
+      if (failure && !error_) error_ = std::move(failure);
       busy_ = false;
       if (q_.empty()) idle_cv_.notify_all();
     }
@@ -129,6 +131,67 @@ class Worker {
   std::atomic<std::size_t> pending_{0};
   std::exception_ptr error_;
   std::thread thread_;
+};
+
+/// The result of Stream::async: get() waits for it and returns the value or rethrows the
+/// exception. The worker hands the exception over under the state's lock and keeps no
+/// reference to it, so it is destroyed on the thread that called get() (exception objects
+/// are reference-counted inside the uninstrumented C++ runtime, which ThreadSanitizer
+/// cannot see; handing them over this way keeps every access ordered).
+template <class R>
+class Future {
+  using Value = std::conditional_t<std::is_void_v<R>, std::monostate, R>;
+  struct State {
+    std::mutex m;
+    std::condition_variable cv;
+    std::atomic<bool> ready{false};
+    std::optional<Value> value;
+    std::exception_ptr error;
+
+    template <class F>
+    void run(F& f) {
+      std::optional<Value> v;
+      std::exception_ptr e;
+      try {
+        if constexpr (std::is_void_v<R>) {
+          f();
+          v.emplace();
+        } else {
+          v.emplace(f());
+        }
+      } catch (...) {
+        e = std::current_exception();
+      }
+      {
+        std::lock_guard<std::mutex> lk(m);
+        value = std::move(v);
+        error = std::move(e);
+        ready.store(true, std::memory_order_release);
+      }
+      cv.notify_all();
+    }
+  };
+
+ public:
+  Future() : state_(std::make_shared<State>()) {}
+  /// True once the task has finished (a cheap check, for spinning).
+  bool ready() const { return state_->ready.load(std::memory_order_acquire); }
+  /// Waits for the task; returns its value or rethrows its exception.
+  R get() {
+    std::unique_lock<std::mutex> lk(state_->m);
+    state_->cv.wait(lk, [this] { return state_->ready.load(std::memory_order_relaxed); });
+    if (state_->error) {
+      auto e = std::move(state_->error);
+      state_->error = nullptr;
+      lk.unlock();
+      std::rethrow_exception(std::move(e));
+    }
+    if constexpr (!std::is_void_v<R>) return std::move(*state_->value);
+  }
+
+ private:
+  std::shared_ptr<State> state_;
+  friend class Stream;
 };
 
 /// An ordered queue of work on one device (see Note [streams]).
@@ -157,13 +220,12 @@ class Stream {
   /// Runs `task` on this stream's worker, after everything posted before it.
   void post(std::function<void()> task) { worker().post(std::move(task)); }
 
-  /// Like post(), returning a future for the result (or the exception) of `f`.
+  /// Like post(), returning a Future for the result (or the exception) of `f`.
   template <class F>
-  auto async(F&& f) -> std::future<std::invoke_result_t<F&>> {
+  auto async(F&& f) -> Future<std::invoke_result_t<F&>> {
     using R = std::invoke_result_t<F&>;
-    auto task = std::make_shared<std::packaged_task<R()>>(std::forward<F>(f));
-    auto fut = task->get_future();
-    post([task] { (*task)(); });
+    Future<R> fut;
+    post([state = fut.state_, f = std::forward<F>(f)]() mutable { state->run(f); });
     return fut;
   }
 

@@ -2,7 +2,6 @@
 // parallel_apply: runs one task per replica, each on its stream's worker thread.
 #include <chrono>
 #include <exception>
-#include <future>
 #include <optional>
 #include <vector>
 
@@ -21,7 +20,7 @@ auto parallel_apply(const std::vector<Stream*>& streams, F&& fn) -> std::vector<
   using R = decltype(fn(std::size_t{}));
   const std::size_t n = streams.size();
   const bool grad_mode = autograd::is_grad_enabled();
-  std::vector<std::future<R>> futures;
+  std::vector<Future<R>> futures;
   futures.reserve(n);
   std::vector<Event> joins(n);  // CUDA: the replica's stream, joined into the caller's afterwards
   for (std::size_t r = 1; r < n; ++r) {
@@ -43,8 +42,7 @@ auto parallel_apply(const std::vector<Stream*>& streams, F&& fn) -> std::vector<
     try {
       // Spin briefly before blocking: short replica tasks finish within microseconds.
       const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
-      while (futures[r - 1].wait_for(std::chrono::seconds(0)) != std::future_status::ready &&
-             std::chrono::steady_clock::now() < until) {
+      while (!futures[r - 1].ready() && std::chrono::steady_clock::now() < until) {
       }
       results[r].emplace(futures[r - 1].get());
     } catch (...) {
