@@ -115,6 +115,27 @@ TEST(Gradcheck, CopiesBetweenDevices) {
   EXPECT_TRUE(gradcheck([](const TL& x) { return (x[0].to(Device::cpu(1)) * 2.0).to(Device::cpu(0)); }, {r({3, 2}, 1)}));
 }
 
+TEST(Gradcheck, GatherAcrossDevices) {
+  set_cpu_device_count(3);
+  EXPECT_TRUE(gradcheck(
+      [](const TL& x) {
+        return parallel::gather<double>({x[0].to(Device::cpu(1)) * 2.0, x[1].to(Device::cpu(2))}, 0, Device::cpu(0));
+      },
+      {r({2, 3}, 1), r({1, 3}, 2)}));
+  EXPECT_TRUE(gradcheck(  // per-replica scalars are stacked
+      [](const TL& x) { return parallel::gather<double>({x[0].sum(), x[1].to(Device::cpu(1)).mean()}, 0, Device::cpu(0)); },
+      {r({2, 3}, 3), r({4}, 4)}));
+}
+
+TEST(Gradcheck, DataParallelScatterAndGather) {
+  struct Square : nn::Module {
+    Tensor<double> forward(const Tensor<double>& x) { return x * x; }
+  };
+  set_cpu_device_count(3);
+  DataParallel<Square> dp(Square(), {Device::cpu(0), Device::cpu(1), Device::cpu(2)});
+  EXPECT_TRUE(gradcheck([&](const TL& x) { return dp(x[0]); }, {r({7, 2}, 1)}));
+}
+
 TEST(Gradcheck, ACompositeNetwork) {
   EXPECT_TRUE(gradcheck(
       [](const TL& x) {
