@@ -71,4 +71,9 @@ class AnyTensor {
   Variant v_;
 };
 
+/// An uninitialised contiguous tensor of a runtime dtype.
+inline AnyTensor empty_any(DType dtype, const Shape& shape, Device device) {
+  return visit_dtype(dtype, [&](auto tag) { return AnyTensor(Tensor<decltype(tag)>::empty(shape, device)); });
+}
+
 CHORUS_NAMESPACE_END

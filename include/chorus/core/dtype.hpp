@@ -36,4 +36,15 @@ constexpr std::string_view dtype_name(DType d) {
 
 constexpr std::size_t dtype_size(DType d) { return d == DType::Float32 ? 4 : 8; }
 
+/// Calls f(T{}) with T the element type of `d` (to dispatch a runtime dtype to a template).
+template <class F>
+decltype(auto) visit_dtype(DType d, F&& f) {
+  switch (d) {
+    case DType::Float32: return f(float{});
+    case DType::Float64: return f(double{});
+    case DType::Int64: break;
+  }
+  return f(std::int64_t{});
+}
+
 CHORUS_NAMESPACE_END

@@ -324,6 +324,20 @@ const Module& as_module(const M& m) {
   }
 }
 
+/// A fresh leaf on `device` holding a copy of `src`'s values (requires_grad kept for leaves).
+template <class T>
+std::shared_ptr<TensorImpl<T>> deep_copy(const TensorImpl<T>& src, Device device) {
+  Tensor<T> view(std::make_shared<TensorImpl<T>>());
+  view.impl()->storage = src.storage;
+  view.impl()->offset = src.offset;
+  view.impl()->shape = src.shape;
+  view.impl()->strides = src.strides;
+  auto out = Tensor<T>::empty(src.shape, device);
+  backend::copy(out, view);
+  out.impl()->requires_grad = src.requires_grad && src.grad_fn == nullptr;
+  return out.impl();
+}
+
 /// Deep copy of every tensor onto one device (see Note [deep copy through copy constructors]).
 class DeviceCopyScope final : public CloneScope {
  public:
@@ -331,28 +345,12 @@ class DeviceCopyScope final : public CloneScope {
 
  protected:
   std::shared_ptr<void> copy_tensor(const void* impl, DType dtype) override {
-    switch (dtype) {
-      case DType::Float32: return copy<float>(impl);
-      case DType::Float64: return copy<double>(impl);
-      case DType::Int64: return copy<std::int64_t>(impl);
-    }
-    return nullptr;
+    return visit_dtype(dtype, [&](auto tag) -> std::shared_ptr<void> {
+      return deep_copy(*static_cast<const TensorImpl<decltype(tag)>*>(impl), device_);
+    });
   }
 
  private:
-  template <class T>
-  std::shared_ptr<void> copy(const void* p) {
-    const auto& src = *static_cast<const TensorImpl<T>*>(p);
-    Tensor<T> view(std::make_shared<TensorImpl<T>>());
-    view.impl()->storage = src.storage;
-    view.impl()->offset = src.offset;
-    view.impl()->shape = src.shape;
-    view.impl()->strides = src.strides;
-    auto out = Tensor<T>::empty(src.shape, device_);
-    backend::copy(out, view);
-    out.impl()->requires_grad = src.requires_grad && src.grad_fn == nullptr;
-    return out.impl();
-  }
   Device device_;
 };
 

@@ -150,7 +150,7 @@ class NcclCommunicator final : public Communicator {
     for (std::size_t r = 0; r < size(); ++r) {
       const Device dev = streams_[r]->device();
       Stream& cs = *comm_[r];
-      AnyTensor flat = make_flat(dt, total, dev);
+      AnyTensor flat = empty_any(dt, Shape{total}, dev);
       record_stream(data_of(flat), dev, cs);
       ::chorus::cuda::DeviceGuard g(dev.index);
       if (r >= 1 && r <= srcs.size()) {
@@ -173,7 +173,7 @@ class NcclCommunicator final : public Communicator {
       streams.push_back(cs.handle());
       flats.push_back(std::move(flat));
     }
-    AnyTensor recv = make_flat(dt, total, streams_[0]->device());
+    AnyTensor recv = empty_any(dt, Shape{total}, streams_[0]->device());
     record_stream(data_of(recv), streams_[0]->device(), *comm_[0]);
     comms_.reduce(send, data_of(recv), static_cast<std::size_t>(total), dt, 0, streams);
     // Unpack into the outputs on rank 0, then order the caller's stream after it.
@@ -200,14 +200,6 @@ class NcclCommunicator final : public Communicator {
   }
   static void* data_of(const AnyTensor& t) {
     return t.visit([](const auto& x) -> void* { return static_cast<void*>(x.data()); });
-  }
-  static AnyTensor make_flat(DType dt, std::int64_t n, Device d) {
-    switch (dt) {
-      case DType::Float32: return Tensor<float>::empty(Shape{n}, d);
-      case DType::Float64: return Tensor<double>::empty(Shape{n}, d);
-      case DType::Int64: return Tensor<std::int64_t>::empty(Shape{n}, d);
-    }
-    return {};
   }
 
   backend::cuda::NcclComms comms_;

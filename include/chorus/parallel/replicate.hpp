@@ -74,12 +74,7 @@ class ReplicaScope final : public CloneScope {
 
  protected:
   std::shared_ptr<void> copy_tensor(const void* impl, DType dtype) override {
-    switch (dtype) {
-      case DType::Float32: return copy<float>(impl);
-      case DType::Float64: return copy<double>(impl);
-      case DType::Int64: return copy<std::int64_t>(impl);
-    }
-    return nullptr;
+    return visit_dtype(dtype, [&](auto tag) { return copy<decltype(tag)>(impl); });
   }
 
  private:
@@ -87,16 +82,7 @@ class ReplicaScope final : public CloneScope {
   std::shared_ptr<void> copy(const void* p) {
     const auto& src = *static_cast<const TensorImpl<T>*>(p);
     auto it = slots_.find(p);
-    if (it == slots_.end()) {  // not registered: a plain deep copy
-      Tensor<T> view(std::make_shared<TensorImpl<T>>());
-      view.impl()->storage = src.storage;
-      view.impl()->offset = src.offset;
-      view.impl()->shape = src.shape;
-      view.impl()->strides = src.strides;
-      auto out = Tensor<T>::empty(src.shape, device_);
-      backend::copy(out, view);
-      return out.impl();
-    }
+    if (it == slots_.end()) return nn::detail::deep_copy(src, device_);  // not registered
     const auto& flat = flats_[it->second.group].as<T>();
     auto impl = std::make_shared<TensorImpl<T>>();
     impl->storage = flat.impl()->storage;
@@ -200,20 +186,11 @@ class Replicator {
     }
   }
 
-  static AnyTensor make_flat(DType dt, std::int64_t n, Device d) {
-    switch (dt) {
-      case DType::Float32: return Tensor<float>::empty(Shape{n}, d);
-      case DType::Float64: return Tensor<double>::empty(Shape{n}, d);
-      case DType::Int64: return Tensor<std::int64_t>::empty(Shape{n}, d);
-    }
-    return {};
-  }
-
   /// Re-seats every primary tensor into the flat buffers (values kept, identity kept).
   void flatten_primary() {
     flats_.clear();
     for (std::size_t g = 0; g < group_dtypes_.size(); ++g)
-      flats_.push_back(make_flat(group_dtypes_[g], group_numel_[g], devices_[0]));
+      flats_.push_back(empty_any(group_dtypes_[g], Shape{group_numel_[g]}, devices_[0]));
     NoGradGuard ng;
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
       tensors_[i].tensor.visit([&](auto& t) {
@@ -265,7 +242,7 @@ class Replicator {
   void build_replica(std::size_t r) {
     std::vector<AnyTensor> flats;
     for (std::size_t g = 0; g < group_dtypes_.size(); ++g)
-      flats.push_back(make_flat(group_dtypes_[g], group_numel_[g], devices_[r]));
+      flats.push_back(empty_any(group_dtypes_[g], Shape{group_numel_[g]}, devices_[r]));
     std::unordered_map<const void*, AnyTensor> made;
     M copy = nn::detail::copy_checked(
         primary_, [&] { return std::make_unique<detail::ReplicaScope>(devices_[r], slots_, flats, made); });
