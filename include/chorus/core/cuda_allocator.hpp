@@ -64,7 +64,10 @@ class CudaCachingAllocator final : public Allocator {
     cudaStream_t s = nullptr;
     if (caching_) {
       s = detail::current_cuda_stream_fn()(device_);
-      const std::int64_t before = reserved();
+      // Asking the pool what it holds costs a driver call: only when it may have to grow.
+      const bool may_grow =
+          stats_.allocated.load(std::memory_order_relaxed) + static_cast<std::int64_t>(nbytes) > known_reserved_.load();
+      const std::int64_t before = may_grow ? reserved() : 0;
       cudaError_t e = cudaMallocAsync(&p, nbytes, s);
       if (e == cudaErrorMemoryAllocation) {  // give the pool's unused memory back and retry once
         (void)cudaGetLastError();
@@ -74,7 +77,11 @@ class CudaCachingAllocator final : public Allocator {
       }
       CHORUS_CHECK(e == cudaSuccess, "CUDA out of memory on cuda:", device_, " allocating ", nbytes,
                    " bytes: ", cudaGetErrorString(e), " (", stats_.allocated.load(), " bytes in use)");
-      if (reserved() > before) stats_.num_system.fetch_add(1, std::memory_order_relaxed);
+      if (may_grow) {
+        const std::int64_t after = reserved();
+        known_reserved_.store(after);
+        if (after > before) stats_.num_system.fetch_add(1, std::memory_order_relaxed);
+      }
     } else {
       cudaError_t e = cudaMalloc(&p, nbytes);
       CHORUS_CHECK(e == cudaSuccess, "CUDA out of memory on cuda:", device_, " allocating ", nbytes,
@@ -170,6 +177,7 @@ class CudaCachingAllocator final : public Allocator {
   std::mutex m_;
   std::map<std::uintptr_t, Block> blocks_;  // by start address
   detail::AtomicStats stats_;
+  std::atomic<std::int64_t> known_reserved_{0};  // the pool's size when last asked
 };
 
 namespace cuda {

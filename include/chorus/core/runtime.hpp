@@ -95,11 +95,18 @@ class Runtime {
       return *a;
     }
 #if CHORUS_CUDA
+    if (d.index >= 0 && d.index < kMaxCudaDevices) {
+      if (auto* a = cuda_alloc_[d.index].load(std::memory_order_acquire)) return *a;
+    }
     check(d);
+    CHORUS_CHECK(d.index < kMaxCudaDevices, d, ": chorus supports at most ", kMaxCudaDevices, " GPUs");
     std::lock_guard<std::mutex> lk(m_);
-    auto& slot = cuda_alloc_[d.index];
-    if (!slot) slot = std::make_unique<CudaCachingAllocator>(d.index);
-    return *slot;
+    auto* a = cuda_alloc_[d.index].load();
+    if (!a) {
+      a = new CudaCachingAllocator(d.index);  // lives as long as the runtime
+      cuda_alloc_[d.index].store(a, std::memory_order_release);
+    }
+    return *a;
 #else
     check(d);
     CHORUS_FAIL("unreachable");
@@ -144,7 +151,8 @@ class Runtime {
   std::array<std::atomic<Stream*>, kMaxCpuDevices> cpu_default_{};
   std::map<std::pair<Device, int>, std::unique_ptr<Stream>> streams_;
 #if CHORUS_CUDA
-  std::map<int, std::unique_ptr<Allocator>> cuda_alloc_;
+  static constexpr int kMaxCudaDevices = 64;
+  std::array<std::atomic<CudaCachingAllocator*>, kMaxCudaDevices> cuda_alloc_{};
 #endif
 };
 
