@@ -224,19 +224,15 @@ void squared_error_backward(const Tensor<T>& a, const Tensor<T>& b, const Tensor
       cuda::squared_error_backward(a.data(), b.data(), a.numel(), scale, g.data(), per_elem, pga, pgb, a.device()));
 }
 
-/// Per-row losses; returns the first row whose target is out of range, or -1.
+/// Per-row losses (targets already validated by the caller).
 template <class T>
-std::int64_t cross_entropy_forward(const Tensor<T>& logits, const Tensor<std::int64_t>& target,
-                                   std::int64_t ignore_index, const Tensor<T>& loss) {
+void cross_entropy_forward(const Tensor<T>& logits, const Tensor<std::int64_t>& target, std::int64_t ignore_index,
+                           const Tensor<T>& loss) {
   const auto N = logits.size(0), C = logits.size(1);
-  if (logits.device().is_cpu())
-    return cpu::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data());
-#if CHORUS_CUDA
-  return cuda::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data(), logits.device());
-#else
-  check_device(logits.device());
-  return -1;
-#endif
+  CHORUS_DISPATCH(logits.device(),
+                  (void)cpu::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data()),
+                  cuda::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data(),
+                                              logits.device()));
 }
 
 template <class T>
@@ -251,16 +247,11 @@ void cross_entropy_backward(const Tensor<T>& logits, const Tensor<std::int64_t>&
 }
 
 template <class T>
-std::int64_t nll_forward(const Tensor<T>& logp, const Tensor<std::int64_t>& target, std::int64_t ignore_index,
-                         const Tensor<T>& loss) {
+void nll_forward(const Tensor<T>& logp, const Tensor<std::int64_t>& target, std::int64_t ignore_index,
+                 const Tensor<T>& loss) {
   const auto N = logp.size(0), C = logp.size(1);
-  if (logp.device().is_cpu()) return cpu::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data());
-#if CHORUS_CUDA
-  return cuda::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data(), logp.device());
-#else
-  check_device(logp.device());
-  return -1;
-#endif
+  CHORUS_DISPATCH(logp.device(), (void)cpu::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data()),
+                  cuda::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data(), logp.device()));
 }
 
 template <class T>

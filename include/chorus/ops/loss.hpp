@@ -99,13 +99,15 @@ Tensor<T> class_loss(bool nll, const Tensor<T>& input, const Tensor<std::int64_t
   double count = 0;
   if (N > 0) {
     CHORUS_CHECK(C > 0, op, ": input has no classes (shape ", input.shape(), ")");
-    std::int64_t bad = nll ? backend::nll_forward(x, t, ignore_index, per_row)
-                           : backend::cross_entropy_forward(x, t, ignore_index, per_row);
-    if (bad >= 0) {
-      std::int64_t v = t.narrow(0, bad, 1).item();
-      CHORUS_FAIL(op, ": target ", v, " at index ", bad, " is out of range for ", C, " classes");
+    // Validate and count the targets on the host (for CUDA, the loss's one synchronisation).
+    const auto host = t.to_vector();
+    for (std::size_t i = 0; i < host.size(); ++i) {
+      if (host[i] == ignore_index) continue;
+      CHORUS_CHECK(host[i] >= 0 && host[i] < C, op, ": target ", host[i], " at index ", i, " is out of range for ",
+                   C, " classes");
+      ++count;
     }
-    for (auto v : t.to_vector()) count += v != ignore_index;
+    nll ? backend::nll_forward(x, t, ignore_index, per_row) : backend::cross_entropy_forward(x, t, ignore_index, per_row);
   }
   auto out = reduce_rows(per_row, r, count);
   if (autograd::needs_grad(input)) {

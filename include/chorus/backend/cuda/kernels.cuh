@@ -451,27 +451,15 @@ void squared_error_backward(const T* a, const T* b, std::int64_t n, T scale, con
   CHORUS_LAUNCH(k::squared_error_backward<T>, n, a, b, n, scale, g, per_elem, ga, gb);
 }
 
-/// Copies the targets to the host and returns the first row whose target is out of range
-/// (and not ignore_index), or -1. The one host synchronisation of a classification loss.
-inline std::int64_t first_bad_target(const std::int64_t* target, std::int64_t N, std::int64_t C, std::int64_t ignore,
-                                     Device d) {
-  std::vector<std::int64_t> host(static_cast<std::size_t>(N));
-  copy_bytes(host.data(), Device::cpu(), target, d, host.size() * sizeof(std::int64_t));
-  for (std::int64_t r = 0; r < N; ++r)
-    if (host[r] != ignore && (host[r] < 0 || host[r] >= C)) return r;
-  return -1;
-}
-
+/// Per-row cross entropy; the targets were validated on the host by the caller.
 template <class T>
-std::int64_t cross_entropy_forward(const T* logits, std::int64_t N, std::int64_t C, const std::int64_t* target,
-                                   std::int64_t ignore, T* loss, Device d) {
-  if (auto bad = first_bad_target(target, N, C, ignore, d); bad >= 0) return bad;
+void cross_entropy_forward(const T* logits, std::int64_t N, std::int64_t C, const std::int64_t* target,
+                           std::int64_t ignore, T* loss, Device d) {
   Launch launch(d);
-  if (N == 0) return -1;
+  if (N == 0) return;
   k::cross_entropy_forward<T><<<static_cast<unsigned>(std::min<std::int64_t>(N, 65535)), kThreads, 0, launch.stream>>>(
       logits, N, C, target, ignore, loss);
   ::chorus::cuda::check_launch("cross_entropy_forward");
-  return -1;
 }
 
 template <class T>
@@ -485,12 +473,10 @@ void cross_entropy_backward(const T* logits, std::int64_t N, std::int64_t C, con
 }
 
 template <class T>
-std::int64_t nll_forward(const T* logp, std::int64_t N, std::int64_t C, const std::int64_t* target, std::int64_t ignore,
-                         T* loss, Device d) {
-  if (auto bad = first_bad_target(target, N, C, ignore, d); bad >= 0) return bad;
+void nll_forward(const T* logp, std::int64_t N, std::int64_t C, const std::int64_t* target, std::int64_t ignore,
+                 T* loss, Device d) {
   Launch launch(d);
   CHORUS_LAUNCH(k::nll_forward<T>, N, logp, N, C, target, ignore, loss);
-  return -1;
 }
 
 template <class T>
