@@ -252,13 +252,6 @@ Tensor<T> host_tensor(const File& f, const TensorRecord& r) {
   return t;
 }
 
-template <class M>
-nn::Module& as_module(M& m) {
-  if constexpr (requires { typename M::ImplType; }) return *m;
-  else if constexpr (requires { m.module(); }) return as_module(m.module());  // DataParallel
-  else return m;
-}
-
 inline std::string join(const std::vector<std::string>& v) {
   std::string s;
   for (std::size_t i = 0; i < v.size() && i < 8; ++i) s += (i ? ", " : "") + ("'" + v[i] + "'");
@@ -316,7 +309,7 @@ inline void load_into(nn::Module& module, const File& f, const std::string& what
 template <class M>
   requires(!std::is_base_of_v<optim::Optimizer, M>)
 void save(const M& module, const std::string& path, const io::Metadata& metadata = {}) {
-  auto& m = io::detail::as_module(const_cast<M&>(module));
+  const auto& m = nn::module_of(module);
   io::detail::write_atomically(path, io::detail::serialise(m.named_tensors(), metadata));
 }
 
@@ -325,7 +318,7 @@ template <class M>
   requires(!std::is_base_of_v<optim::Optimizer, M>)
 void load(M& module, const std::string& path) {
   auto f = io::read(path);
-  io::load_into(io::detail::as_module(module), f, "'" + path + "'");
+  io::load_into(nn::module_of(module), f, "'" + path + "'");
 }
 
 /// Saves an optimizer's state: tensor "<i>.<key>" is entry `key` of parameter i's state.

@@ -311,18 +311,22 @@ class ModuleHolder {
   std::shared_ptr<Impl> impl_;
 };
 
-namespace detail {
-/// A module behind a holder, a shared_ptr, or a plain Module-derived object.
+/// The nn::Module behind a holder, a std::shared_ptr, a wrapper with module() (such as
+/// DataParallel), or a Module-derived object itself.
 template <class M>
-const Module& as_module(const M& m) {
-  if constexpr (requires { typename M::ImplType; }) {
-    return *m;
-  } else if constexpr (requires { typename M::element_type; }) {
-    return *m;
-  } else {
-    return m;
-  }
+Module& module_of(M& m) {
+  if constexpr (requires { typename M::ImplType; } || requires { typename M::element_type; }) return *m;
+  else if constexpr (requires { m.module(); }) return module_of(m.module());
+  else return m;
 }
+template <class M>
+const Module& module_of(const M& m) {
+  if constexpr (requires { typename M::ImplType; } || requires { typename M::element_type; }) return *m;
+  else if constexpr (requires { m.module(); }) return module_of(m.module());
+  else return m;
+}
+
+namespace detail {
 
 /// A fresh leaf on `device` holding a copy of `src`'s values (requires_grad kept for leaves).
 template <class T>
@@ -369,7 +373,7 @@ inline void walk(const Module& m, const std::string& prefix,
 template <class M, class MakeScope>
 M copy_checked(const M& original, MakeScope&& make_scope) {
   std::vector<std::pair<std::string, const std::shared_ptr<Module>*>> subs;
-  walk(as_module(original), "", subs);
+  walk(module_of(original), "", subs);
   std::vector<long> before;
   for (auto& s : subs) before.push_back(s.second->use_count());
   std::optional<M> copy;

@@ -114,13 +114,13 @@ class DataParallel {
   /// The wrapped (primary) module.
   M& module() { return module_; }
   const M& module() const { return module_; }
-  std::vector<AnyTensor> parameters() const { return parallel::detail::module_of(const_cast<M&>(module_)).parameters(); }
+  std::vector<AnyTensor> parameters() const { return nn::module_of(module_).parameters(); }
   std::vector<nn::Module::NamedTensor> named_parameters() const {
-    return parallel::detail::module_of(const_cast<M&>(module_)).named_parameters();
+    return nn::module_of(module_).named_parameters();
   }
-  void train(bool on = true) { parallel::detail::module_of(module_).train(on); }
+  void train(bool on = true) { nn::module_of(module_).train(on); }
   void eval() { train(false); }
-  void zero_grad(bool set_to_none = true) { parallel::detail::module_of(module_).zero_grad(set_to_none); }
+  void zero_grad(bool set_to_none = true) { nn::module_of(module_).zero_grad(set_to_none); }
 
   const std::vector<Device>& devices() const { return devices_; }
   Device output_device() const { return output_device_; }

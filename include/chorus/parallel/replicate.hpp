@@ -99,12 +99,6 @@ class ReplicaScope final : public CloneScope {
   std::unordered_map<const void*, AnyTensor>& made_;
 };
 
-template <class M>
-nn::Module& module_of(M& m) {
-  if constexpr (requires { typename M::ImplType; }) return *m;
-  else return m;
-}
-
 }  // namespace detail
 
 /// Replicas of module M on devices[1 …], kept in step with the primary (devices[0]).
@@ -126,7 +120,7 @@ class Replicator {
   Replicator(M& primary, const std::vector<Device>& devices, std::shared_ptr<Communicator> comm,
              std::size_t bucket_bytes)
       : primary_(primary), devices_(devices), comm_(std::move(comm)) {
-    auto& root = detail::module_of(primary_);
+    auto& root = nn::module_of(primary_);
     for (auto& p : root.named_parameters()) tensors_.push_back({p.name, p.tensor, true});
     for (auto& b : root.named_buffers()) tensors_.push_back({b.name, b.tensor, false});
     check_on_primary();
@@ -150,9 +144,9 @@ class Replicator {
       for (std::size_t r = 1; r < devices_.size(); ++r) dsts.push_back(replica_flats_[r - 1][g]);
       comm_->broadcast(flats_[g], dsts);
     }
-    const bool training = detail::module_of(primary_).is_training();
+    const bool training = nn::module_of(primary_).is_training();
     for (std::size_t r = 1; r < used; ++r) {
-      auto& rep = detail::module_of(*replicas_[r - 1]);
+      auto& rep = nn::module_of(*replicas_[r - 1]);
       if (rep.is_training() != training) rep.train(training);
       out.push_back(replicas_[r - 1].get());
     }
