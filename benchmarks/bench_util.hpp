@@ -4,10 +4,20 @@
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <sstream>
 #include <string>
 #include <vector>
 
 namespace bench {
+
+/// "a,b,c" -> {"a", "b", "c"} (for the comma-separated command-line options).
+inline std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
 
 struct Stats {
   double median_ms = 0, min_ms = 0, max_ms = 0;

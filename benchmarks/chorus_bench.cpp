@@ -27,14 +27,6 @@ namespace F = chorus::nn::functional;
 
 namespace {
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
 struct MlpSmall : nn::Module {
   nn::Sequential net;
   MlpSmall()
@@ -135,12 +127,12 @@ int main(int argc, char** argv) try {
     };
     if (a == "--threads") {
       threads.clear();
-      for (auto& t : split(next())) threads.push_back(std::stoi(t));
+      for (auto& t : bench::split(next())) threads.push_back(std::stoi(t));
     } else if (a == "--devices") {
       devices.clear();
-      for (auto& d : split(next())) devices.push_back(std::stoi(d));
+      for (auto& d : bench::split(next())) devices.push_back(std::stoi(d));
     } else if (a == "--workloads") {
-      workloads = split(next());
+      workloads = bench::split(next());
     } else if (a == "--repeats") {
       repeats = std::stoi(next());
     } else if (a == "--json") {

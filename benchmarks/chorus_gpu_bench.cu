@@ -19,14 +19,6 @@ namespace F = chorus::nn::functional;
 namespace {
 const Device kGpu = Device::cuda(0);
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
 struct Tutorial : nn::Module {
   nn::Linear fc;
   Tutorial() : fc(register_module("fc", nn::Linear(5, 2))) {}
@@ -95,7 +87,7 @@ int main(int argc, char** argv) try {
   std::string json_path = "chorus_gpu_bench.json";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--workloads") workloads = split(v);
+    if (a == "--workloads") workloads = bench::split(v);
     else if (a == "--repeats") repeats = std::stoi(v);
     else if (a == "--json") json_path = v;
   }

@@ -10,14 +10,6 @@
 #include "bench_util.hpp"
 
 namespace {
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
 std::function<void()> make_workload(const std::string& w) {
   if (w == "tutorial") {
     auto model = std::make_shared<torch::nn::Linear>(5, 2);
@@ -70,7 +62,7 @@ int main(int argc, char** argv) try {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--threads") threads = std::stoi(v);
     else if (a == "--omp-threads") omp_threads = std::stoi(v);
-    else if (a == "--workloads") workloads = split(v);
+    else if (a == "--workloads") workloads = bench::split(v);
     else if (a == "--repeats") repeats = std::stoi(v);
     else if (a == "--json") json_path = v;
   }

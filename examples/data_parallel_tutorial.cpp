@@ -12,6 +12,8 @@
 #include <sstream>
 #include <string>
 
+#include "device_options.hpp"
+
 using namespace chorus;
 
 namespace {
@@ -49,21 +51,8 @@ struct Model : nn::Module {
 
 int main(int argc, char** argv) try {
   std::vector<Device> devices;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "--cpu" && i + 1 < argc) {
-      set_cpu_device_count(std::stoi(argv[++i]));
-      for (int d = 0; d < cpu_device_count(); ++d) devices.push_back(Device::cpu(d));
-    } else if (a == "--gpus") {
-      for (int d = 0; d < cuda_device_count(); ++d) devices.push_back(Device::cuda(d));
-      if (devices.empty()) {
-        std::cerr << "no GPUs found\n";
-        return 1;
-      }
-    } else {
-      usage(argv[0]);
-    }
-  }
+  for (int i = 1; i < argc; ++i)
+    if (!examples::parse_device_option(i, argc, argv, devices)) usage(argv[0]);
   if (devices.empty()) devices = available_devices();
 
   const int input_size = 5, output_size = 2, batch_size = 30, data_size = 100;

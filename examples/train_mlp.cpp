@@ -10,6 +10,8 @@
 #include <string>
 #include <unistd.h>
 
+#include "device_options.hpp"
+
 using namespace chorus;
 
 namespace {
@@ -56,11 +58,8 @@ int main(int argc, char** argv) try {
   int epochs = 5, batch = 256;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a == "--cpu" && i + 1 < argc) {
-      set_cpu_device_count(std::stoi(argv[++i]));
-      for (int d = 0; d < cpu_device_count(); ++d) devices.push_back(Device::cpu(d));
-    } else if (a == "--gpus") {
-      for (int d = 0; d < cuda_device_count(); ++d) devices.push_back(Device::cuda(d));
+    if (examples::parse_device_option(i, argc, argv, devices)) {
+      continue;
     } else if (a == "--epochs" && i + 1 < argc) {
       epochs = std::stoi(argv[++i]);
     } else if (a == "--batch" && i + 1 < argc) {
