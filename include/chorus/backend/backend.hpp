@@ -230,7 +230,7 @@ void cross_entropy_forward(const Tensor<T>& logits, const Tensor<std::int64_t>& 
                            const Tensor<T>& loss) {
   const auto N = logits.size(0), C = logits.size(1);
   CHORUS_DISPATCH(logits.device(),
-                  (void)cpu::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data()),
+                  cpu::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data()),
                   cuda::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data(),
                                               logits.device()));
 }
@@ -250,7 +250,7 @@ template <class T>
 void nll_forward(const Tensor<T>& logp, const Tensor<std::int64_t>& target, std::int64_t ignore_index,
                  const Tensor<T>& loss) {
   const auto N = logp.size(0), C = logp.size(1);
-  CHORUS_DISPATCH(logp.device(), (void)cpu::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data()),
+  CHORUS_DISPATCH(logp.device(), cpu::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data()),
                   cuda::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data(), logp.device()));
 }
 

@@ -272,25 +272,31 @@ void squared_error_backward(const T* a, const T* b, std::int64_t n, T scale, con
   }
 }
 
-/// Per-row cross entropy of logits[N, C] against integer targets; rows whose target equals
-/// ignore_index get loss 0. Returns the index of the first out-of-range target, or -1.
+/// Max of a row of C logits and the sum of exp(x - max) over it.
 template <class T>
-std::int64_t cross_entropy_forward(const T* logits, std::int64_t N, std::int64_t C, const std::int64_t* target,
-                                   std::int64_t ignore_index, T* loss) {
+void row_max_sumexp(const T* x, std::int64_t C, T& mx, acc_t<T>& s) {
+  mx = *std::max_element(x, x + C);
+  s = 0;
+  for (std::int64_t c = 0; c < C; ++c) s += std::exp(x[c] - mx);
+}
+
+/// Per-row cross entropy of logits[N, C] against integer targets (validated by the caller;
+/// an out-of-range one is skipped, never read); rows whose target is ignore_index get 0.
+template <class T>
+void cross_entropy_forward(const T* logits, std::int64_t N, std::int64_t C, const std::int64_t* target,
+                           std::int64_t ignore_index, T* loss) {
   for (std::int64_t r = 0; r < N; ++r) {
     const std::int64_t t = target[r];
-    if (t == ignore_index) {
+    if (t == ignore_index || t < 0 || t >= C) {
       loss[r] = 0;
       continue;
     }
-    if (t < 0 || t >= C) return r;
     const T* x = logits + r * C;
-    T mx = *std::max_element(x, x + C);
-    acc_t<T> s = 0;
-    for (std::int64_t c = 0; c < C; ++c) s += std::exp(x[c] - mx);
+    T mx;
+    acc_t<T> s;
+    row_max_sumexp(x, C, mx, s);
     loss[r] = static_cast<T>(mx + std::log(s) - x[t]);
   }
-  return -1;
 }
 
 /// grad[r, :] = g[r] * (softmax(logits[r]) - onehot(target[r])); zero for ignored rows.
@@ -306,29 +312,23 @@ void cross_entropy_backward(const T* logits, std::int64_t N, std::int64_t C, con
     }
     const T* x = logits + r * C;
     const T gv = g[r * g_stride];
-    T mx = *std::max_element(x, x + C);
-    acc_t<T> s = 0;
-    for (std::int64_t c = 0; c < C; ++c) s += std::exp(x[c] - mx);
+    T mx;
+    acc_t<T> s;
+    row_max_sumexp(x, C, mx, s);
     const T inv = static_cast<T>(1.0 / s);
     for (std::int64_t c = 0; c < C; ++c) gr[c] = gv * std::exp(x[c] - mx) * inv;
     gr[t] -= gv;
   }
 }
 
-/// loss[r] = -logp[r, target[r]]; returns the first out-of-range row or -1.
+/// loss[r] = -logp[r, target[r]] (targets validated by the caller, as above).
 template <class T>
-std::int64_t nll_forward(const T* logp, std::int64_t N, std::int64_t C, const std::int64_t* target,
-                         std::int64_t ignore_index, T* loss) {
+void nll_forward(const T* logp, std::int64_t N, std::int64_t C, const std::int64_t* target, std::int64_t ignore_index,
+                 T* loss) {
   for (std::int64_t r = 0; r < N; ++r) {
     const std::int64_t t = target[r];
-    if (t == ignore_index) {
-      loss[r] = 0;
-      continue;
-    }
-    if (t < 0 || t >= C) return r;
-    loss[r] = -logp[r * C + t];
+    loss[r] = (t == ignore_index || t < 0 || t >= C) ? T(0) : -logp[r * C + t];
   }
-  return -1;
 }
 
 template <class T>

@@ -122,17 +122,25 @@ __global__ void expand_dim(const T* in, std::int64_t outer, std::int64_t n, std:
   }
 }
 
+/// Max and sum of exp(x - max) over a row of n elements `stride` apart (block-wide).
+template <class T>
+__device__ inline void row_max_sumexp(const T* x, std::int64_t n, std::int64_t stride, T& mx, acc_t<T>& s) {
+  mx = -INFINITY;
+  for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) mx = max(mx, x[i * stride]);
+  mx = block_max(mx);
+  s = 0;
+  for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) s += exp(x[i * stride] - mx);
+  s = block_sum(s);
+}
+
 /// Softmax / log-softmax along the middle axis of [outer, n, inner]: one block per row.
 template <class T>
 __global__ void softmax(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out, bool log_space) {
   for (std::int64_t r = blockIdx.x; r < outer * inner; r += gridDim.x) {
     const std::int64_t base = (r / inner) * n * inner + r % inner;
-    T mx = -INFINITY;
-    for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) mx = max(mx, in[base + i * inner]);
-    mx = block_max(mx);
-    acc_t<T> s = 0;
-    for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) s += exp(in[base + i * inner] - mx);
-    s = block_sum(s);
+    T mx;
+    acc_t<T> s;
+    row_max_sumexp(in + base, n, inner, mx, s);
     const T lse = mx + static_cast<T>(log(s));
     for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) {
       const T x = in[base + i * inner];
@@ -202,12 +210,9 @@ __global__ void cross_entropy_forward(const T* logits, std::int64_t N, std::int6
       continue;
     }
     const T* x = logits + r * C;
-    T mx = -INFINITY;
-    for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) mx = max(mx, x[c]);
-    mx = block_max(mx);
-    acc_t<T> s = 0;
-    for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) s += exp(x[c] - mx);
-    s = block_sum(s);
+    T mx;
+    acc_t<T> s;
+    row_max_sumexp(x, C, 1, mx, s);
     if (threadIdx.x == 0) loss[r] = static_cast<T>(mx + log(s) - x[t]);
   }
 }
@@ -223,12 +228,9 @@ __global__ void cross_entropy_backward(const T* logits, std::int64_t N, std::int
       continue;
     }
     const T* x = logits + r * C;
-    T mx = -INFINITY;
-    for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) mx = max(mx, x[c]);
-    mx = block_max(mx);
-    acc_t<T> s = 0;
-    for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) s += exp(x[c] - mx);
-    s = block_sum(s);
+    T mx;
+    acc_t<T> s;
+    row_max_sumexp(x, C, 1, mx, s);
     const T gv = g[r * g_stride];
     for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x)
       gr[c] = gv * (static_cast<T>(exp(x[c] - mx) / s) - (c == t ? T(1) : T(0)));
