@@ -14,6 +14,7 @@
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -109,8 +110,7 @@ class GraphTask {
  private:
   struct Arrival {
     Tensor<T> grad;
-    Event ready;  // CUDA: recorded where the gradient was produced
-    bool has_event;
+    std::optional<Event> ready;  // CUDA, other stream: recorded where the gradient was produced
   };
 
   // Only records the gradient (m_ held); several gradients for one input are summed by
@@ -118,12 +118,12 @@ class GraphTask {
   void add_input(const Edge<T>& e, Tensor<T> g) {
     auto& buf = buffers_[e.fn.get()];
     if (buf.empty()) buf.resize(e.fn->num_inputs());
-    Arrival a{std::move(g), Event(), false};
+    Arrival a{std::move(g), std::nullopt};
     if (a.grad.device().is_cuda()) {  // produced on this thread's current stream for its device
       Stream& produced = current_stream(a.grad.device());
       if (e.fn->stream() != &produced) {  // the consumer runs elsewhere: it must wait for it
-        a.ready.record(produced);
-        a.has_event = true;
+        a.ready.emplace();
+        a.ready->record(produced);
       }
     }
     buf[e.input_nr].push_back(std::move(a));
@@ -134,9 +134,9 @@ class GraphTask {
   static std::vector<Tensor<T>> take_arrivals(std::vector<Arrival>& arrivals) {
     std::vector<Tensor<T>> out;
     for (auto& a : arrivals) {
-      if (a.has_event) {
+      if (a.ready) {
         Stream& s = current_stream(a.grad.device());
-        a.ready.block(s);
+        a.ready->block(s);
         record_stream(a.grad.impl()->storage->data(), a.grad.device(), s);
       }
       out.push_back(std::move(a.grad));

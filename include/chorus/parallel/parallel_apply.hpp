@@ -3,6 +3,7 @@
 #include <chrono>
 #include <exception>
 #include <optional>
+#include <optional>
 #include <vector>
 
 #include "../autograd/grad_mode.hpp"
@@ -22,12 +23,12 @@ auto parallel_apply(const std::vector<Stream*>& streams, F&& fn) -> std::vector<
   const bool grad_mode = autograd::is_grad_enabled();
   std::vector<Future<R>> futures;
   futures.reserve(n);
-  std::vector<Event> joins(n);  // CUDA: the replica's stream, joined into the caller's afterwards
+  std::vector<std::optional<Event>> joins(n);  // CUDA: each replica's stream, joined into the caller's
   for (std::size_t r = 1; r < n; ++r) {
     futures.push_back(streams[r]->async([&fn, &joins, r, grad_mode, s = streams[r]]() -> R {
       GradModeGuard g(grad_mode);
       R out = fn(r);
-      if (s->device().is_cuda()) joins[r].record(*s);
+      if (s->device().is_cuda()) joins[r].emplace().record(*s);
       return out;
     }));
   }
@@ -50,7 +51,7 @@ auto parallel_apply(const std::vector<Stream*>& streams, F&& fn) -> std::vector<
     }
   }
   for (std::size_t r = 1; r < n; ++r)
-    if (streams[r]->device().is_cuda()) joins[r].block(current_stream(streams[r]->device()));
+    if (joins[r]) joins[r]->block(current_stream(streams[r]->device()));
   std::size_t failed = 0;
   for (auto& e : errors) failed += e != nullptr;
   for (std::size_t r = 0; r < n; ++r) {
