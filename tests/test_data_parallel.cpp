@@ -245,3 +245,38 @@ TEST(DataParallel, ParametersMustBeOnThePrimary) {
   EXPECT_TRUE(throws_with([] { DataParallel<Net<float>>(Net<float>(), {Device::cpu(0), Device::cpu(9)}); },
                           {"cpu:9"}));
 }
+
+// Note [flat offsets are 256-byte aligned]: Linear(5, 2)'s bias used to sit at +40 bytes in the
+// flat buffer, which cuBLASLt's default heuristic (256-byte operands) cannot take on a GPU.
+TEST(DataParallel, FlatBufferOffsetsAre256ByteAligned) {
+  EXPECT_EQ(parallel::detail::aligned_flat_offset(0, 4), 0);
+  EXPECT_EQ(parallel::detail::aligned_flat_offset(10, 4), 64);  // Linear(5, 2): the bias after 10 weights
+  EXPECT_EQ(parallel::detail::aligned_flat_offset(64, 4), 64);
+  EXPECT_EQ(parallel::detail::aligned_flat_offset(65, 4), 128);
+  EXPECT_EQ(parallel::detail::aligned_flat_offset(33, 8), 64);
+
+  struct Tutorial : nn::Module {
+    nn::Linear fc;
+    Tutorial() : fc(register_module("fc", nn::Linear(5, 2))) {}
+    Tensor<float> forward(const Tensor<float>& x) { return fc(x); }
+  };
+  auto expect_aligned = [](const nn::Module& m, const std::string& what) {
+    for (const auto& p : m.named_tensors()) {
+      const auto offset = p.tensor.visit([](const auto& t) { return t.storage_offset(); });
+      EXPECT_EQ(static_cast<std::size_t>(offset) * dtype_size(p.tensor.dtype()) % 256, 0u)
+          << what << " '" << p.name << "' at element " << offset;
+    }
+  };
+  manual_seed(11);
+  Tutorial single;
+  DataParallel<Tutorial> dp(nn::clone(single, Device::cpu(0)), cpus(3));
+  for (std::size_t r = 0; r < 3; ++r) expect_aligned(nn::module_of(dp.replica(r)), "replica " + std::to_string(r));
+  DataParallel<Net<double>> dp2(Net<double>(), cpus(2));  // doubles, and a buffer after the parameters
+  for (std::size_t r = 0; r < 2; ++r) expect_aligned(nn::module_of(dp2.replica(r)), "double replica " + std::to_string(r));
+  auto x = randn<float>({30, 5});
+  auto out = dp(x);
+  EXPECT_TRUE(all_close(out, single.forward(x), 1e-6, 1e-6));
+  out.sum().backward();
+  single.forward(x).sum().backward();
+  expect_grads_equal<float>(single, dp.module(), 1e-5, "aligned flat layout");
+}

@@ -146,11 +146,15 @@ void softmax_backward(const Tensor<T>& g, const Tensor<T>& y, std::int64_t outer
                   cuda::softmax_backward(g.data(), y.data(), outer, n, inner, gx.data(), log_space, g.device()));
 }
 
+/// CPU: the caller validated the indices. CUDA: the kernel does (Note [device-side validation];
+/// `dim` names the dimension in its report).
 template <class T>
 void index_select(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner,
-                  const Tensor<std::int64_t>& idx, const Tensor<T>& out) {
+                  const Tensor<std::int64_t>& idx, const Tensor<T>& out, int dim = 0) {
+  (void)dim;
   CHORUS_DISPATCH(in.device(), cpu::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data()),
-                  cuda::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), in.device()));
+                  cuda::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), dim,
+                                     in.device()));
 }
 
 template <class T>
@@ -224,7 +228,21 @@ void squared_error_backward(const Tensor<T>& a, const Tensor<T>& b, const Tensor
       cuda::squared_error_backward(a.data(), b.data(), a.numel(), scale, g.data(), per_elem, pga, pgb, a.device()));
 }
 
-/// Per-row losses (targets already validated by the caller).
+/// out (one element) = the number of targets that are not `ignore_index`.
+template <class T>
+void count_not_ignored(const Tensor<std::int64_t>& target, std::int64_t ignore_index, const Tensor<T>& out) {
+  CHORUS_DISPATCH(
+      target.device(),
+      {
+        std::int64_t c = 0;
+        for (std::int64_t i = 0; i < target.numel(); ++i) c += target.data()[i] != ignore_index;
+        *out.data() = static_cast<T>(c);
+      },
+      cuda::count_not_ignored(target.data(), target.numel(), ignore_index, out.data(), target.device()));
+}
+
+/// Per-row losses. CPU: the targets were validated by the caller. CUDA: the kernels validate
+/// them (Note [device-side validation]).
 template <class T>
 void cross_entropy_forward(const Tensor<T>& logits, const Tensor<std::int64_t>& target, std::int64_t ignore_index,
                            const Tensor<T>& loss) {

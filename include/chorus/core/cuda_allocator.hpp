@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "allocator.hpp"
+#include "block_table.hpp"
 #include "cuda_runtime.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -55,7 +56,11 @@ class CudaCachingAllocator final : public Allocator {
       std::uint64_t keep = UINT64_MAX;  // never hand cached memory back to the driver
       CHORUS_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep));
     }
+    enable_peer_access();
   }
+
+  /// Devices that may read and write this device's memory directly (Note [peer access]).
+  const std::vector<int>& peers() const { return peers_; }
 
   void* allocate(std::size_t nbytes) override {
     if (nbytes == 0) return nullptr;
@@ -70,7 +75,7 @@ class CudaCachingAllocator final : public Allocator {
       const std::int64_t before = may_grow ? reserved() : 0;
       cudaError_t e = cudaMallocAsync(&p, nbytes, s);
       if (e == cudaErrorMemoryAllocation) {  // give the pool's unused memory back and retry once
-        (void)cudaGetLastError();
+        (void)cuda::tolerate(e);
         CHORUS_CUDA_CHECK(cudaDeviceSynchronize());
         CHORUS_CUDA_CHECK(cudaMemPoolTrimTo(pool_, 0));
         e = cudaMallocAsync(&p, nbytes, s);
@@ -83,7 +88,7 @@ class CudaCachingAllocator final : public Allocator {
         if (after > before) stats_.num_system.fetch_add(1, std::memory_order_relaxed);
       }
     } else {
-      cudaError_t e = cudaMalloc(&p, nbytes);
+      cudaError_t e = cuda::tolerate(cudaMalloc(&p, nbytes));
       CHORUS_CHECK(e == cudaSuccess, "CUDA out of memory on cuda:", device_, " allocating ", nbytes,
                    " bytes: ", cudaGetErrorString(e));
       stats_.num_system.fetch_add(1, std::memory_order_relaxed);
@@ -91,7 +96,7 @@ class CudaCachingAllocator final : public Allocator {
     }
     {
       std::lock_guard<std::mutex> lk(m_);
-      blocks_[reinterpret_cast<std::uintptr_t>(p)] = Block{s, nbytes, {}};
+      blocks_.add(reinterpret_cast<std::uintptr_t>(p), s, nbytes);
     }
     stats_.on_alloc(static_cast<std::int64_t>(nbytes));
     if (detail::poison_flag().load(std::memory_order_relaxed)) {  // all-ones bytes: NaN in every float type
@@ -102,48 +107,57 @@ class CudaCachingAllocator final : public Allocator {
 
   void deallocate(void* p, std::size_t nbytes) noexcept override {
     if (!p) return;
-    Block b;
+    Blocks::Block b;
     {
       std::lock_guard<std::mutex> lk(m_);
-      auto it = blocks_.find(reinterpret_cast<std::uintptr_t>(p));
-      if (it != blocks_.end()) {
-        b = std::move(it->second);
-        blocks_.erase(it);
-      }
+      if (auto taken = blocks_.take(reinterpret_cast<std::uintptr_t>(p))) b = std::move(*taken);
     }
+    // Best effort (a destructor cannot throw), but every tolerated code is cleared
+    // (Note [tolerated CUDA errors]).
     int prev = 0;
-    (void)cudaGetDevice(&prev);
-    (void)cudaSetDevice(device_);
+    (void)cuda::tolerate(cudaGetDevice(&prev));
     if (caching_) {
-      for (cudaStream_t other : b.used_on) {  // wait for every other stream that used it
-        cudaEvent_t ev;
-        if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess) {
-          (void)cudaEventRecord(ev, other);
-          (void)cudaStreamWaitEvent(b.stream, ev, 0);
-          (void)cudaEventDestroy(ev);
+      // Wait for every other stream that used it, each recorded under its own device
+      // (Note [cross-device stream uses]). If an event cannot be recorded the free waits for
+      // the whole device instead of risking reuse under a reader.
+      bool ordered = true;
+      for (const auto& use : b.used_on) {
+        try {
+          cudaEvent_t ev = cuda::EventPool::get().acquire(use.device);
+          (void)cuda::tolerate(cudaSetDevice(use.device));
+          const cudaError_t rec = cuda::tolerate(cudaEventRecord(ev, use.stream));
+          (void)cuda::tolerate(cudaSetDevice(device_));
+          const cudaError_t wait = rec == cudaSuccess ? cuda::tolerate(cudaStreamWaitEvent(b.stream, ev, 0)) : rec;
+          cuda::EventPool::get().release(use.device, ev);
+          ordered = ordered && wait == cudaSuccess;
+        } catch (...) {
+          ordered = false;
         }
       }
-      (void)cudaFreeAsync(p, b.stream);
+      (void)cuda::tolerate(cudaSetDevice(device_));
+      if (!ordered) {
+        for (const auto& use : b.used_on) {
+          (void)cuda::tolerate(cudaSetDevice(use.device));
+          (void)cuda::tolerate(cudaStreamSynchronize(use.stream));
+        }
+        (void)cuda::tolerate(cudaSetDevice(device_));
+      }
+      (void)cuda::tolerate(cudaFreeAsync(p, b.stream));
     } else {
-      (void)cudaFree(p);
+      (void)cuda::tolerate(cudaSetDevice(device_));
+      (void)cuda::tolerate(cudaFree(p));
       stats_.reserved.fetch_sub(static_cast<std::int64_t>(nbytes), std::memory_order_relaxed);
     }
-    (void)cudaSetDevice(prev);
+    (void)cuda::tolerate(cudaSetDevice(prev));
     stats_.on_free(static_cast<std::int64_t>(nbytes));
   }
 
-  /// Notes that stream `s` uses the block holding address `p` (Note [CUDA allocator]).
-  void record_stream(const void* p, cudaStream_t s) {
+  /// Notes that stream `s`, of device `stream_device`, uses the block holding address `p`
+  /// (Note [CUDA allocator], Note [cross-device stream uses]).
+  void record_stream(const void* p, cudaStream_t s, int stream_device) {
     if (!caching_ || !p) return;
-    const auto addr = reinterpret_cast<std::uintptr_t>(p);
     std::lock_guard<std::mutex> lk(m_);
-    auto it = blocks_.upper_bound(addr);
-    if (it == blocks_.begin()) return;
-    --it;
-    if (addr >= it->first + it->second.size || it->second.stream == s) return;
-    for (auto x : it->second.used_on)
-      if (x == s) return;
-    it->second.used_on.push_back(s);
+    (void)blocks_.record(reinterpret_cast<std::uintptr_t>(p), s, stream_device);
   }
 
   MemoryStats stats() const override {
@@ -160,22 +174,50 @@ class CudaCachingAllocator final : public Allocator {
   }
 
  private:
-  struct Block {
-    cudaStream_t stream = nullptr;  // allocated (and freed) on this stream
-    std::size_t size = 0;
-    std::vector<cudaStream_t> used_on;  // other streams that used it
-  };
+  using Blocks = detail::BlockTable<cudaStream_t>;
+
   std::int64_t reserved() const {
     std::uint64_t r = 0;
-    if (pool_) (void)cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemCurrent, &r);
+    if (pool_) (void)cuda::tolerate(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemCurrent, &r));
     return static_cast<std::int64_t>(r);
+  }
+
+  // Note [peer access]: copies between GPUs go through the copy engines directly only when peer
+  // access is on, and memory from a stream-ordered pool is accessible to another device only
+  // once the pool grants it (cudaDeviceEnablePeerAccess does not cover pools). Without either,
+  // cudaMemcpyPeerAsync stages through the host and NCCL falls back to slower paths.
+  void enable_peer_access() {
+    int n = 0;
+    if (cuda::tolerate(cudaGetDeviceCount(&n)) != cudaSuccess) return;
+    cuda::DeviceGuard g(device_);
+    for (int peer = 0; peer < n; ++peer) {
+      if (peer == device_) continue;
+      int can = 0;
+      CHORUS_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, peer));
+      if (can) {  // this device reads and writes the peer's memory
+        const cudaError_t e = cuda::tolerate(cudaDeviceEnablePeerAccess(peer, 0));
+        CHORUS_CHECK(e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled, "enabling peer access cuda:", device_,
+                     " -> cuda:", peer, ": ", cudaGetErrorString(e));
+      }
+      int peer_can = 0;
+      CHORUS_CUDA_CHECK(cudaDeviceCanAccessPeer(&peer_can, peer, device_));
+      if (peer_can && pool_) {  // the peer reads and writes this device's pool
+        cudaMemAccessDesc desc{};
+        desc.location.type = cudaMemLocationTypeDevice;
+        desc.location.id = peer;
+        desc.flags = cudaMemAccessFlagsProtReadWrite;
+        CHORUS_CUDA_CHECK(cudaMemPoolSetAccess(pool_, &desc, 1));
+      }
+      if (can || peer_can) peers_.push_back(peer);
+    }
   }
 
   int device_;
   bool caching_;
   cudaMemPool_t pool_ = nullptr;
   std::mutex m_;
-  std::map<std::uintptr_t, Block> blocks_;  // by start address
+  Blocks blocks_;
+  std::vector<int> peers_;
   detail::AtomicStats stats_;
   std::atomic<std::int64_t> known_reserved_{0};  // the pool's size when last asked
 };

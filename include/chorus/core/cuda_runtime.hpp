@@ -1,12 +1,19 @@
 #pragma once
 // The CUDA runtime API as chorus uses it: the status check macro. Empty in CPU-only builds.
 #include "../error.hpp"
+#include "device_assert.hpp"
 
 #if CHORUS_CUDA
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
 #include <cstdlib>
+#include <mutex>
+#include <new>
+#include <string>
 #include <string_view>
+#include <vector>
 
 /// Checks a cudaError_t; throws chorus::Error naming the call, the error and where.
 #define CHORUS_CUDA_CHECK(expr)                                                               \
@@ -43,6 +50,15 @@ inline void check_launch(const char* what) {
   }
 }
 
+/// Note [tolerated CUDA errors]: a call whose failure is tolerated (a query that answers
+/// cudaErrorNotReady, a best-effort call in a destructor) still leaves its code in the thread's
+/// last-error slot, and the next check_launch() would then blame an unrelated kernel for it.
+/// Every tolerated code goes through tolerate(), which clears the slot.
+inline cudaError_t tolerate(cudaError_t e) {
+  if (e != cudaSuccess) (void)cudaGetLastError();
+  return e;
+}
+
 /// Sets the current CUDA device for the calling thread for the guard's lifetime.
 class DeviceGuard {
  public:
@@ -52,7 +68,7 @@ class DeviceGuard {
   }
   ~DeviceGuard() {
     int cur = -1;
-    if (cudaGetDevice(&cur) == cudaSuccess && cur != prev_) (void)cudaSetDevice(prev_);
+    if (tolerate(cudaGetDevice(&cur)) == cudaSuccess && cur != prev_) (void)tolerate(cudaSetDevice(prev_));
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
@@ -60,6 +76,135 @@ class DeviceGuard {
  private:
   int prev_ = 0;
 };
+
+namespace detail {
+inline constexpr int kMaxEventPoolDevices = 64;
+}
+
+/// Events are reused instead of created per record (cudaEventCreate takes a driver lock):
+/// released events go back to their device's free list. Lives for the whole process.
+class EventPool {
+ public:
+  static EventPool& get() {
+    static EventPool* p = new EventPool();
+    return *p;
+  }
+  /// An event of `device` (timing disabled), made current on `device` where one is created.
+  cudaEvent_t acquire(int device) {
+    CHORUS_CHECK(device >= 0 && device < detail::kMaxEventPoolDevices, "EventPool: device ", device, " out of range");
+    auto& slot = slots_[device];
+    {
+      std::lock_guard<std::mutex> lk(slot.m);
+      if (!slot.free.empty()) {
+        cudaEvent_t e = slot.free.back();
+        slot.free.pop_back();
+        return e;
+      }
+    }
+    DeviceGuard g(device);
+    cudaEvent_t e = nullptr;
+    CHORUS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    created_.fetch_add(1, std::memory_order_relaxed);
+    return e;
+  }
+  void release(int device, cudaEvent_t e) noexcept {
+    if (!e || device < 0 || device >= detail::kMaxEventPoolDevices) return;
+    auto& slot = slots_[device];
+    try {
+      std::lock_guard<std::mutex> lk(slot.m);
+      slot.free.push_back(e);
+    } catch (...) {  // out of memory growing the free list: let the event go
+      (void)tolerate(cudaEventDestroy(e));
+    }
+  }
+  /// Events created so far (tests: a steady state creates none).
+  std::int64_t created() const { return created_.load(std::memory_order_relaxed); }
+
+ private:
+  struct Slot {
+    std::mutex m;
+    std::vector<cudaEvent_t> free;
+  };
+  std::array<Slot, detail::kMaxEventPoolDevices> slots_;
+  std::atomic<std::int64_t> created_{0};
+};
+
+namespace detail {
+/// Per device: the guard word (device memory) and the record (mapped pinned host memory) of
+/// Note [device-side validation]. Made on first use, kept for the process.
+struct DeviceAssertState {
+  std::mutex m;
+  std::array<std::atomic<int*>, kMaxEventPoolDevices> guards{};
+  std::atomic<::chorus::detail::DeviceAssert*> records{nullptr};
+  std::atomic<bool> used{false};
+  static DeviceAssertState& get() {
+    static DeviceAssertState* s = new DeviceAssertState();
+    return *s;
+  }
+};
+}  // namespace detail
+
+/// What a kernel on `device` reports to (Note [device-side validation]).
+inline ::chorus::detail::DeviceAssertSink device_assert_sink(int device) {
+  CHORUS_CHECK(device >= 0 && device < detail::kMaxEventPoolDevices, "device_assert_sink: device ", device,
+               " out of range");
+  auto& st = detail::DeviceAssertState::get();
+  int* guard = st.guards[device].load(std::memory_order_acquire);
+  auto* records = st.records.load(std::memory_order_acquire);
+  if (!guard || !records) {
+    std::lock_guard<std::mutex> lk(st.m);
+    if (!st.records.load()) {
+      void* p = nullptr;
+      CHORUS_CUDA_CHECK(cudaHostAlloc(&p, sizeof(::chorus::detail::DeviceAssert) * detail::kMaxEventPoolDevices,
+                                      cudaHostAllocMapped | cudaHostAllocPortable));
+      auto* r = static_cast<::chorus::detail::DeviceAssert*>(p);
+      for (int i = 0; i < detail::kMaxEventPoolDevices; ++i) new (r + i)::chorus::detail::DeviceAssert{};
+      st.records.store(r, std::memory_order_release);
+    }
+    if (!st.guards[device].load()) {
+      DeviceGuard g(device);
+      void* p = nullptr;
+      CHORUS_CUDA_CHECK(cudaMalloc(&p, sizeof(int)));
+      CHORUS_CUDA_CHECK(cudaMemset(p, 0, sizeof(int)));
+      CHORUS_CUDA_CHECK(cudaDeviceSynchronize());  // the zero lands before any stream uses it
+      st.guards[device].store(static_cast<int*>(p), std::memory_order_release);
+    }
+    guard = st.guards[device].load();
+    records = st.records.load();
+  }
+  st.used.store(true, std::memory_order_relaxed);
+  void* dev_record = nullptr;
+  CHORUS_CUDA_CHECK(cudaHostGetDevicePointer(&dev_record, records + device, 0));
+  return {guard, static_cast<::chorus::detail::DeviceAssert*>(dev_record)};
+}
+
+/// Throws the error a kernel on `device` recorded since the last check, and re-arms the
+/// device. Call after a synchronisation that covers the kernels in question.
+inline void check_device_asserts(int device) {
+  auto& st = detail::DeviceAssertState::get();
+  if (!st.used.load(std::memory_order_relaxed)) return;  // no kernel was ever given a sink: no cost
+  if (device < 0 || device >= detail::kMaxEventPoolDevices) return;
+  auto* records = st.records.load(std::memory_order_acquire);
+  int* guard = st.guards[device].load(std::memory_order_acquire);
+  if (!records || !guard) return;
+  auto* r = records + device;
+  volatile int* code = &r->code;
+  if (*code == ::chorus::detail::kAssertNone) return;
+  ::chorus::detail::DeviceAssert copy;
+  copy.code = *code;
+  copy.extra = *static_cast<volatile int*>(&r->extra);
+  copy.value = *static_cast<volatile std::int64_t*>(&r->value);
+  copy.index = *static_cast<volatile std::int64_t*>(&r->index);
+  copy.bound = *static_cast<volatile std::int64_t*>(&r->bound);
+  {  // re-arm: the next bad input is reported again
+    DeviceGuard g(device);
+    CHORUS_CUDA_CHECK(cudaMemset(guard, 0, sizeof(int)));
+    CHORUS_CUDA_CHECK(cudaDeviceSynchronize());
+    *code = ::chorus::detail::kAssertNone;
+  }
+  throw Error(::chorus::detail::describe(copy, "cuda:" + std::to_string(device)));
+}
+
 }  // namespace cuda
 CHORUS_NAMESPACE_END
 #endif

@@ -204,7 +204,7 @@ inline Stream& current_stream(Device d) {
 inline void record_stream(const void* p, Device d, Stream& stream) {
 #if CHORUS_CUDA
   if (d.is_cuda())
-    static_cast<CudaCachingAllocator&>(allocator_of(d)).record_stream(p, stream.handle());
+    static_cast<CudaCachingAllocator&>(allocator_of(d)).record_stream(p, stream.handle(), stream.device().index);
 #else
   (void)p;
   (void)d;
@@ -219,6 +219,7 @@ inline void synchronize(Device d) {
   if (d.is_cuda()) {
     cuda::DeviceGuard g(d.index);
     CHORUS_CUDA_CHECK(cudaDeviceSynchronize());
+    cuda::check_device_asserts(d.index);  // Note [device-side validation]
   }
 #endif
 }

@@ -54,7 +54,7 @@ inline void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_de
       ev.record(current_stream(src_dev));
       ev.block(s);
     }
-    record_stream(src, src_dev, s);
+    record_stream(src, src_dev, s);  // s is a stream of dst_dev (Note [cross-device stream uses])
     record_stream(dst, dst_dev, s);
     if (dst_dev == src_dev) {
       CHORUS_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice, s.handle()));
@@ -77,6 +77,7 @@ inline void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_de
     record_stream(src, src_dev, s);
     CHORUS_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToHost, s.handle()));
     CHORUS_CUDA_CHECK(cudaStreamSynchronize(s.handle()));
+    cuda::check_device_asserts(src_dev.index);  // Note [device-side validation]
     return;
   }
 #else

@@ -202,8 +202,11 @@ class Stream {
     worker_.reset();  // joins before the CUDA stream goes away
 #if CHORUS_CUDA
     if (handle_) {
-      cuda::DeviceGuard g(device_.index);
-      (void)cudaStreamDestroy(handle_);
+      int prev = 0;
+      (void)cuda::tolerate(cudaGetDevice(&prev));
+      (void)cuda::tolerate(cudaSetDevice(device_.index));
+      (void)cuda::tolerate(cudaStreamDestroy(handle_));
+      (void)cuda::tolerate(cudaSetDevice(prev));
     }
 #endif
   }
@@ -239,7 +242,10 @@ class Stream {
       }
     }
 #if CHORUS_CUDA
-    if (device_.is_cuda()) CHORUS_CUDA_CHECK(cudaStreamSynchronize(handle()));
+    if (device_.is_cuda()) {
+      CHORUS_CUDA_CHECK(cudaStreamSynchronize(handle()));
+      cuda::check_device_asserts(device_.index);  // Note [device-side validation]
+    }
 #endif
   }
 
@@ -269,7 +275,7 @@ class Stream {
         detail::worker_stream_of_thread() = this;
         detail::current_stream_overrides().push_back(this);
 #if CHORUS_CUDA
-        if (device_.is_cuda()) (void)cudaSetDevice(device_.index);
+        if (device_.is_cuda()) (void)cuda::tolerate(cudaSetDevice(device_.index));
 #endif
       });
     }
@@ -309,8 +315,12 @@ class Event {
     device_ = stream.device();
 #if CHORUS_CUDA
     if (stream.device().is_cuda()) {
+      // The event must belong to the stream's device (Note [cross-device stream uses]); it
+      // comes from that device's pool and goes back there when the last copy of this Event
+      // lets go of it.
       cuda::DeviceGuard g(stream.device().index);
-      CHORUS_CUDA_CHECK(cudaEventCreateWithFlags(&st->cuda_event, cudaEventDisableTiming));
+      st->cuda_device = stream.device().index;
+      st->cuda_event = cuda::EventPool::get().acquire(st->cuda_device);
       CHORUS_CUDA_CHECK(cudaEventRecord(st->cuda_event, stream.handle()));
       st->done = true;  // host side is complete; the GPU side is the CUDA event
       return;
@@ -328,7 +338,10 @@ class Event {
   void synchronize() const {
     state_->wait();
 #if CHORUS_CUDA
-    if (state_->cuda_event) CHORUS_CUDA_CHECK(cudaEventSynchronize(state_->cuda_event));
+    if (state_->cuda_event) {
+      CHORUS_CUDA_CHECK(cudaEventSynchronize(state_->cuda_event));
+      cuda::check_device_asserts(state_->cuda_device);
+    }
 #endif
   }
 
@@ -339,7 +352,13 @@ class Event {
       if (!state_->done) return false;
     }
 #if CHORUS_CUDA
-    if (state_->cuda_event) return cudaEventQuery(state_->cuda_event) == cudaSuccess;
+    if (state_->cuda_event) {
+      // cudaErrorNotReady is an answer, not a failure: clear it (Note [tolerated CUDA errors]).
+      const cudaError_t e = cuda::tolerate(cudaEventQuery(state_->cuda_event));
+      CHORUS_CHECK(e == cudaSuccess || e == cudaErrorNotReady, "Event::query on cuda:", state_->cuda_device, ": ",
+                   cudaGetErrorString(e));
+      return e == cudaSuccess;
+    }
 #endif
     return true;
   }
@@ -374,8 +393,9 @@ class Event {
     bool done = true;
 #if CHORUS_CUDA
     cudaEvent_t cuda_event = nullptr;
+    int cuda_device = -1;
     ~State() {
-      if (cuda_event) (void)cudaEventDestroy(cuda_event);
+      if (cuda_event) cuda::EventPool::get().release(cuda_device, cuda_event);
     }
 #endif
     State() = default;

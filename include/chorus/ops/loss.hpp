@@ -48,16 +48,32 @@ Tensor<T> reduce_rows(const Tensor<T>& per_row, Reduction r, double mean_count) 
 template <class T>
 class ClassLossBackward final : public autograd::Node<T> {
  public:
+  /// `count` is the number of targets that take part; on a GPU it is `count_t` (one element on
+  /// the device), so that nothing waits for the device (Note [device-side validation]).
   ClassLossBackward(bool nll, Tensor<T> input, Tensor<std::int64_t> target, std::int64_t ignore, Reduction r,
-                    double count)
-      : nll_(nll), input_(std::move(input)), target_(std::move(target)), ignore_(ignore), r_(r), count_(count) {}
+                    double count, Tensor<T> count_t)
+      : nll_(nll),
+        input_(std::move(input)),
+        target_(std::move(target)),
+        ignore_(ignore),
+        r_(r),
+        count_(count),
+        count_t_(std::move(count_t)) {}
   std::string name() const override { return nll_ ? "NllLossBackward" : "CrossEntropyBackward"; }
   typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
     Tensor<T> gs = g[0];
     std::int64_t stride = 1;
     if (r_ != Reduction::None) {
       stride = 0;
-      if (r_ == Reduction::Mean) gs = unary_forward(gs, backend::fn::MulScalar{count_ ? 1.0 / count_ : 0.0});
+      if (r_ == Reduction::Mean) {
+        if (count_t_.defined()) {  // g / count on the device (count 0: every row is ignored, grads are 0)
+          auto scaled = Tensor<T>::empty(gs.shape(), gs.device());
+          backend::binary_same(contiguous_data(gs), count_t_, scaled, backend::fn::Div{});
+          gs = scaled;
+        } else {
+          gs = unary_forward(gs, backend::fn::MulScalar{count_ ? 1.0 / count_ : 0.0});
+        }
+      }
     }
     auto grad = Tensor<T>::empty(input_.shape(), input_.device());
     if (input_.numel() == 0) return {grad};
@@ -71,6 +87,7 @@ class ClassLossBackward final : public autograd::Node<T> {
   void release_saved() override {
     input_ = Tensor<T>();
     target_ = Tensor<std::int64_t>();
+    count_t_ = Tensor<T>();
   }
 
  private:
@@ -80,6 +97,7 @@ class ClassLossBackward final : public autograd::Node<T> {
   std::int64_t ignore_;
   Reduction r_;
   double count_;
+  Tensor<T> count_t_;
 };
 
 template <class T>
@@ -97,21 +115,35 @@ Tensor<T> class_loss(bool nll, const Tensor<T>& input, const Tensor<std::int64_t
   const auto N = x.shape()[0], C = x.shape()[1];
   auto per_row = Tensor<T>::empty(Shape{N}, x.device());
   double count = 0;
+  Tensor<T> count_t;  // on a GPU: the count, on the device
+  Tensor<T> out;
   if (N > 0) {
     CHORUS_CHECK(C > 0, op, ": input has no classes (shape ", input.shape(), ")");
-    // Validate and count the targets on the host (for CUDA, the loss's one synchronisation).
-    const auto host = t.to_vector();
-    for (std::size_t i = 0; i < host.size(); ++i) {
-      if (host[i] == ignore_index) continue;
-      CHORUS_CHECK(host[i] >= 0 && host[i] < C, op, ": target ", host[i], " at index ", i, " is out of range for ",
-                   C, " classes");
-      ++count;
+    if (x.device().is_cpu()) {  // validate and count eagerly
+      const std::int64_t* tp = t.data();
+      for (std::int64_t i = 0; i < N; ++i) {
+        if (tp[i] == ignore_index) continue;
+        CHORUS_CHECK(tp[i] >= 0 && tp[i] < C, op, ": target ", tp[i], " at index ", i, " is out of range for ", C,
+                     " classes");
+        ++count;
+      }
+    } else {  // the kernels validate; the count stays on the device (Note [device-side validation])
+      count_t = Tensor<T>::empty(Shape{}, x.device());
+      backend::count_not_ignored(t, ignore_index, count_t);
     }
     nll ? backend::nll_forward(x, t, ignore_index, per_row) : backend::cross_entropy_forward(x, t, ignore_index, per_row);
   }
-  auto out = reduce_rows(per_row, r, count);
+  if (count_t.defined() && r == Reduction::Mean) {
+    auto total = Tensor<T>::empty(Shape{}, x.device());
+    backend::sum_all(per_row, total, 1.0);
+    out = Tensor<T>::empty(Shape{}, x.device());
+    backend::binary_same(total, count_t, out, backend::fn::Div{});  // count 0: NaN, as on the CPU
+  } else {
+    out = reduce_rows(per_row, r, count);
+  }
   if (autograd::needs_grad(input)) {
-    auto node = autograd::make_node<ClassLossBackward<T>, T>({&input}, nll, x.detach(), t, ignore_index, r, count);
+    auto node = autograd::make_node<ClassLossBackward<T>, T>({&input}, nll, x.detach(), t, ignore_index, r, count,
+                                                             count_t);
     autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
   }
   return out;

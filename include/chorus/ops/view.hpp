@@ -380,16 +380,19 @@ Tensor<T> Tensor<T>::index_select(std::int64_t dim, const Tensor<std::int64_t>& 
   ops::detail::check_same_device("index_select", *this, index);
   auto idx = ops::detail::contiguous_data(index);
   const std::int64_t size = shape()[d];
-  for (auto v : idx.to_vector())
-    CHORUS_CHECK(v >= 0 && v < size, "index_select: index ", v, " is out of range for dimension ", d, " of size ",
-                 size);
+  if (idx.device().is_cpu()) {  // on a GPU the kernel validates (Note [device-side validation])
+    const std::int64_t* p = idx.data();
+    for (std::int64_t i = 0; i < idx.numel(); ++i)
+      CHORUS_CHECK(p[i] >= 0 && p[i] < size, "index_select: index ", p[i], " at position ", i,
+                   " is out of range for dimension ", d, " of size ", size);
+  }
   auto src = ops::detail::contiguous_data(*this);
   Shape s = shape();
   s[d] = idx.numel();
   auto out = Tensor<T>::empty(s, device());
   std::int64_t outer, n, inner;
   ops::detail::split_around(shape(), d, outer, n, inner);
-  backend::index_select(src, outer, n, inner, idx, out);
+  backend::index_select(src, outer, n, inner, idx, out, d);
   if constexpr (is_floating_v<T>) {
     if (autograd::needs_grad(*this)) {
       auto node = autograd::make_node<ops::detail::IndexSelectBackward<T>, T>({this}, shape(), d, idx);

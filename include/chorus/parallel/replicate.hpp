@@ -58,6 +58,18 @@ class BroadcastBackward final : public autograd::Node<T> {
   std::size_t replicas_;
 };
 
+/// Note [flat offsets are 256-byte aligned]: every tensor in a flat buffer starts at a multiple
+/// of 256 bytes, the alignment cudaMalloc gives a standalone tensor. cuBLASLt (and vectorised
+/// kernels) pick faster or only-valid paths for aligned operands; at raw element offsets
+/// Linear(5, 2)'s bias sat at +40 bytes (Note [cuBLASLt alignment] in backend/cuda/host_policy.hpp).
+inline constexpr std::size_t kFlatAlignmentBytes = 256;
+
+/// The first element offset at or after `numel` that is 256-byte aligned for `elem_size` bytes.
+inline std::int64_t aligned_flat_offset(std::int64_t numel, std::size_t elem_size) {
+  const auto step = static_cast<std::int64_t>(kFlatAlignmentBytes / elem_size);
+  return (numel + step - 1) / step * step;
+}
+
 /// Where one primary tensor lives in the flat layout.
 struct FlatSlot {
   std::size_t group;     // index of the dtype group
@@ -173,6 +185,7 @@ class Replicator {
         group_dtypes_.push_back(dt);
         group_numel_.push_back(0);
       }
+      group_numel_[g] = detail::aligned_flat_offset(group_numel_[g], dtype_size(dt));
       slots_.emplace(tensors_[i].tensor.impl_key(), detail::FlatSlot{g, group_numel_[g]});
       offsets_.push_back(group_numel_[g]);
       groups_.push_back(g);

@@ -5,8 +5,13 @@
 
 #include <atomic>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <unordered_map>
+#include <utility>
 
+#include "../../core/dtype.hpp"
+#include "host_policy.hpp"
 #include "launch.cuh"
 
 #define CHORUS_CUBLAS_CHECK(expr)                                                                   \
@@ -58,6 +63,7 @@ inline BlasHandles& handles_for(Device d, cudaStream_t stream) {
 }
 
 /// Row-major C[M,N] = alpha op(A) op(B) + beta C, as column-major C^T = op(B)^T op(A)^T.
+/// The 64-bit cuBLAS API takes the sizes as they are: nothing is narrowed to int.
 template <class T>
 void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A, std::int64_t lda,
           const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc, Device d) {
@@ -68,62 +74,148 @@ void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T al
   if constexpr (std::is_same_v<T, float>) {
     CHORUS_CUBLAS_CHECK(cublasSetMathMode(
         h.blas, ::chorus::cuda::allow_tf32() ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
-    CHORUS_CUBLAS_CHECK(cublasSgemm(h.blas, opb, opa, (int)N, (int)M, (int)K, &alpha, B, (int)ldb, A, (int)lda, &beta, C,
-                                    (int)ldc));
+    CHORUS_CUBLAS_CHECK(cublasSgemm_64(h.blas, opb, opa, N, M, K, &alpha, B, ldb, A, lda, &beta, C, ldc));
   } else {
-    CHORUS_CUBLAS_CHECK(cublasDgemm(h.blas, opb, opa, (int)N, (int)M, (int)K, &alpha, B, (int)ldb, A, (int)lda, &beta, C,
-                                    (int)ldc));
+    CHORUS_CUBLAS_CHECK(cublasDgemm_64(h.blas, opb, opa, N, M, K, &alpha, B, ldb, A, lda, &beta, C, ldc));
   }
   ::chorus::cuda::check_launch("gemm");
 }
 
-/// out[M,N] = x[M,K] @ w[N,K]^T + bias[N] in one cuBLASLt call (bias epilogue), all row-major
-/// and contiguous, float32. Returns false when cuBLASLt has no algorithm for it (the caller
-/// then uses gemm + a bias kernel).
-inline bool linear_bias_lt(const float* x, const float* w, const float* bias, float* out, std::int64_t M,
-                           std::int64_t N, std::int64_t K, Device d) {
-  Launch launch(d);
-  auto& h = handles_for(d, launch.stream);
-  // Column-major view: out^T[N,M] = w[N,K] (stored as K x N, transposed) * x^T (K x M).
-  const auto compute = ::chorus::cuda::allow_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+/// Which path the fused Linear took (tests assert on it; the counts only grow).
+struct LtStats {
+  std::atomic<std::int64_t> lt_calls{0};      // products done by cublasLtMatmul with the bias epilogue
+  std::atomic<std::int64_t> fallbacks{0};     // refused (alignment, no algorithm, NOT_SUPPORTED): plain cuBLAS
+  std::atomic<std::int64_t> plans_built{0};   // heuristic queries (Note [cuBLASLt plan cache])
+};
+inline LtStats& lt_stats() {
+  static LtStats* s = new LtStats();
+  return *s;
+}
+
+// Note [cuBLASLt plan cache]
+// Creating the matmul descriptor and layouts and asking the heuristic for an algorithm costs
+// tens of microseconds of host time, every call. A plan (descriptors + algorithm, or "no
+// algorithm") is built once per LtKey: device, sizes, dtype, TF32, the operands' alignments
+// (Note [cuBLASLt alignment] in host_policy.hpp) and the epilogue. The bias pointer is the one
+// per-call attribute of the shared descriptor; a plan's mutex covers setting it and enqueueing
+// the product (cublasLtMatmul reads the descriptor before it returns).
+struct LtPlan {
+  std::atomic<bool> supported{false};
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
-  cublasLtMatmulPreference_t pref = nullptr;
-  struct Cleanup {
-    cublasLtMatmulDesc_t& op;
-    cublasLtMatrixLayout_t &la, &lb, &lc;
-    cublasLtMatmulPreference_t& pref;
-    ~Cleanup() {
-      if (pref) cublasLtMatmulPreferenceDestroy(pref);
-      if (lc) cublasLtMatrixLayoutDestroy(lc);
-      if (lb) cublasLtMatrixLayoutDestroy(lb);
-      if (la) cublasLtMatrixLayoutDestroy(la);
-      if (op) cublasLtMatmulDescDestroy(op);
-    }
-  } cleanup{op, la, lb, lc, pref};
-  CHORUS_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, compute, CUDA_R_32F));
+  cublasLtMatmulAlgo_t algo{};
+  std::mutex m;
+  LtPlan() = default;
+  LtPlan(const LtPlan&) = delete;
+  LtPlan& operator=(const LtPlan&) = delete;
+  ~LtPlan() {
+    if (lc) (void)cublasLtMatrixLayoutDestroy(lc);
+    if (lb) (void)cublasLtMatrixLayoutDestroy(lb);
+    if (la) (void)cublasLtMatrixLayoutDestroy(la);
+    if (op) (void)cublasLtMatmulDescDestroy(op);
+  }
+};
+
+/// out^T[N,M] = w (K x N as stored, transposed) * x^T (K x M), bias epilogue, float32.
+inline std::shared_ptr<LtPlan> build_lt_plan(const LtKey& key, cublasLtHandle_t lt) {
+  auto plan = std::make_shared<LtPlan>();
+  lt_stats().plans_built.fetch_add(1, std::memory_order_relaxed);
+  const auto compute = key.tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  CHORUS_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan->op, compute, CUDA_R_32F));
   const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-  CHORUS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-  CHORUS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-  const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-  CHORUS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
-  CHORUS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-  CHORUS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&la, CUDA_R_32F, K, N, K));  // w as stored: K x N, ld K
-  CHORUS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lb, CUDA_R_32F, K, M, K));  // x^T: K x M, ld K
-  CHORUS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&lc, CUDA_R_32F, N, M, N));  // out^T: N x M, ld N
+  CHORUS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+  CHORUS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+  const cublasLtEpilogue_t epi = key.epilogue == 1 ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+  CHORUS_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+  CHORUS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->la, CUDA_R_32F, key.k, key.n, key.k));  // w: K x N, ld K
+  CHORUS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->lb, CUDA_R_32F, key.k, key.m, key.k));  // x^T: K x M, ld K
+  CHORUS_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan->lc, CUDA_R_32F, key.n, key.m, key.n));  // out^T: N x M
+  cublasLtMatmulPreference_t pref = nullptr;
   CHORUS_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  struct PrefGuard {
+    cublasLtMatmulPreference_t p;
+    ~PrefGuard() { (void)cublasLtMatmulPreferenceDestroy(p); }
+  } pref_guard{pref};
   const std::size_t ws = BlasHandles::kWorkspace;
   CHORUS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                                            sizeof(ws)));
+  // The real alignments, not the 256 bytes the heuristic otherwise assumes (Note [cuBLASLt alignment]).
+  const std::pair<cublasLtMatmulPreferenceAttributes_t, std::uint32_t> aligns[] = {
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_a},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, key.align_b},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, key.align_c},
+      {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, key.align_d}};
+  for (const auto& [attr, bytes] : aligns)
+    CHORUS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &bytes, sizeof(bytes)));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const auto st = cublasLtMatmulAlgoGetHeuristic(h.lt, op, la, lb, lc, lc, pref, 1, &result, &found);
-  if (st == CUBLAS_STATUS_NOT_SUPPORTED || found == 0) return false;
+  const auto st = cublasLtMatmulAlgoGetHeuristic(lt, plan->op, plan->la, plan->lb, plan->lc, plan->lc, pref, 1,
+                                                 &result, &found);
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED || (st == CUBLAS_STATUS_SUCCESS && found == 0)) return plan;  // unsupported
   CHORUS_CUBLAS_CHECK(st);
+  plan->algo = result.algo;
+  plan->supported.store(true);
+  return plan;
+}
+
+inline std::shared_ptr<LtPlan> lt_plan(const LtKey& key, cublasLtHandle_t lt) {
+  static std::mutex m;
+  static auto* cache = new std::unordered_map<LtKey, std::shared_ptr<LtPlan>, LtKeyHash>();  // lives forever
+  {
+    std::lock_guard<std::mutex> lk(m);
+    if (auto it = cache->find(key); it != cache->end()) return it->second;
+  }
+  auto plan = build_lt_plan(key, lt);  // outside the lock: the heuristic is the slow part
+  std::lock_guard<std::mutex> lk(m);
+  return cache->emplace(key, std::move(plan)).first->second;  // a racing builder's plan wins: same result
+}
+
+/// out[M,N] = x[M,K] @ w[N,K]^T + bias[N] in one cuBLASLt call (bias epilogue), all row-major
+/// and contiguous, float32. Returns false when cuBLASLt cannot do it here (misaligned bias, no
+/// algorithm for these alignments, CUBLAS_STATUS_NOT_SUPPORTED); the caller then uses plain
+/// cuBLAS and a bias kernel.
+inline bool linear_bias_lt(const float* x, const float* w, const float* bias, float* out, std::int64_t M,
+                           std::int64_t N, std::int64_t K, Device d) {
+  auto addr = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  if (!lt_bias_epilogue_ok(addr(bias), M)) {
+    lt_stats().fallbacks.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  Launch launch(d);
+  auto& h = handles_for(d, launch.stream);
+  LtKey key;
+  key.device = d.index;
+  key.m = M;
+  key.n = N;
+  key.k = K;
+  key.dtype = static_cast<int>(DType::Float32);
+  key.tf32 = ::chorus::cuda::allow_tf32();
+  key.align_a = lt_alignment(addr(w));
+  key.align_b = lt_alignment(addr(x));
+  key.align_c = key.align_d = lt_alignment(addr(out));
+  key.epilogue = 1;
+  auto plan = lt_plan(key, h.lt);
+  if (!plan->supported.load()) {
+    lt_stats().fallbacks.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
   const float alpha = 1.0f, beta = 0.0f;
-  CHORUS_CUBLAS_CHECK(cublasLtMatmul(h.lt, op, &alpha, w, la, x, lb, &beta, out, lc, out, lc, &result.algo, h.workspace,
-                                     ws, launch.stream));
+  cublasStatus_t st;
+  {
+    std::lock_guard<std::mutex> lk(plan->m);
+    CHORUS_CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    st = cublasLtMatmul(h.lt, plan->op, &alpha, w, plan->la, x, plan->lb, &beta, out, plan->lc, out, plan->lc,
+                        &plan->algo, h.workspace, BlasHandles::kWorkspace, launch.stream);
+  }
+  if (st == CUBLAS_STATUS_NOT_SUPPORTED) {  // refused at launch: never again for this key
+    plan->supported.store(false);
+    lt_stats().fallbacks.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  CHORUS_CUBLAS_CHECK(st);
   ::chorus::cuda::check_launch("cublasLtMatmul");
+  lt_stats().lt_calls.fetch_add(1, std::memory_order_relaxed);
   return true;
 }
 

@@ -90,9 +90,10 @@ __global__ void finish_sum(const acc_t<T>* partial, int count, T* out, double sc
   if (threadIdx.x == 0) out[0] = static_cast<T>(s * scale);
 }
 
-/// out[o] = scale * sum_i in[o, i] (rows, inner == 1): one block per row.
-template <class T>
-__global__ void row_sums(const T* in, std::int64_t outer, std::int64_t n, T* out, double scale) {
+/// out[o] = scale * sum_i in[o, i] (rows, inner == 1): one block per row. `In` is T, or the
+/// accumulator type when summing the partial sums of row_partial_sums.
+template <class T, class In = T>
+__global__ void row_sums(const In* in, std::int64_t outer, std::int64_t n, T* out, double scale) {
   for (std::int64_t o = blockIdx.x; o < outer; o += gridDim.x) {
     acc_t<T> s = 0;
     for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) s += in[o * n + i];
@@ -101,14 +102,58 @@ __global__ void row_sums(const T* in, std::int64_t outer, std::int64_t n, T* out
   }
 }
 
-/// out[o, j] = scale * sum_i in[o, i, j] (inner > 1): one thread per output, coalesced over j.
+/// Few long rows: block (x = s, y = o) sums chunk s of row o into partial[o * splits + s], so
+/// that many blocks share a row instead of one block walking it alone (Note [2-D reductions]).
 template <class T>
-__global__ void strided_sums(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out,
-                             double scale) {
-  CHORUS_GRID_STRIDE(t, outer * inner) {
-    const std::int64_t o = t / inner, j = t % inner;
+__global__ void row_partial_sums(const T* in, std::int64_t n, std::int64_t chunk, acc_t<T>* partial) {
+  const std::int64_t o = blockIdx.y, i0 = blockIdx.x * chunk, i1 = min(n, i0 + chunk);
+  acc_t<T> s = 0;
+  for (std::int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) s += in[o * n + i];
+  s = block_sum(s);
+  if (threadIdx.x == 0) partial[o * gridDim.x + blockIdx.x] = s;
+}
+
+// Note [2-D reductions]
+// Column sums of [outer, n, inner] (the bias gradient is the column sums of [rows, features])
+// used to run one thread per column walking all n rows: [8192, 4096] gave 16 blocks on a
+// 132-SM GPU. Now a block is 32 columns x 8 row lanes (coalesced over columns), and the rows
+// are split over gridDim.y blocks whose partial sums a second kernel adds in a fixed order
+// (deterministic, unlike atomics).
+inline constexpr int kColTile = 32, kColLanes = 8;
+
+/// Block (x: a tile of 32 columns of one o, y: a chunk of rows) sums its share; writes
+/// partial[y][o * inner + j], or the scaled result into out when there is one chunk.
+template <class T>
+__global__ void column_sums(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, std::int64_t tiles,
+                            std::int64_t chunk, acc_t<T>* partial, T* out, double scale) {
+  __shared__ acc_t<T> buf[kColLanes][kColTile + 1];
+  const std::int64_t i0 = blockIdx.y * chunk, i1 = min(n, i0 + chunk);
+  for (std::int64_t tb = blockIdx.x; tb < outer * tiles; tb += gridDim.x) {
+    const std::int64_t o = tb / tiles, j = (tb % tiles) * kColTile + threadIdx.x;
     acc_t<T> s = 0;
-    for (std::int64_t i = 0; i < n; ++i) s += in[(o * n + i) * inner + j];
+    if (j < inner)
+      for (std::int64_t i = i0 + threadIdx.y; i < i1; i += kColLanes) s += in[(o * n + i) * inner + j];
+    buf[threadIdx.y][threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < inner) {
+      acc_t<T> t = 0;
+      for (int y = 0; y < kColLanes; ++y) t += buf[y][threadIdx.x];
+      if (partial) {
+        partial[blockIdx.y * outer * inner + o * inner + j] = t;
+      } else {
+        out[o * inner + j] = static_cast<T>(t * scale);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+template <class T>
+__global__ void finish_column_sums(const acc_t<T>* partial, std::int64_t chunks, std::int64_t m, T* out,
+                                   double scale) {
+  CHORUS_GRID_STRIDE(t, m) {
+    acc_t<T> s = 0;
+    for (std::int64_t c = 0; c < chunks; ++c) s += partial[c * m + t];
     out[t] = static_cast<T>(s * scale);
   }
 }
@@ -149,6 +194,42 @@ __global__ void softmax(const T* in, std::int64_t outer, std::int64_t n, std::in
   }
 }
 
+/// Softmax along the middle axis when inner is wide: one thread per (o, j) column, coalesced
+/// over j (a block per row would read elements `inner` apart).
+template <class T>
+__global__ void softmax_columns(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out,
+                                bool log_space) {
+  CHORUS_GRID_STRIDE(c, outer * inner) {
+    const std::int64_t base = (c / inner) * n * inner + c % inner;
+    T mx = -INFINITY;
+    for (std::int64_t i = 0; i < n; ++i) mx = max(mx, in[base + i * inner]);
+    acc_t<T> s = 0;
+    for (std::int64_t i = 0; i < n; ++i) s += exp(in[base + i * inner] - mx);
+    const T lse = mx + static_cast<T>(log(s));
+    for (std::int64_t i = 0; i < n; ++i) {
+      const T x = in[base + i * inner];
+      out[base + i * inner] = log_space ? x - lse : static_cast<T>(exp(x - mx) / s);
+    }
+  }
+}
+
+template <class T>
+__global__ void softmax_backward_columns(const T* g, const T* y, std::int64_t outer, std::int64_t n,
+                                         std::int64_t inner, T* gx, bool log_space) {
+  CHORUS_GRID_STRIDE(c, outer * inner) {
+    const std::int64_t base = (c / inner) * n * inner + c % inner;
+    acc_t<T> s = 0;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t p = base + i * inner;
+      s += log_space ? g[p] : g[p] * y[p];
+    }
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t p = base + i * inner;
+      gx[p] = log_space ? g[p] - exp(y[p]) * static_cast<T>(s) : y[p] * (g[p] - static_cast<T>(s));
+    }
+  }
+}
+
 template <class T>
 __global__ void softmax_backward(const T* g, const T* y, std::int64_t outer, std::int64_t n, std::int64_t inner, T* gx,
                                  bool log_space) {
@@ -165,21 +246,45 @@ __global__ void softmax_backward(const T* g, const T* y, std::int64_t outer, std
   }
 }
 
+/// Reports bad input found by a kernel (Note [device-side validation] in core/device_assert.hpp):
+/// the first claimant of the guard fills the record; others only skip their access.
+__device__ inline void device_assert(::chorus::detail::DeviceAssertSink sink, int code, std::int64_t value,
+                                     std::int64_t index, std::int64_t bound, int extra = 0) {
+  if (atomicCAS(sink.guard, 0, 1) != 0) return;
+  volatile ::chorus::detail::DeviceAssert* r = sink.record;
+  r->extra = extra;
+  r->value = value;
+  r->index = index;
+  r->bound = bound;
+  __threadfence_system();
+  r->code = code;
+}
+
 template <class T>
 __global__ void index_select(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner,
-                             const std::int64_t* idx, std::int64_t k, T* out) {
+                             const std::int64_t* idx, std::int64_t k, T* out, ::chorus::detail::DeviceAssertSink sink,
+                             int dim) {
   CHORUS_GRID_STRIDE(t, outer * k * inner) {
     const std::int64_t j = t % inner, r = (t / inner) % k, o = t / (inner * k);
-    out[t] = in[(o * n + idx[r]) * inner + j];
+    const std::int64_t v = idx[r];
+    if (v < 0 || v >= n) [[unlikely]] {
+      device_assert(sink, ::chorus::detail::kAssertIndexSelect, v, r, n, dim);
+      out[t] = T(0);
+      continue;
+    }
+    out[t] = in[(o * n + v) * inner + j];
   }
 }
 
+/// The backward of index_select; a bad index was reported by the forward, here it is skipped.
 template <class T>
 __global__ void index_add(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner,
                           const std::int64_t* idx, std::int64_t k, T* out) {
   CHORUS_GRID_STRIDE(t, outer * k * inner) {
     const std::int64_t j = t % inner, r = (t / inner) % k, o = t / (inner * k);
-    atomicAdd(out + (o * n + idx[r]) * inner + j, in[t]);
+    const std::int64_t v = idx[r];
+    if (v < 0 || v >= n) [[unlikely]] continue;
+    atomicAdd(out + (o * n + v) * inner + j, in[t]);
   }
 }
 
@@ -199,14 +304,22 @@ __global__ void squared_error_backward(const T* a, const T* b, std::int64_t n, T
   }
 }
 
-/// Per-row cross entropy (targets already validated on the host): one block per row.
+/// Per-row cross entropy, one block per row; a target out of range is reported (Note
+/// [device-side validation]) and its row's loss is NaN.
 template <class T>
 __global__ void cross_entropy_forward(const T* logits, std::int64_t N, std::int64_t C, const std::int64_t* target,
-                                      std::int64_t ignore, T* loss) {
+                                      std::int64_t ignore, T* loss, ::chorus::detail::DeviceAssertSink sink) {
   for (std::int64_t r = blockIdx.x; r < N; r += gridDim.x) {
     const std::int64_t t = target[r];
     if (t == ignore) {
       if (threadIdx.x == 0) loss[r] = 0;
+      continue;
+    }
+    if (t < 0 || t >= C) [[unlikely]] {
+      if (threadIdx.x == 0) {
+        device_assert(sink, ::chorus::detail::kAssertCrossEntropyTarget, t, r, C);
+        loss[r] = NAN;
+      }
       continue;
     }
     const T* x = logits + r * C;
@@ -223,7 +336,7 @@ __global__ void cross_entropy_backward(const T* logits, std::int64_t N, std::int
   for (std::int64_t r = blockIdx.x; r < N; r += gridDim.x) {
     const std::int64_t t = target[r];
     T* gr = grad + r * C;
-    if (t == ignore) {
+    if (t == ignore || t < 0 || t >= C) {  // out of range: reported by the forward
       for (std::int64_t c = threadIdx.x; c < C; c += blockDim.x) gr[c] = 0;
       continue;
     }
@@ -239,9 +352,26 @@ __global__ void cross_entropy_backward(const T* logits, std::int64_t N, std::int
 
 template <class T>
 __global__ void nll_forward(const T* logp, std::int64_t N, std::int64_t C, const std::int64_t* target,
-                            std::int64_t ignore, T* loss) {
-  CHORUS_GRID_STRIDE(r, N) loss[r] = target[r] == ignore ? T(0) : -logp[r * C + target[r]];
+                            std::int64_t ignore, T* loss, ::chorus::detail::DeviceAssertSink sink) {
+  CHORUS_GRID_STRIDE(r, N) {
+    const std::int64_t t = target[r];
+    if (t == ignore) {
+      loss[r] = T(0);
+    } else if (t < 0 || t >= C) [[unlikely]] {
+      device_assert(sink, ::chorus::detail::kAssertNllTarget, t, r, C);
+      loss[r] = NAN;
+    } else {
+      loss[r] = -logp[r * C + t];
+    }
+  }
 }
+
+/// Counts the targets that take part (not ignore_index), as T, for the mean reduction.
+struct NotIgnored {
+  const std::int64_t* target;
+  std::int64_t ignore;
+  __device__ double operator()(std::int64_t i) const { return target[i] != ignore ? 1.0 : 0.0; }
+};
 
 template <class T>
 __global__ void nll_backward(std::int64_t N, std::int64_t C, const std::int64_t* target, std::int64_t ignore,
@@ -381,17 +511,57 @@ void reduce_all(F f, std::int64_t n, T* out, double scale, Device d) {
   ::chorus::cuda::check_launch("finish_sum");
 }
 
+/// Blocks a reduction aims for: a few per SM on the largest GPUs (132 SMs on an H100/H200).
+inline constexpr std::int64_t kReduceTargetBlocks = 1024;
+
 template <class T>
 void sum_dim(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out, double scale, Device d) {
   if (outer == 1 && inner == 1) return reduce_all<T>(k::Identity<T>{in}, n, out, scale, d);
   Launch launch(d);
+  if (outer == 0 || inner == 0) return;
+  if (n == 0) return fill<T>(out, outer * inner, T(0), d);
   if (inner == 1) {
+    // Few long rows (Note [2-D reductions]): split each row over several blocks, then sum the
+    // partials with one block per row.
+    const std::int64_t splits = outer < kReduceTargetBlocks / 4 && n >= 8 * kThreads
+                                    ? std::min<std::int64_t>({(kReduceTargetBlocks + outer - 1) / outer,
+                                                              n / (4 * kThreads), 65535})
+                                    : 1;
+    if (splits > 1) {
+      const std::int64_t chunk = (n + splits - 1) / splits;
+      const std::int64_t used = (n + chunk - 1) / chunk;
+      auto partial = Tensor<acc_t<T>>::empty(Shape{outer * used}, d);
+      k::row_partial_sums<T><<<dim3(static_cast<unsigned>(used), static_cast<unsigned>(outer)), kThreads, 0,
+                               launch.stream>>>(in, n, chunk, partial.data());
+      ::chorus::cuda::check_launch("row_partial_sums");
+      k::row_sums<T, acc_t<T>><<<static_cast<unsigned>(outer), kThreads, 0, launch.stream>>>(partial.data(), outer,
+                                                                                              used, out, scale);
+      ::chorus::cuda::check_launch("row_sums (partials)");
+      return;
+    }
     const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>(outer, 65535));
     k::row_sums<T><<<blocks, kThreads, 0, launch.stream>>>(in, outer, n, out, scale);
     ::chorus::cuda::check_launch("row_sums");
-  } else {
-    CHORUS_LAUNCH(k::strided_sums<T>, outer * inner, in, outer, n, inner, out, scale);
+    return;
   }
+  // Columns (Note [2-D reductions]).
+  const std::int64_t tiles = (inner + k::kColTile - 1) / k::kColTile;
+  const std::int64_t xblocks = std::min<std::int64_t>(outer * tiles, std::int64_t{1} << 20);
+  std::int64_t chunks = std::min<std::int64_t>({(kReduceTargetBlocks + xblocks - 1) / xblocks,
+                                                std::max<std::int64_t>(1, n / 64), 65535});
+  const std::int64_t chunk = (n + chunks - 1) / chunks;
+  chunks = (n + chunk - 1) / chunk;
+  const dim3 block(k::kColTile, k::kColLanes);
+  const dim3 grid(static_cast<unsigned>(xblocks), static_cast<unsigned>(chunks));
+  if (chunks == 1) {
+    k::column_sums<T><<<grid, block, 0, launch.stream>>>(in, outer, n, inner, tiles, chunk, nullptr, out, scale);
+    ::chorus::cuda::check_launch("column_sums");
+    return;
+  }
+  auto partial = Tensor<acc_t<T>>::empty(Shape{chunks * outer * inner}, d);
+  k::column_sums<T><<<grid, block, 0, launch.stream>>>(in, outer, n, inner, tiles, chunk, partial.data(), out, scale);
+  ::chorus::cuda::check_launch("column_sums");
+  CHORUS_LAUNCH(k::finish_column_sums<T>, outer * inner, partial.data(), chunks, outer * inner, out, scale);
 }
 
 template <class T>
@@ -405,6 +575,10 @@ void softmax(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner
   Launch launch(d);
   const std::int64_t rows = outer * inner;
   if (rows == 0 || n == 0) return;
+  if (inner >= k::kColTile) {  // wide inner axis: coalesced column kernel
+    CHORUS_LAUNCH(k::softmax_columns<T>, rows, in, outer, n, inner, out, log_space);
+    return;
+  }
   k::softmax<T><<<static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)), kThreads, 0, launch.stream>>>(
       in, outer, n, inner, out, log_space);
   ::chorus::cuda::check_launch("softmax");
@@ -416,16 +590,23 @@ void softmax_backward(const T* g, const T* y, std::int64_t outer, std::int64_t n
   Launch launch(d);
   const std::int64_t rows = outer * inner;
   if (rows == 0 || n == 0) return;
+  if (inner >= k::kColTile) {
+    CHORUS_LAUNCH(k::softmax_backward_columns<T>, rows, g, y, outer, n, inner, gx, log_space);
+    return;
+  }
   k::softmax_backward<T><<<static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)), kThreads, 0, launch.stream>>>(
       g, y, outer, n, inner, gx, log_space);
   ::chorus::cuda::check_launch("softmax_backward");
 }
 
+/// Indices are validated by the kernel (Note [device-side validation]); `dim` names the
+/// dimension in the report.
 template <class T>
 void index_select(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, const std::int64_t* idx,
-                  std::int64_t kk, T* out, Device d) {
+                  std::int64_t kk, T* out, int dim, Device d) {
   Launch launch(d);
-  CHORUS_LAUNCH(k::index_select<T>, outer * kk * inner, in, outer, n, inner, idx, kk, out);
+  const auto sink = ::chorus::cuda::device_assert_sink(d.index);
+  CHORUS_LAUNCH(k::index_select<T>, outer * kk * inner, in, outer, n, inner, idx, kk, out, sink, dim);
 }
 
 template <class T>
@@ -453,14 +634,15 @@ void squared_error_backward(const T* a, const T* b, std::int64_t n, T scale, con
   CHORUS_LAUNCH(k::squared_error_backward<T>, n, a, b, n, scale, g, per_elem, ga, gb);
 }
 
-/// Per-row cross entropy; the targets were validated on the host by the caller.
+/// Per-row cross entropy; the kernel validates the targets (Note [device-side validation]).
 template <class T>
 void cross_entropy_forward(const T* logits, std::int64_t N, std::int64_t C, const std::int64_t* target,
                            std::int64_t ignore, T* loss, Device d) {
   Launch launch(d);
   if (N == 0) return;
+  const auto sink = ::chorus::cuda::device_assert_sink(d.index);
   k::cross_entropy_forward<T><<<static_cast<unsigned>(std::min<std::int64_t>(N, 65535)), kThreads, 0, launch.stream>>>(
-      logits, N, C, target, ignore, loss);
+      logits, N, C, target, ignore, loss, sink);
   ::chorus::cuda::check_launch("cross_entropy_forward");
 }
 
@@ -478,7 +660,14 @@ template <class T>
 void nll_forward(const T* logp, std::int64_t N, std::int64_t C, const std::int64_t* target, std::int64_t ignore,
                  T* loss, Device d) {
   Launch launch(d);
-  CHORUS_LAUNCH(k::nll_forward<T>, N, logp, N, C, target, ignore, loss);
+  const auto sink = ::chorus::cuda::device_assert_sink(d.index);
+  CHORUS_LAUNCH(k::nll_forward<T>, N, logp, N, C, target, ignore, loss, sink);
+}
+
+/// out (one element) = the number of targets that are not ignore_index, on the device.
+template <class T>
+void count_not_ignored(const std::int64_t* target, std::int64_t N, std::int64_t ignore, T* out, Device d) {
+  reduce_all<T>(k::NotIgnored{target, ignore}, N, out, 1.0, d);
 }
 
 template <class T>
