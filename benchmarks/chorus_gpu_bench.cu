@@ -6,6 +6,7 @@
 //   chorus_gpu_bench [--workloads tutorial,mlp-small,mlp-large] [--repeats N] [--json FILE]
 #include <chorus/chorus.hpp>
 
+#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -93,6 +94,14 @@ int main(int argc, char** argv) try {
   }
   CHORUS_CHECK(cuda_device_count() > 0, "chorus_gpu_bench needs a GPU");
   nlohmann::json records = nlohmann::json::array();
+  nlohmann::json errors = nlohmann::json::array();
+  // The JSON is rewritten after every workload, so a crash or a timeout later still leaves
+  // what was measured; a failing workload is recorded and the next one runs.
+  auto write_json = [&] {
+    const std::string tmp = json_path + ".tmp";
+    std::ofstream(tmp) << nlohmann::json{{"records", records}, {"errors", errors}}.dump(2) << "\n";
+    std::rename(tmp.c_str(), json_path.c_str());
+  };
   auto run = [&](const std::string& w, const std::string& config, int devices, double flops, int reps,
                  const std::function<void()>& step) {
     auto s = bench::measure(step, std::max(3, reps / 5), reps, gpu_clock);
@@ -104,7 +113,7 @@ int main(int argc, char** argv) try {
     std::fprintf(stderr, "  chorus %-10s %-34s median %9.3f ms\n", w.c_str(), config.c_str(), s.median_ms);
   };
   manual_seed(0);
-  for (const auto& w : workloads) {
+  for (const auto& w : workloads) try {
     if (w == "tutorial") {  // data on the host, through a one-GPU DataParallel, forward only
       const int reps = repeats ? repeats : 200;
       Tutorial m;
@@ -143,10 +152,16 @@ int main(int argc, char** argv) try {
     } else {
       CHORUS_FAIL("unknown workload '", w, "'");
     }
+    write_json();
+  } catch (const std::exception& e) {
+    cuda::set_allow_tf32(false);
+    std::cerr << "error in workload " << w << ": " << e.what() << "\n";
+    errors.push_back({{"workload", w}, {"error", e.what()}});
+    write_json();
   }
-  std::ofstream(json_path) << nlohmann::json{{"records", records}}.dump(2) << "\n";
-  std::printf("wrote %s\n", json_path.c_str());
-  return 0;
+  write_json();
+  std::printf("wrote %s (%zu records, %zu failed workloads)\n", json_path.c_str(), records.size(), errors.size());
+  return errors.empty() ? 0 : 1;
 } catch (const std::exception& e) {
   std::cerr << "error: " << e.what() << "\n";
   return 1;

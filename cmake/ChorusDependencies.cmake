@@ -23,6 +23,12 @@ if(NOT DEFINED CHORUS_ENABLE_CUDA OR CHORUS_ENABLE_CUDA)
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
       set(CMAKE_CUDA_ARCHITECTURES 90)  # NVIDIA H100/H200
     endif()
+    # One CUDA runtime per program: chorus::cuda links the shared cudart (CUDA::cudart), so
+    # nvcc-linked targets must not add the static one too (CMake's default), which would give
+    # a program two runtimes with separate state. A consumer that set its own value keeps it.
+    if(NOT DEFINED CMAKE_CUDA_RUNTIME_LIBRARY)
+      set(CMAKE_CUDA_RUNTIME_LIBRARY Shared)
+    endif()
     enable_language(CUDA)
     find_package(CUDAToolkit REQUIRED)
     find_library(CHORUS_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib64)

@@ -1,6 +1,8 @@
 // The CUDA backend against the CPU backend, its allocator, streams, communicators, and
 // DataParallel on repeated-GPU sets. Every test skips where no GPU is present.
+#include <atomic>
 #include <functional>
+#include <thread>
 
 #include "../test_util.hpp"
 
@@ -16,6 +18,37 @@ namespace F = chorus::nn::functional;
 
 namespace {
 const Device kGpu = Device::cuda(0);
+
+// Every sticky or stray error shows at the end: a final device-wide sync and the last-error
+// slot must both be clean (a test that leaves a tolerated code behind fails here).
+class CudaTeardown : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    if (cuda_device_count() == 0) return;
+    for (int d = 0; d < cuda_device_count(); ++d) {
+      cuda::DeviceGuard g(d);
+      const cudaError_t sync = cudaDeviceSynchronize();
+      EXPECT_EQ(sync, cudaSuccess) << "cudaDeviceSynchronize at teardown on cuda:" << d << ": "
+                                   << cudaGetErrorString(sync);
+      const cudaError_t last = cudaGetLastError();
+      EXPECT_EQ(last, cudaSuccess) << "cudaGetLastError at teardown on cuda:" << d << ": " << cudaGetErrorString(last);
+    }
+  }
+};
+[[maybe_unused]] auto* const kTeardown = ::testing::AddGlobalTestEnvironment(new CudaTeardown);
+
+/// Keeps `stream` busy for about `ms` milliseconds (to observe what waits for what).
+__global__ void spin_kernel(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+void spin(cudaStream_t stream, double ms) {
+  int khz = 0;
+  CHORUS_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, 0));
+  spin_kernel<<<1, 1, 0, stream>>>(static_cast<long long>(ms * khz));
+  CHORUS_CUDA_CHECK(cudaGetLastError());
+}
 
 template <class T>
 double op_tol() {
@@ -117,8 +150,23 @@ TYPED_TEST(CudaOps, MatrixProductsAndLosses) {
     check_op<T>("nll", [&](const L& x) { return F::nll_loss(x[0], x[0].device().is_cuda() ? target : target_cpu, red); },
                 {r<T>({300, 10}, 17)});
   }
+  // A bad target is found by the kernel and reported at the next synchronisation
+  // (Note [device-side validation]); the next loss works again.
   auto bad = from_vector<std::int64_t>({0, 12}).to(kGpu);
-  EXPECT_TRUE(throws_with([&] { F::cross_entropy(zeros<T>({2, 10}, kGpu), bad); }, {"target 12", "index 1"}));
+  EXPECT_TRUE(throws_with([&] { F::cross_entropy(zeros<T>({2, 10}, kGpu), bad).item(); },
+                          {"cross_entropy", "target 12", "index 1", "10 classes", "cuda:0"}));
+  EXPECT_TRUE(throws_with([&] { F::nll_loss(zeros<T>({3, 4}, kGpu), from_vector<std::int64_t>({0, 1, -2}).to(kGpu))
+                                    .to(Device::cpu()); },
+                          {"nll_loss", "target -2", "index 2", "4 classes"}));
+  auto good = from_vector<std::int64_t>({0, 9}).to(kGpu);
+  EXPECT_NEAR(F::cross_entropy(zeros<T>({2, 10}, kGpu), good).item(), std::log(10.0), 1e-5);
+  // ignore_index rows take no part in the mean, also when counted on the device.
+  auto some_ignored = from_vector<std::int64_t>({3, -100, 1}).to(kGpu);
+  auto logits = r<T>({3, 5}, 99);
+  EXPECT_NEAR(F::cross_entropy(logits.to(kGpu), some_ignored).item(),
+              F::cross_entropy(logits, some_ignored.to(Device::cpu())).item(), 1e-5);
+  auto all_ignored = from_vector<std::int64_t>({-100, -100}).to(kGpu);
+  EXPECT_TRUE(std::isnan(F::cross_entropy(zeros<T>({2, 3}, kGpu), all_ignored).item()));
 }
 
 TYPED_TEST(CudaOps, ViewsCopiesAndJoins) {
@@ -138,19 +186,118 @@ TYPED_TEST(CudaOps, ViewsCopiesAndJoins) {
   auto a = r<T>({1000}, 10);
   EXPECT_EQ(a.to(kGpu).to(Device::cpu()).to_vector(), a.to_vector());
   EXPECT_TRUE(throws_with([&] { (void)(a + a.to(kGpu)); }, {"cpu:0", "cuda:0"}));
+  auto m = r<T>({6, 7}, 11).to(kGpu);
+  EXPECT_TRUE(throws_with([&] { m.index_select(1, from_vector<std::int64_t>({0, 7}).to(kGpu)).to_vector(); },
+                          {"index_select", "index 7", "position 1", "dimension 1", "size 7"}));
+  EXPECT_EQ(m.index_select(1, from_vector<std::int64_t>({6}).to(kGpu)).to(Device::cpu()).to_vector(),
+            m.to(Device::cpu()).index_select(1, from_vector<std::int64_t>({6})).to_vector());
   EXPECT_TRUE(throws_with([&] { a.to(Device::cuda(cuda_device_count())); }, {"not available"}));
 }
 
 TEST(Cuda, LinearWithCublasLtMatchesTheCpuAlsoWithTf32) {
   REQUIRE_GPU();
+  auto& stats = backend::cuda::lt_stats();
   auto x = r<float>({512, 256}, 1), w = r<float>({128, 256}, 2), b = r<float>({128}, 3);
   auto cpu = linear(x, w, b);
-  auto gpu = linear(x.to(kGpu), w.to(kGpu), b.to(kGpu)).to(Device::cpu());
-  EXPECT_TRUE(all_close(gpu, cpu, 1e-4, 1e-4));
+  auto xg = x.to(kGpu), wg = w.to(kGpu), bg = b.to(kGpu);
+  const auto lt0 = stats.lt_calls.load(), fb0 = stats.fallbacks.load();
+  auto fp32 = linear(xg, wg, bg).to(Device::cpu());
+  EXPECT_EQ(stats.lt_calls.load(), lt0 + 1) << "the fused cuBLASLt path did not run";
+  EXPECT_EQ(stats.fallbacks.load(), fb0);
+  EXPECT_TRUE(all_close(fp32, cpu, 1e-4, 1e-4));
   cuda::set_allow_tf32(true);
-  auto tf32 = linear(x.to(kGpu), w.to(kGpu), b.to(kGpu)).to(Device::cpu());
+  auto tf32 = linear(xg, wg, bg).to(Device::cpu());
   cuda::set_allow_tf32(false);
+  EXPECT_EQ(stats.lt_calls.load(), lt0 + 2);
   EXPECT_TRUE(all_close(tf32, cpu, 2e-2, 2e-2));
+  // TF32 really ran: its 10-bit mantissa products differ from FP32 somewhere in 65536 outputs of K = 256.
+  EXPECT_FALSE(all_close(tf32, fp32, 0, 0)) << "TF32 gave bit-identical results: the flag was ignored";
+  // Note [cuBLASLt plan cache]: the same shapes and alignments build no new plan.
+  const auto plans = stats.plans_built.load();
+  for (int i = 0; i < 5; ++i) (void)linear(xg, wg, bg);
+  EXPECT_EQ(stats.plans_built.load(), plans);
+}
+
+TEST(Cuda, LinearOnMisalignedOperandsFallsBackOrRunsAligned) {
+  REQUIRE_GPU();
+  // Operands at element offsets inside one buffer, as DataParallel's flat layout had them before
+  // its 256-byte padding (Note [cuBLASLt alignment]).
+  auto& stats = backend::cuda::lt_stats();
+  const std::int64_t M = 30, K = 5, N = 2;
+  // (Inputs may overlap: b lies inside x.)
+  auto flat = r<float>({1 + M * K + 1 + N * K + 8}, 21).to(kGpu);
+  auto x = flat.narrow(0, 1, M * K).view({M, K});              // +4 bytes
+  auto w = flat.narrow(0, 1 + M * K + 1, N * K).view({N, K});  // +608 bytes (32-byte aligned)
+  auto b = flat.narrow(0, 10, N);                              // +40 bytes
+  auto cpu = linear(x.to(Device::cpu()), w.to(Device::cpu()), b.to(Device::cpu()));
+  const auto fb0 = stats.fallbacks.load();
+  auto gpu = linear(x, w, b);
+  EXPECT_GT(stats.fallbacks.load(), fb0) << "a bias at +40 bytes must not take the bias epilogue";
+  EXPECT_TRUE(all_close(gpu.to(Device::cpu()), cpu, 1e-5, 1e-5));
+  // Misaligned x and w with an aligned bias: cuBLASLt with the real alignments, or the fallback.
+  auto b2 = r<float>({N}, 22).to(kGpu);
+  auto cpu2 = linear(x.to(Device::cpu()), w.to(Device::cpu()), b2.to(Device::cpu()));
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(all_close(linear(x, w, b2).to(Device::cpu()), cpu2, 1e-5, 1e-5));
+  synchronize(kGpu);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+TEST(Cuda, TheTutorialsLinearUnderDataParallelOnTheGpu) {
+  REQUIRE_GPU();
+  struct Tutorial : nn::Module {
+    nn::Linear fc;
+    Tutorial() : fc(register_module("fc", nn::Linear(5, 2))) {}
+    Tensor<float> forward(const Tensor<float>& x) { return fc(x); }
+  };
+  manual_seed(3);
+  Tutorial single = nn::clone(Tutorial(), kGpu);
+  std::vector<Device> devices = cuda_device_count() > 1 ? available_devices() : std::vector<Device>{kGpu, kGpu};
+  DataParallel<Tutorial> dp(nn::clone(single, kGpu), devices);
+  for (const auto& p : dp.module().named_parameters())  // Note [flat offsets are 256-byte aligned]
+    EXPECT_EQ(p.tensor.as<float>().storage_offset() * 4 % 256, 0) << p.name;
+  auto& stats = backend::cuda::lt_stats();
+  for (int batch : {30, 10}) {
+    auto x = randn<float>({batch, 5});
+    single.zero_grad();
+    dp.zero_grad();
+    const auto lt0 = stats.lt_calls.load(), fb0 = stats.fallbacks.load();
+    auto out = dp(x);
+    synchronize(kGpu);
+    EXPECT_GT(stats.lt_calls.load(), lt0) << "the replicas' Linear did not take the fused cuBLASLt path";
+    EXPECT_EQ(stats.fallbacks.load(), fb0) << "a replica's aligned Linear fell back from cuBLASLt";
+    auto ref = single.forward(x.to(kGpu));
+    EXPECT_TRUE(all_close(out.to(Device::cpu()), ref.to(Device::cpu()), 1e-5, 1e-5)) << batch;
+    out.sum().backward();
+    ref.sum().backward();
+    auto p = single.named_parameters(), q = dp.named_parameters();
+    for (std::size_t i = 0; i < p.size(); ++i)
+      EXPECT_TRUE(all_close(q[i].tensor.as<float>().grad().to(Device::cpu()),
+                            p[i].tensor.as<float>().grad().to(Device::cpu()), 1e-5, 1e-5))
+          << p[i].name << ", batch " << batch;
+  }
+  synchronize(kGpu);
+}
+
+TEST(Cuda, MoreThan65535RowsAndTwoDimensionalReductions) {
+  REQUIRE_GPU();
+  using L = std::vector<Tensor<double>>;
+  // Grids are capped at 65,535 blocks: rows beyond that are visited by the grid-stride loops.
+  check_op<double>("sum1-70000", [](const L& x) { return x[0].sum(1); }, {r<double>({70000, 3}, 1)});
+  check_op<double>("softmax-70000", [](const L& x) { return softmax(x[0], 1); }, {r<double>({70000, 5}, 2)});
+  auto target = randint(0, 4, {70000});
+  check_op<double>("ce-70000", [&](const L& x) {
+    return F::cross_entropy(x[0], x[0].device().is_cuda() ? target.to(kGpu) : target, Reduction::Sum);
+  }, {r<double>({70000, 4}, 3)}, 1e-8);
+  // Note [2-D reductions]: column sums split over row chunks (the bias gradient of a wide
+  // layer), few long rows split over blocks, and softmax over a non-last dimension.
+  check_op<double>("sum0-wide", [](const L& x) { return x[0].sum(0); }, {r<double>({8193, 300}, 4)}, 1e-9);
+  check_op<double>("sum1-long", [](const L& x) { return x[0].sum(1); }, {r<double>({3, 300001}, 5)}, 1e-9);
+  check_op<double>("sum-mid", [](const L& x) { return x[0].sum(1); }, {r<double>({3, 2000, 70}, 6)}, 1e-9);
+  check_op<double>("softmax-mid", [](const L& x) { return softmax(x[0], 1); }, {r<double>({4, 50, 40}, 7)});
+  check_op<double>("log_softmax-mid", [](const L& x) { return log_softmax(x[0], 1); }, {r<double>({3, 20, 33}, 8)});
+  using Lf = std::vector<Tensor<float>>;
+  check_op<float>("linear-bias-grad", [](const Lf& x) { return linear(x[0], x[1], x[2]); },
+                  {r<float>({4096, 64}, 9), r<float>({512, 64}, 10), r<float>({512}, 11)}, 2e-3);
 }
 
 namespace {
@@ -190,7 +337,11 @@ TEST(Cuda, AnMlpTrainingStepMatchesTheCpu) {
 
 TEST(Cuda, TheCachingAllocatorReusesMemoryInTheSteadyState) {
   REQUIRE_GPU();
+  // With CHORUS_CUDA_CACHING_ALLOCATOR=0 (what gpu-check runs under compute-sanitizer) every
+  // allocation is a system allocation: that is checked instead of the pool's reuse.
+  const bool caching = chorus::detail::caching_allocator_enabled();
   const auto base = memory_stats(kGpu);
+  const auto events_before = cuda::EventPool::get().created();
   {
     Mlp m = nn::clone(Mlp(), kGpu);
     optim::SGD opt(m.parameters(), {.lr = 0.01});
@@ -205,24 +356,40 @@ TEST(Cuda, TheCachingAllocatorReusesMemoryInTheSteadyState) {
     step();
     synchronize(kGpu);
     const auto warm = memory_stats(kGpu);
+    const auto events_warm = cuda::EventPool::get().created();
     for (int i = 0; i < 5; ++i) step();
     synchronize(kGpu);
     const auto after = memory_stats(kGpu);
-    EXPECT_EQ(after.num_system_allocs, warm.num_system_allocs) << "the pool grew in the steady state";
-    EXPECT_EQ(after.reserved, warm.reserved);
     EXPECT_GT(after.num_allocs, warm.num_allocs);
+    if (caching) {
+      EXPECT_EQ(after.num_system_allocs, warm.num_system_allocs) << "the pool grew in the steady state";
+      EXPECT_EQ(after.reserved, warm.reserved);
+    } else {
+      EXPECT_EQ(after.num_system_allocs - warm.num_system_allocs, after.num_allocs - warm.num_allocs)
+          << "without caching every allocation goes to cudaMalloc";
+    }
     EXPECT_GE(after.peak_allocated, after.allocated);
     EXPECT_GE(after.reserved, after.allocated);
+    // Events come from the pool: the steady state creates none (item: pooled events).
+    EXPECT_EQ(cuda::EventPool::get().created(), events_warm);
   }
+  (void)events_before;
   EXPECT_EQ(memory_stats(kGpu).allocated, base.allocated);
 }
 
 TEST(Cuda, EventsOrderWorkAcrossStreams) {
   REQUIRE_GPU();
   Stream& s1 = get_stream(kGpu, 1);
-  auto big = zeros<float>({1 << 22}, kGpu);
-  Tensor<float> out;
+  auto big = zeros<float>({1 << 22}, kGpu);  // filled on this thread's current stream...
+  Event filled;
+  filled.record(current_stream(kGpu));
+  // ...which stream 1 must wait for before overwriting it; the zeros are kept busy behind a spin
+  // so that an unordered copy would land first and be overwritten by them.
+  spin(current_stream(kGpu).handle(), 50);
+  (void)big.fill_(0.0f);
+  filled.record(current_stream(kGpu));
   s1.async([&] {
+      filled.block(s1);
       auto t = full<float>({1 << 22}, 3.0f, kGpu);  // on stream 1
       big.copy_(t);
     }).get();
@@ -230,6 +397,112 @@ TEST(Cuda, EventsOrderWorkAcrossStreams) {
   e.record(s1);
   e.block(current_stream(kGpu));
   EXPECT_EQ(big.sum().item(), 3.0f * (1 << 22));
+}
+
+TEST(Cuda, AQueryOfUnfinishedWorkLeavesNoErrorBehind) {
+  REQUIRE_GPU();
+  // Note [tolerated CUDA errors]: cudaEventQuery answers cudaErrorNotReady while work runs.
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  Stream& s = current_stream(kGpu);
+  spin(s.handle(), 100);
+  Event e;
+  e.record(s);
+  EXPECT_FALSE(e.query());
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess) << "Event::query left cudaErrorNotReady in the last-error slot";
+  e.synchronize();
+  EXPECT_TRUE(e.query());
+  // A block used by another stream and freed while that stream still runs: the free waits, and
+  // leaves no error behind either.
+  {
+    auto t = zeros<float>({1024}, kGpu);
+    Stream& other = get_stream(kGpu, 2);
+    spin(other.handle(), 50);
+    record_stream(t.data(), kGpu, other);
+  }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  synchronize(kGpu);
+}
+
+TEST(Cuda, ALossDoesNotWaitForTheDevice) {
+  REQUIRE_GPU();
+  // Item: no host synchronisation per loss (Note [device-side validation]). The stream is kept
+  // busy; computing the losses and their backward must return while it still is.
+  auto logits = randn<float>({256, 10}, kGpu).requires_grad_(true);
+  auto target = randint(0, 10, {256}, kGpu);
+  auto idx = from_vector<std::int64_t>({3, 1}, kGpu);
+  auto step = [&] {
+    for (auto red : {Reduction::Mean, Reduction::Sum}) {
+      auto ce = F::cross_entropy(logits, target, red);
+      auto nll = F::nll_loss(log_softmax(logits, 1), target, red);
+      (ce + nll).backward();
+    }
+    (void)logits.detach().index_select(0, idx);
+  };
+  step();  // first use: handles, the assert record, pool growth
+  synchronize(kGpu);
+  Stream& s = current_stream(kGpu);
+  spin(s.handle(), 300);
+  Event busy;
+  busy.record(s);
+  step();
+  // Without the caching allocator cudaFree synchronises, and CHORUS_DEBUG_SYNC syncs every
+  // launch on purpose: only the normal configuration can show it.
+  if (chorus::detail::caching_allocator_enabled() && !cuda::debug_sync_enabled())
+    EXPECT_FALSE(busy.query()) << "a loss, its backward or index_select waited for the device";
+  synchronize(kGpu);
+  EXPECT_TRUE(logits.grad().defined());
+}
+
+TEST(Cuda, PeerAccessIsEnabledForEveryPairThatCan) {
+  REQUIRE_GPU();
+  const int n = cuda_device_count();
+  for (int d = 0; d < n; ++d) {
+    auto& alloc = static_cast<CudaCachingAllocator&>(allocator_of(Device::cuda(d)));
+    std::vector<int> expected;
+    for (int p = 0; p < n; ++p) {
+      if (p == d) continue;
+      int a = 0, b = 0;
+      CHORUS_CUDA_CHECK(cudaDeviceCanAccessPeer(&a, d, p));
+      CHORUS_CUDA_CHECK(cudaDeviceCanAccessPeer(&b, p, d));
+      if (a || b) expected.push_back(p);
+      if (b && chorus::detail::caching_allocator_enabled()) {  // the peer may use this device's pool
+        cudaMemPool_t pool;
+        CHORUS_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, d));
+        cudaMemLocation loc{};
+        loc.type = cudaMemLocationTypeDevice;
+        loc.id = p;
+        cudaMemAccessFlags flags{};
+        CHORUS_CUDA_CHECK(cudaMemPoolGetAccess(&flags, pool, &loc));
+        EXPECT_EQ(flags, cudaMemAccessFlagsProtReadWrite) << "cuda:" << p << " on cuda:" << d << "'s pool";
+      }
+    }
+    EXPECT_EQ(alloc.peers(), expected) << "cuda:" << d;  // one GPU: none
+  }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+TEST(Cuda, CrossDeviceCopiesRecordTheirStreamUnderItsOwnDevice) {
+  REQUIRE_GPU();
+  // Note [cross-device stream uses]: a peer copy's source is used by the destination device's
+  // stream; freeing the source must record that use under the destination device. With one GPU
+  // the same path runs between two streams of cuda:0.
+  const Device other = cuda_device_count() > 1 ? Device::cuda(1) : kGpu;
+  for (int i = 0; i < 20; ++i) {
+    auto dst = Tensor<float>::empty({1 << 20}, other);
+    {
+      auto src = full<float>({1 << 20}, static_cast<float>(i), kGpu);
+      Stream& ds = get_stream(other, 3);
+      StreamGuard g(ds);
+      spin(ds.handle(), 2);  // the copy stays queued while src is freed
+      copy_bytes(dst.data(), other, src.data(), kGpu, dst.nbytes());  // what src.to(other) does
+      Event copied;
+      copied.record(ds);
+      copied.block(current_stream(other));  // outside the guard: the sum below runs on slot 0
+    }  // src freed here, while the copy may still be reading it
+    auto junk = full<float>({1 << 20}, -1.0f, kGpu);  // would reuse src's memory if the free did not wait
+    EXPECT_EQ(dst.sum().item(), static_cast<float>(i) * (1 << 20)) << "iteration " << i;
+  }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
 TEST(Cuda, CommunicatorsOnOneGpuAndOnARepeatedGpuSet) {
@@ -254,6 +527,71 @@ TEST(Cuda, CommunicatorsOnOneGpuAndOnARepeatedGpuSet) {
     comm.reduce_add(srcs, out);
     EXPECT_EQ(out[0].as<float>().to_vector(), std::vector<float>(3, 3.0f));
   }
+}
+
+TEST(Cuda, NcclCollectivesFromManyThreadsAreIssuedOneAtATime) {
+  REQUIRE_GPU();
+  // Note [one NCCL issuer at a time]: buckets reduce from several worker threads. Every rank must
+  // see one order; with one GPU this checks that concurrent issues are all serialised and right,
+  // with several it also runs them across distinct GPUs (where an interleaving would hang).
+  std::vector<int> devs;
+  for (int d = 0; d < cuda_device_count(); ++d) devs.push_back(d);
+  backend::cuda::NcclComms comms(devs);
+  constexpr int kThreads = 8, kRounds = 20;
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        std::vector<Tensor<float>> bufs;
+        std::vector<void*> ptrs;
+        std::vector<cudaStream_t> streams;
+        for (int d : devs) {
+          bufs.push_back(full<float>({1000}, static_cast<float>(t + 1), Device::cuda(d)));
+          ptrs.push_back(bufs.back().data());
+          streams.push_back(get_stream(Device::cuda(d), 10 + t).handle());
+        }
+        for (int d : devs) synchronize(Device::cuda(d));
+        for (int round = 0; round < kRounds; ++round) comms.all_reduce(ptrs, 1000, DType::Float32, streams);
+        for (std::size_t i = 0; i < devs.size(); ++i) {
+          CHORUS_CUDA_CHECK(cudaStreamSynchronize(streams[i]));
+          const double expect = (t + 1) * std::pow(static_cast<double>(devs.size()), kRounds);
+          for (float v : bufs[i].to(Device::cpu()).to_vector())
+            if (std::abs(v - expect) > 1e-5 * expect) {
+              ++failures;
+              break;
+            }
+        }
+      } catch (...) {
+        ++failures;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(comms.issued(), kThreads * kRounds);
+}
+
+TEST(Cuda, NcclBroadcastOrdersTheRootsNextWriteAfterItsRead) {
+  REQUIRE_GPU();
+  // Item: the root's NCCL read of the primary is joined back into the root's stream. The
+  // communication stream is kept busy, so the broadcast's read is still pending; work recorded
+  // on the root's stream after broadcast() must not be complete before it.
+  std::vector<Stream*> streams;
+  for (int d = 0; d < cuda_device_count(); ++d) streams.push_back(&get_stream(Device::cuda(d), 0));
+  parallel::NcclCommunicator comm(streams);
+  auto src = arange<float>(64).to(kGpu);
+  std::vector<AnyTensor> dsts;
+  for (int d = 1; d < cuda_device_count(); ++d) dsts.push_back(zeros<float>({64}, Device::cuda(d)));
+  synchronize(kGpu);
+  spin(get_stream(kGpu, parallel::NcclCommunicator::kCommSlot).handle(), 200);
+  comm.broadcast(src, dsts);
+  Event after;
+  after.record(current_stream(kGpu));
+  EXPECT_FALSE(after.query()) << "the root's stream does not wait for the broadcast's read of the primary";
+  (void)src.fill_(-1.0f);  // the root's next write: ordered after the read
+  for (int d = 0; d < cuda_device_count(); ++d) synchronize(Device::cuda(d));
+  for (auto& t : dsts) EXPECT_EQ(t.as<float>().to_vector(), arange<float>(64).to_vector());
 }
 
 template <class T>

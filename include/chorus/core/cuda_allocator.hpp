@@ -225,7 +225,7 @@ class CudaCachingAllocator final : public Allocator {
 namespace cuda {
 /// Tests: fill every new CUDA allocation with NaN bytes, so elements a kernel failed to
 /// write show up in comparisons.
-inline void set_poison_allocations(bool on) { detail::poison_flag() = on; }
+inline void set_poison_allocations(bool on) { ::chorus::detail::poison_flag() = on; }
 }  // namespace cuda
 
 CHORUS_NAMESPACE_END

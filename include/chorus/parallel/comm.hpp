@@ -131,6 +131,11 @@ class NcclCommunicator final : public Communicator {
       done.record(*comm_[r]);
       done.block(*streams_[r]);
     }
+    // The root's NCCL kernel reads the primary buffer: the root's next write to it (the
+    // optimizer step, a load) must wait for that read too.
+    Event read;
+    read.record(*comm_[0]);
+    read.block(current_stream(streams_[0]->device()));
   }
 
   void reduce_add(const std::vector<std::vector<AnyTensor>>& srcs, const std::vector<AnyTensor>& dsts) override {

@@ -2,6 +2,7 @@
 // NCCL communicators (RAII) for a set of distinct GPUs in one process.
 #include <nccl.h>
 
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,13 @@ inline ncclDataType_t nccl_type(DType d) {
 
 /// One NCCL communicator per device (ncclCommInitAll); rank r is devices[r]. Collectives are
 /// issued for all ranks from the calling thread inside ncclGroupStart/End.
+///
+/// Note [one NCCL issuer at a time]: DataParallel reduces gradient buckets from several worker
+/// threads (one per replica stream) while the main thread may broadcast. NCCL requires every
+/// rank of a communicator to see its collectives in the same order; two threads interleaving
+/// their per-rank calls (thread A issues rank 0, thread B ranks 0 and 1, then A rank 1) give
+/// ranks different orders and hang with three or more GPUs. Each collective is therefore issued
+/// for all ranks under one mutex, group start to group end, so every rank sees one order.
 class NcclComms {
  public:
   explicit NcclComms(const std::vector<int>& devices) : devices_(devices) {
@@ -43,6 +51,12 @@ class NcclComms {
   ~NcclComms() {
     for (auto c : comms_)
       if (c) (void)ncclCommDestroy(c);
+  }
+
+  /// Collectives issued so far (tests: the serialised issue count matches the calls).
+  std::int64_t issued() const {
+    std::lock_guard<std::mutex> lk(issue_m_);
+    return issued_;
   }
   NcclComms(const NcclComms&) = delete;
   NcclComms& operator=(const NcclComms&) = delete;
@@ -85,6 +99,8 @@ class NcclComms {
  private:
   template <class F>
   void group(F&& issue) {
+    std::lock_guard<std::mutex> lk(issue_m_);  // Note [one NCCL issuer at a time]
+    ++issued_;
     check_async();
     CHORUS_NCCL_CHECK(ncclGroupStart());
     ncclResult_t first = ncclSuccess;
@@ -100,6 +116,8 @@ class NcclComms {
 
   std::vector<int> devices_;
   std::vector<ncclComm_t> comms_;
+  mutable std::mutex issue_m_;
+  std::int64_t issued_ = 0;
 };
 
 }  // namespace backend::cuda
