@@ -5,6 +5,7 @@ usage: pytorch_gpu_bench.py [--repeats N] [--json FILE]
 """
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -89,6 +90,12 @@ def main():
             r["tflops"] = flops / (med * 1e9)
         records.append(r)
         print(f"  {impl:22s} {workload:10s} {config:34s} median {med:9.3f} ms", flush=True)
+        write()  # after every record: a timeout later still leaves what was measured
+
+    def write():
+        with open(args.json + ".tmp", "w") as f:
+            json.dump({"records": records}, f, indent=2)
+        os.replace(args.json + ".tmp", args.json)
 
     # tutorial: Linear(5, 2), 100 samples on the host, batches of 30, forward only, nn.DataParallel on 1 GPU.
     reps = args.repeats or 200
@@ -123,8 +130,7 @@ def main():
         add("pytorch-cudagraph", "mlp-large", name, 1, measure(graphed(mlp(4096, 4096, 4096, 4), x, y, F.mse_loss), 3, reps),
             flops)
     torch.backends.cuda.matmul.allow_tf32 = False
-    with open(args.json, "w") as f:
-        json.dump({"records": records}, f, indent=2)
+    write()
     print(f"wrote {args.json}")
 
 

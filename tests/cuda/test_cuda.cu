@@ -295,6 +295,11 @@ TEST(Cuda, MoreThan65535RowsAndTwoDimensionalReductions) {
   check_op<double>("sum-mid", [](const L& x) { return x[0].sum(1); }, {r<double>({3, 2000, 70}, 6)}, 1e-9);
   check_op<double>("softmax-mid", [](const L& x) { return softmax(x[0], 1); }, {r<double>({4, 50, 40}, 7)});
   check_op<double>("log_softmax-mid", [](const L& x) { return log_softmax(x[0], 1); }, {r<double>({3, 20, 33}, 8)});
+  // The backward of a broadcast (sum_to): a bias added to [rows, features], and a middle axis.
+  check_op<double>("bias-add", [](const L& x) { return x[0] + x[1]; }, {r<double>({8192, 96}, 12), r<double>({96}, 13)},
+                   1e-9);
+  check_op<double>("mid-broadcast", [](const L& x) { return x[0] * x[1]; },
+                   {r<double>({6, 700, 40}, 14), r<double>({6, 1, 40}, 15)}, 1e-9);
   using Lf = std::vector<Tensor<float>>;
   check_op<float>("linear-bias-grad", [](const Lf& x) { return linear(x[0], x[1], x[2]); },
                   {r<float>({4096, 64}, 9), r<float>({512, 64}, 10), r<float>({512}, 11)}, 2e-3);
@@ -494,7 +499,7 @@ TEST(Cuda, CrossDeviceCopiesRecordTheirStreamUnderItsOwnDevice) {
       Stream& ds = get_stream(other, 3);
       StreamGuard g(ds);
       spin(ds.handle(), 2);  // the copy stays queued while src is freed
-      copy_bytes(dst.data(), other, src.data(), kGpu, dst.nbytes());  // what src.to(other) does
+      copy_bytes(dst.data(), other, src.data(), kGpu, sizeof(float) << 20);  // what src.to(other) does
       Event copied;
       copied.record(ds);
       copied.block(current_stream(other));  // outside the guard: the sum below runs on slot 0

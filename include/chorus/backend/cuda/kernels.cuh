@@ -491,10 +491,41 @@ void binary_broadcast(const T* a, const Strides& as, const T* b, const Strides& 
 }
 
 template <class T>
+void sum_dim(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out, double scale, Device d);
+
+/// dst (broadcast over some dimensions of `shape`) += src. When the broadcast dimensions are one
+/// run [a, b) and dst is contiguous in the others (a bias gradient: [rows, features] onto
+/// [features]), this is a sum over the middle axis of [outer, n, inner]: the 2-D reduction of
+/// Note [2-D reductions] instead of one atomicAdd per element onto a few addresses.
+template <class T>
 void reduce_add_broadcast(const T* src, const Shape& shape, T* dst, const Strides& dst_strides, Device d) {
+  const auto total = numel_of(shape);
+  const int nd = shape.size();
+  int a = 0;
+  while (a < nd && !(dst_strides[a] == 0 && shape[a] != 1)) ++a;
+  int b = a;
+  while (b < nd && (dst_strides[b] == 0 || shape[b] == 1)) ++b;
+  bool run = a < nd && total > 0;
+  std::int64_t expect = 1, outer = 1, n = 1, inner = 1;
+  for (int i = nd - 1; run && i >= 0; --i) {  // outside [a, b): dst's contiguous strides
+    if (i >= a && i < b) {
+      n *= shape[i];
+      continue;
+    }
+    if (shape[i] != 1 && dst_strides[i] != expect) run = false;
+    expect *= shape[i];
+    (i < a ? outer : inner) *= shape[i];
+  }
+  if (run) {
+    auto tmp = Tensor<T>::empty(Shape{outer * inner}, d);
+    sum_dim<T>(src, outer, n, inner, tmp.data(), 1.0, d);
+    Launch launch(d);
+    CHORUS_LAUNCH((k::binary_same<T, fn::Add>), outer * inner, dst, tmp.data(), dst, outer * inner, fn::Add{});
+    return;
+  }
   Launch launch(d);
-  const auto n = numel_of(shape);
-  CHORUS_LAUNCH(k::reduce_add_broadcast<T>, n, src, dst, make_desc(shape, contiguous_strides(shape), dst_strides), n);
+  CHORUS_LAUNCH(k::reduce_add_broadcast<T>, total, src, dst, make_desc(shape, contiguous_strides(shape), dst_strides),
+                total);
 }
 
 /// out[0] = scale * sum over i < n of f(i), in two stages.

@@ -8,6 +8,7 @@
 
 #include "../../core/cuda_runtime.hpp"
 #include "../../core/dtype.hpp"
+#include "host_policy.hpp"
 
 #define CHORUS_NCCL_CHECK(expr)                                                                       \
   do {                                                                                                \
@@ -46,7 +47,8 @@ class NcclComms {
         CHORUS_CHECK(devices[i] != devices[j], "NCCL: device cuda:", devices[i],
                      " appears twice; NCCL refuses a communicator with a repeated device (use the copy path)");
     comms_.resize(devices.size());
-    CHORUS_NCCL_CHECK(ncclCommInitAll(comms_.data(), static_cast<int>(devices.size()), devices.data()));
+    CHORUS_NCCL_CHECK(ncclCommInitAll(comms_.data(), checked_int(static_cast<std::int64_t>(devices.size()), "devices"),
+                                      devices.data()));
   }
   ~NcclComms() {
     for (auto c : comms_)

@@ -1,0 +1,572 @@
+#!/usr/bin/env python3
+"""The work of scripts/gpu-check.sh (read its header first): pack what the GPU machine needs,
+check it here (--dry-run), and run the GPU stages there within one device call.
+
+Only the chorus binaries get LD_LIBRARY_PATH (the carried libraries and the CUDA libraries
+found on the machine); python3 and the PyTorch peer run with the environment they came with,
+so PyTorch loads its own CUDA libraries.
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+CARRY = ".gpu-carry"  # the carried folder, relative to the repo root (ignored by git)
+BINARIES = ["tests/test_cuda", "examples/data_parallel_tutorial_cuda", "benchmarks/chorus_gpu_bench"]
+
+# The device tool's limits (/work/.library/device/README.md).
+TREE_LIMIT = 64 << 20       # the working tree that travels, carried paths included
+TREE_MARGIN = 2 << 20       # headroom for files added after the dry run (an issue note, a log)
+MAX_OUT_FILES = 8           # files back from $OUT
+MAX_OUT_FILE_BYTES = 16 << 20
+BUDGET_S = 540              # all stages together, inside the tool's 600 s per command
+
+# Libraries the GPU machine provides: the C runtime (never carried: it must match the kernel
+# and the loader there) and the CUDA libraries, from the toolkit or from PyTorch's wheels.
+SYSTEM_LIB = re.compile(r"^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libutil|libresolv)\b[.\w-]*\.so")
+CUDA_LIB = re.compile(r"^lib(cuda|cudart|cublas|cublasLt|nccl|nvidia-\w+|nvrtc|nvJitLink)\.so")
+# The C++ runtime: every machine with python3 and PyTorch has one, normally newer than the
+# compiler's here. It is packed into lib-fallback/ and used only where the machine's own lacks
+# a version the binaries need: put first for everything, an older libstdc++ would also be
+# loaded by compute-sanitizer (which runs with the binaries' environment) and could break it.
+FALLBACK_LIB = re.compile(r"^lib(stdc\+\+|gcc_s)\.so")
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Where things are
+
+
+def cuda_lib_dirs():
+    """Directories that may hold the CUDA libraries on this machine, most specific first: next
+    to nvcc, the toolkit's usual places, and the nvidia wheels in python3's site-packages."""
+    dirs = []
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    root = os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if os.path.exists(nvcc) else "/usr/local/cuda"
+    for base in (root, "/usr/local/cuda"):
+        for sub in ("lib64", "lib", "targets/x86_64-linux/lib"):
+            dirs.append(os.path.join(base, sub))
+    try:  # python3's nvidia-* wheels (PyTorch's CUDA libraries): nvidia/<pkg>/lib, nvidia/cu13/lib
+        out = subprocess.run([sys.executable, "-c",
+                              "import nvidia, os\n"
+                              "for p in nvidia.__path__:\n"
+                              "  for d in sorted(os.listdir(p)):\n"
+                              "    l = os.path.join(p, d, 'lib')\n"
+                              "    if os.path.isdir(l): print(l)"],
+                             capture_output=True, text=True, timeout=30)
+        dirs += out.stdout.split()
+    except Exception:
+        pass
+    seen, result = set(), []
+    for d in dirs:
+        r = os.path.realpath(d)
+        if os.path.isdir(r) and r not in seen:
+            seen.add(r)
+            result.append(r)
+    return result
+
+
+def find_sanitizer():
+    """compute-sanitizer next to nvcc first (the matching version), then the usual places."""
+    cands = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        cands.append(os.path.join(os.path.dirname(os.path.realpath(nvcc)), "compute-sanitizer"))
+        cands.append(os.path.join(os.path.dirname(nvcc), "compute-sanitizer"))
+    if shutil.which("compute-sanitizer"):
+        cands.append(shutil.which("compute-sanitizer"))
+    cands += ["/usr/local/cuda/bin/compute-sanitizer", "/usr/local/cuda/compute-sanitizer/compute-sanitizer"]
+    for c in cands:
+        if os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+_FALLBACK_NEEDED = {}
+
+
+def fallback_needed(build, paths):
+    """True when a binary does not load with the machine's own C++ runtime."""
+    if build not in _FALLBACK_NEEDED:
+        env = dict(os.environ, LD_LIBRARY_PATH=":".join(paths))
+        out = subprocess.run(["ldd", os.path.join(build, BINARIES[0])], capture_output=True, text=True, env=env)
+        _FALLBACK_NEEDED[build] = "not found" in out.stdout + out.stderr
+    return _FALLBACK_NEEDED[build]
+
+
+def chorus_env(build, extra=None):
+    """The environment of a chorus binary: carried libraries first, then the CUDA libraries."""
+    env = dict(os.environ)
+    paths = []
+    lib = os.path.join(build, "lib")
+    if os.path.isdir(lib):
+        paths.append(os.path.abspath(lib))
+    paths += cuda_lib_dirs()
+    fallback = os.path.join(build, "lib-fallback")
+    if os.path.isdir(fallback) and fallback_needed(build, paths):
+        paths.insert(1, os.path.abspath(fallback))
+    if env.get("LD_LIBRARY_PATH"):
+        paths.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = ":".join(paths)
+    env.update(extra or {})
+    return env
+
+
+def ldd(binary, env):
+    """{soname: resolved path or None} for every library `binary` loads."""
+    out = subprocess.run(["ldd", binary], capture_output=True, text=True, env=env).stdout
+    libs = {}
+    for line in out.splitlines():
+        line = line.strip()
+        m = re.match(r"^(\S+) => (not found|(\S+)) ?", line)
+        if m:
+            libs[m.group(1)] = None if m.group(2) == "not found" else m.group(3)
+        elif line and "=>" not in line:
+            name = line.split()[0]
+            libs[os.path.basename(name)] = name
+    return libs
+
+
+def has_gpu():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+        return "GPU" in out
+    except Exception:
+        return False
+
+
+def tree_bytes():
+    """Bytes of the working tree that travels: tracked and untracked-not-ignored files."""
+    out = subprocess.run(["git", "-C", REPO, "ls-files", "-z", "-c", "-o", "--exclude-standard"], capture_output=True,
+                         text=True).stdout
+    total = 0
+    for f in out.split("\0"):
+        p = os.path.join(REPO, f)
+        if f and os.path.isfile(p) and not os.path.islink(p):
+            total += os.path.getsize(p)
+    return total
+
+
+def dir_bytes(d):
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing and the dry run (here, no GPU needed)
+
+
+def pack(build, carry):
+    """Copies the binaries and every library they load that the GPU machine may lack."""
+    if os.path.isdir(carry):
+        shutil.rmtree(carry)
+    os.makedirs(os.path.join(carry, "lib"))
+    os.makedirs(os.path.join(carry, "lib-fallback"))
+    manifest = {"binaries": {}, "libs": {}, "fallback_libs": {}}
+    env = dict(os.environ)
+    for b in BINARIES:
+        src = os.path.join(build, b)
+        if not os.path.isfile(src):
+            raise SystemExit(f"gpu-check: {src} is missing: build it first (cmake --build {build} --target "
+                             f"{os.path.basename(b)})")
+        dst = os.path.join(carry, b)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copy2(src, dst)
+        manifest["binaries"][b] = os.path.getsize(dst)
+        for name, path in ldd(src, env).items():
+            if SYSTEM_LIB.match(name) or CUDA_LIB.match(name):
+                continue
+            if path is None:
+                raise SystemExit(f"gpu-check: {src} needs {name}, which is not found here either")
+            fallback = bool(FALLBACK_LIB.match(name))
+            out = os.path.join(carry, "lib-fallback" if fallback else "lib", name)
+            if not os.path.exists(out):
+                shutil.copy2(os.path.realpath(path), out)  # the file itself, under its soname
+                manifest["fallback_libs" if fallback else "libs"][name] = os.path.getsize(out)
+    head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    manifest["commit"] = head
+    manifest["packed"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with open(os.path.join(carry, "MANIFEST.json"), "w") as f:
+        json.dump(manifest, f, indent=2)
+    return manifest
+
+
+def verify(build, carry):
+    """What the device call relies on, checked here. Returns a list of problems."""
+    problems = []
+    # As on a machine whose C++ runtime is too old: the fallback folder in use too.
+    env = chorus_env(carry)
+    env["LD_LIBRARY_PATH"] = os.path.abspath(os.path.join(carry, "lib-fallback")) + ":" + env["LD_LIBRARY_PATH"]
+    carry_lib = os.path.realpath(os.path.join(carry, "lib"))
+    carry_fallback = os.path.realpath(os.path.join(carry, "lib-fallback"))
+    cuda_dirs = cuda_lib_dirs()
+    for b in BINARIES:
+        path = os.path.join(carry, b)
+        libs = ldd(path, env)
+        for name, where in libs.items():
+            if where is None:
+                problems.append(f"{b}: {name} not found")
+            elif SYSTEM_LIB.match(name):
+                continue
+            elif CUDA_LIB.match(name):
+                if not any(os.path.realpath(where).startswith(d + os.sep) for d in cuda_dirs):
+                    problems.append(f"{b}: CUDA library {name} resolved outside the CUDA directories: {where}")
+            elif not (os.path.realpath(where).startswith(carry_lib + os.sep) or
+                      os.path.realpath(where).startswith(carry_fallback + os.sep)):
+                problems.append(f"{b}: {name} resolves to {where}, not to the carried {carry}/lib")
+        # One CUDA runtime: the shared one, and no static copy linked in (CUDA_RUNTIME_LIBRARY Shared).
+        if not any(n.startswith("libcudart.so") for n in libs):
+            problems.append(f"{b}: does not load libcudart.so (static cudart only?)")
+        nm = subprocess.run(["nm", path], capture_output=True, text=True).stdout
+        if re.search(r"^\S+ T cudaMalloc$", nm, re.M) or "cudart::" in nm:
+            problems.append(f"{b}: the static CUDA runtime is linked in as well")
+        link = os.path.join(build, os.path.dirname(b), "CMakeFiles", os.path.basename(b) + ".dir", "link.txt")
+        if os.path.isfile(link) and "cudart_static" in open(link).read():
+            problems.append(f"{b}: its link line names cudart_static ({link})")
+    r = subprocess.run([os.path.join(carry, "tests/test_cuda"), "--gtest_list_tests"], capture_output=True, text=True,
+                       env=env)
+    if r.returncode != 0 or "Cuda." not in r.stdout:
+        problems.append(f"test_cuda does not start with the carried environment: {r.stderr[-500:]}")
+    total = tree_bytes() + dir_bytes(carry)
+    if total > TREE_LIMIT - TREE_MARGIN:
+        problems.append(f"working tree + {carry} = {total / 2**20:.1f} MiB, over the device tool's "
+                        f"{TREE_LIMIT >> 20} MiB (less {TREE_MARGIN >> 20} MiB headroom)")
+    ignored = subprocess.run(["git", "-C", REPO, "check-ignore", "-q", CARRY]).returncode == 0
+    if not ignored:
+        problems.append(f"{CARRY} is not ignored by git (it must travel as a carried path, not as tree files)")
+    return problems, total
+
+
+def check_out_dir(out):
+    """The files the device tool will return: at most 8, 16 MiB each, 2 folders deep, plain names."""
+    problems = []
+    files = []
+    for r, ds, fs in os.walk(out):
+        for f in fs:
+            p = os.path.join(r, f)
+            rel = os.path.relpath(p, out)
+            files.append(rel)
+            if rel.count(os.sep) > 2:
+                problems.append(f"$OUT/{rel} is more than 2 folders down")
+            if not re.fullmatch(r"[A-Za-z0-9._-]+", f):
+                problems.append(f"$OUT/{rel}: a name the tool will not return")
+            if os.path.getsize(p) > MAX_OUT_FILE_BYTES:
+                problems.append(f"$OUT/{rel} is over 16 MiB")
+    if len(files) > MAX_OUT_FILES:
+        problems.append(f"$OUT holds {len(files)} files; the tool returns {MAX_OUT_FILES}")
+    return problems, files
+
+
+# ---------------------------------------------------------------------------------------------
+# The stages
+
+
+class Run:
+    def __init__(self, out, build, gpu, dry):
+        self.out, self.build, self.gpu, self.dry = out, build, gpu, dry
+        self.t0 = time.monotonic()
+        # Raw logs live outside $OUT (the tool returns 8 files): archived after every stage.
+        self.logs = tempfile.mkdtemp(prefix="gpu-check-logs-")
+        self.summary = {"status": "running", "gpu_machine": gpu, "dry_run": dry, "budget_s": BUDGET_S,
+                        "build": build, "stages": {}}
+        manifest = os.path.join(build, "MANIFEST.json")
+        if os.path.isfile(manifest):
+            self.summary["packed"] = json.load(open(manifest)).get("commit")
+        self.failed = False
+
+    def left(self):
+        return BUDGET_S - (time.monotonic() - self.t0)
+
+    def timeout(self, cap, reserve=0):
+        return max(5, min(cap, self.left() - reserve))
+
+    def exe(self, rel):
+        return os.path.join(self.build, rel)
+
+    def run(self, name, cmd, timeout, env=None, log_name=None):
+        """Runs cmd with stdout+stderr into logs/<log_name>, killing its process group on timeout."""
+        path = os.path.join(self.logs, log_name or f"{name}.log")
+        t = time.monotonic()
+        with open(path, "ab") as f:
+            f.write(f"$ {' '.join(cmd)}\n".encode())
+            f.flush()
+            p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                 cwd=REPO)
+            try:
+                rc = p.wait(timeout=timeout)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                rc = p.wait()
+                timed_out = True
+                f.write(f"\n[gpu-check: killed after {timeout:.0f} s]\n".encode())
+        return rc, timed_out, time.monotonic() - t, path
+
+    def stage(self, name, result, ok):
+        result["ok"] = ok
+        result["elapsed_total_s"] = round(time.monotonic() - self.t0, 1)
+        self.summary["stages"][name] = result
+        if not ok:
+            self.failed = True
+        self.save()
+        log(f"== {name}: {'ok' if ok else 'FAILED'} {json.dumps({k: v for k, v in result.items() if k != 'ok'})[:600]}")
+
+    def save(self, final=False):
+        """summary.json and logs.tar.gz, rewritten after every stage (a timeout keeps what ran)."""
+        if final:
+            self.summary["status"] = "failed" if self.failed else "ok"
+        self.summary["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        tmp = os.path.join(self.out, "summary.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.summary, f, indent=2)
+        os.replace(tmp, os.path.join(self.out, "summary.json"))
+        tmp = os.path.join(self.out, "logs.tar.gz.tmp")
+        with tarfile.open(tmp, "w:gz") as tar:
+            tar.add(self.logs, arcname="logs")
+        os.replace(tmp, os.path.join(self.out, "logs.tar.gz"))
+
+    # -- gtest helpers
+
+    @staticmethod
+    def parse_gtest(json_path, log_path):
+        """(passed, failed, skipped, seen, crashed) from gtest's JSON, or from its log after a crash."""
+        passed, failed, skipped, seen = [], [], [], []
+        if json_path and os.path.isfile(json_path):
+            try:
+                t = json.load(open(json_path))
+                for s in t.get("testsuites", []):
+                    for c in s.get("testsuite", []):
+                        name = f"{s['name']}.{c['name']}"
+                        seen.append(name)
+                        if c.get("result") == "SKIPPED" or c.get("status") == "NOTRUN":
+                            skipped.append(name)
+                        elif c.get("failures"):
+                            failed.append(name)
+                        else:
+                            passed.append(name)
+                return passed, failed, skipped, seen, None
+            except Exception:
+                pass
+        text = open(log_path, errors="replace").read() if os.path.isfile(log_path) else ""
+        running = None
+        for line in text.splitlines():
+            m = re.match(r"^\[ RUN      \] (\S+)", line)
+            if m:
+                running = m.group(1)
+                seen.append(running)
+                continue
+            m = re.match(r"^\[ +(OK|FAILED|SKIPPED) +\] (\S+) \(", line)
+            if m:
+                {"OK": passed, "FAILED": failed, "SKIPPED": skipped}[m.group(1)].append(m.group(2))
+                if m.group(2) == running:
+                    running = None
+        return passed, failed, skipped, seen, running
+
+    def gtest(self, label, binary, env, cap, extra_args=(), prefix=()):
+        """Runs a gtest binary; after a crash, records the crashed test and resumes after it."""
+        passed, failed, skipped, crashed, excluded = [], [], [], [], []
+        attempt = 0
+        rc_all = 0
+        timed_out = False
+        while True:
+            attempt += 1
+            jpath = os.path.join(self.logs, f"{label}-{attempt}.json")
+            args = list(prefix) + [binary, f"--gtest_output=json:{jpath}"] + list(extra_args)
+            if excluded:
+                args.append("--gtest_filter=-" + ":".join(excluded))
+            rc, to, _, lpath = self.run(label, args, self.timeout(cap), env=env, log_name=f"{label}-{attempt}.log")
+            p, f, s, seen, crash = self.parse_gtest(jpath, lpath)
+            passed += p
+            failed += f
+            skipped += s
+            rc_all = rc_all or rc
+            if to:
+                timed_out = True
+                if crash:
+                    crashed.append(crash + " (timed out)")
+                break
+            if os.path.isfile(jpath) or not crash or attempt >= 4 or self.left() < 30:
+                if crash and not os.path.isfile(jpath):
+                    crashed.append(crash)
+                break
+            crashed.append(crash)  # resume with the rest
+            excluded += seen
+        return {"passed": len(passed), "failed": failed, "skipped": skipped, "crashed": crashed, "rc": rc_all,
+                "timed_out": timed_out, "runs": attempt}
+
+    # -- stages
+
+    def ldd_stage(self):
+        env = chorus_env(self.build)
+        missing = {}
+        for b in BINARIES:
+            if not os.path.isfile(self.exe(b)):
+                missing[b] = ["(binary missing)"]
+                continue
+            m = [n for n, w in ldd(self.exe(b), env).items() if w is None]
+            if m:
+                missing[b] = m
+        self.stage("libraries", {"missing": missing, "ld_library_path": env["LD_LIBRARY_PATH"]}, not missing)
+        return not missing
+
+    def tests_stage(self):
+        r = self.gtest("test_cuda", self.exe("tests/test_cuda"), chorus_env(self.build), cap=180)
+        # On a GPU machine a skipped test is a test that did not run: a failure.
+        ok = not r["failed"] and not r["crashed"] and not r["timed_out"] and (not self.gpu or not r["skipped"])
+        if not self.gpu and not self.dry:
+            ok = False
+        self.stage("tests", r, ok)
+        return r
+
+    def rerun_stage(self, r):
+        todo = r["failed"] + [c.replace(" (timed out)", "") for c in r["crashed"]] + (r["skipped"] if self.gpu else [])
+        results = {}
+        start = time.monotonic()
+        for name in todo:
+            if time.monotonic() - start > 90 or self.left() < 240:  # keep time for the later stages
+                results[name] = "not rerun (time)"
+                continue
+            rc, to, secs, _ = self.run("rerun", [self.exe("tests/test_cuda"), f"--gtest_filter={name}"],
+                                       self.timeout(45), env=chorus_env(self.build, {"CHORUS_DEBUG_SYNC": "1"}),
+                                       log_name="rerun-debug-sync.log")
+            results[name] = "timeout" if to else ("passed" if rc == 0 else f"failed (rc {rc})")
+        if todo:
+            self.stage("rerun_alone_debug_sync", {"results": results}, all(v == "passed" for v in results.values()))
+
+    def tutorial_stage(self):
+        rc, to, secs, path = self.run("tutorial", [self.exe("examples/data_parallel_tutorial_cuda"), "--gpus"],
+                                      self.timeout(45), env=chorus_env(self.build))
+        text = open(path, errors="replace").read()
+        batches = len(re.findall(r"^Outside: input size", text, re.M))
+        ok = rc == 0 and not to and "GPUs!" in text and batches > 0
+        self.stage("tutorial", {"rc": rc, "timed_out": to, "seconds": round(secs, 1), "batches": batches,
+                                "head": text.splitlines()[1:4]}, ok)
+
+    def bench_stage(self):
+        cj, pj, cmp_json = (os.path.join(self.logs, n) for n in ("chorus_gpu.json", "pytorch_gpu.json", "compare.json"))
+        rc1, to1, s1, _ = self.run("chorus_gpu_bench", [self.exe("benchmarks/chorus_gpu_bench"), "--json", cj],
+                                   self.timeout(100, reserve=200), env=chorus_env(self.build))
+        # PyTorch with python3's own environment (its own CUDA libraries), not the chorus one.
+        rc2, to2, s2, _ = self.run("pytorch_gpu_bench",
+                                   [sys.executable, os.path.join(REPO, "benchmarks/pytorch_gpu_bench.py"), "--json", pj],
+                                   self.timeout(150, reserve=180), env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        rows = None
+        if os.path.isfile(cj) and os.path.isfile(pj):
+            self.run("compare", [sys.executable, os.path.join(REPO, "scripts/compare_benchmarks.py"), cj, pj, cmp_json],
+                     60, env=dict(os.environ))
+            try:
+                rows = json.load(open(cmp_json))
+            except Exception as e:
+                rows = f"unreadable: {e}"
+        errors = []
+        try:
+            errors = json.load(open(cj)).get("errors", [])
+        except Exception:
+            pass
+        self.stage("benchmarks", {"chorus_rc": rc1, "chorus_timed_out": to1, "chorus_s": round(s1, 1),
+                                  "chorus_errors": errors, "pytorch_rc": rc2, "pytorch_timed_out": to2,
+                                  "pytorch_s": round(s2, 1), "ratios": rows},
+                   rc1 == 0 and rc2 == 0 and not to1 and not to2 and isinstance(rows, list) and rows)
+
+    def memcheck_stage(self):
+        san = find_sanitizer()
+        if not san:
+            self.stage("memcheck", {"skipped": "compute-sanitizer not found (looked next to nvcc, on PATH, "
+                                               "/usr/local/cuda/bin)"}, not self.gpu)
+            return
+        env = chorus_env(self.build, {"CHORUS_CUDA_CACHING_ALLOCATOR": "0"})
+        r = self.gtest("memcheck", self.exe("tests/test_cuda"), env, cap=max(30, self.left() - 10),
+                       prefix=[san, "--tool", "memcheck", "--leak-check", "full", "--error-exitcode", "86"])
+        text = ""
+        for f in sorted(os.listdir(self.logs)):
+            if f.startswith("memcheck-") and f.endswith(".log"):
+                text += open(os.path.join(self.logs, f), errors="replace").read()
+        if re.search(r"device not supported", text, re.I):
+            self.stage("memcheck", {"skipped": "compute-sanitizer: device not supported (e.g. under gVisor)",
+                                    "sanitizer": san}, True)
+            return
+        errors = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+        r.update({"sanitizer": san, "error_summaries": errors})
+        ok = bool(errors) and sum(errors) == 0 and not r["failed"] and not r["crashed"] and not r["timed_out"]
+        self.stage("memcheck", r, ok)
+
+
+def dry_run(out, build):
+    carry = os.path.join(REPO, CARRY)
+    log(f"== packing {build} into {carry}")
+    manifest = pack(build, carry)
+    for name, size in sorted(manifest["libs"].items()):
+        log(f"   carried {name:28s} {size / 2**20:6.1f} MiB")
+    problems, total = verify(build, carry)
+    log(f"== working tree + {CARRY}: {total / 2**20:.1f} MiB of {TREE_LIMIT >> 20} MiB; "
+        f"{len(manifest['libs'])} libraries, {len(BINARIES)} binaries")
+    san = find_sanitizer()
+    log(f"== compute-sanitizer here: {san or 'not found (the GPU machine has it next to nvcc)'}")
+    # The stages' own machinery, run here on the carried binaries: test_cuda starts with the
+    # carried environment, its tests skip (no GPU), and $OUT holds what the tool returns.
+    os.makedirs(out, exist_ok=True)
+    run = Run(out, carry, gpu=has_gpu(), dry=True)
+    run.ldd_stage()
+    r = run.tests_stage()
+    if not r["passed"] and not r["skipped"]:
+        problems.append("test_cuda ran no test in the dry run")
+    run.summary["dry_run_problems"] = problems
+    run.save(final=True)
+    shutil.rmtree(run.logs)
+    out_problems, files = check_out_dir(out)
+    problems += out_problems
+    log(f"== $OUT would return: {', '.join(sorted(files))}")
+    for p in problems:
+        log(f"PROBLEM: {p}")
+    log("== dry run: " + ("ok" if not problems else f"{len(problems)} problem(s)"))
+    return 0 if not problems else 1
+
+
+def gpu_run(out, build):
+    os.makedirs(out, exist_ok=True)
+    gpu = has_gpu()
+    run = Run(out, build, gpu=gpu, dry=False)
+    try:
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    except Exception as e:
+        smi = f"nvidia-smi: {e}"
+    open(os.path.join(run.logs, "nvidia-smi.txt"), "w").write(smi)
+    run.summary["nvidia_smi"] = [l for l in smi.splitlines() if "H200" in l or "H100" in l or "Driver" in l][:4]
+    if not gpu:
+        run.stage("gpu", {"error": "no GPU visible (nvidia-smi -L)"}, False)
+    if run.ldd_stage():
+        r = run.tests_stage()
+        run.rerun_stage(r)
+        run.tutorial_stage()
+        run.bench_stage()
+        run.memcheck_stage()  # last: the slowest, and a timeout there still leaves the rest
+    run.save(final=True)
+    shutil.rmtree(run.logs, ignore_errors=True)
+    log(json.dumps(run.summary, indent=1)[:9000])
+    return 0 if not run.failed else 1
+
+
+def main(argv):
+    if len(argv) >= 1 and argv[0] == "--dry-run":
+        if len(argv) != 3:
+            raise SystemExit("usage: gpu-check.sh --dry-run OUTDIR BUILD")
+        return dry_run(os.path.abspath(argv[1]), os.path.abspath(argv[2]))
+    if len(argv) < 1:
+        raise SystemExit("usage: gpu-check.sh OUTDIR [BUILD]   |   gpu-check.sh --dry-run OUTDIR BUILD")
+    build = argv[1] if len(argv) > 1 else (os.path.join(REPO, CARRY) if os.path.isdir(os.path.join(REPO, CARRY))
+                                           else os.path.join(REPO, "build"))
+    return gpu_run(os.path.abspath(argv[0]), os.path.abspath(build))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
