@@ -135,7 +135,8 @@ namespace detail {
 struct DeviceAssertState {
   std::mutex m;
   std::array<std::atomic<int*>, kMaxEventPoolDevices> guards{};
-  std::atomic<::chorus::detail::DeviceAssert*> records{nullptr};
+  std::atomic<::chorus::detail::DeviceAssert*> records{nullptr};      // host address
+  std::atomic<::chorus::detail::DeviceAssert*> dev_records{nullptr};  // the same memory, as devices see it
   std::atomic<bool> used{false};
   static DeviceAssertState& get() {
     static DeviceAssertState* s = new DeviceAssertState();
@@ -159,6 +160,9 @@ inline ::chorus::detail::DeviceAssertSink device_assert_sink(int device) {
                                       cudaHostAllocMapped | cudaHostAllocPortable));
       auto* r = static_cast<::chorus::detail::DeviceAssert*>(p);
       for (int i = 0; i < detail::kMaxEventPoolDevices; ++i) new (r + i)::chorus::detail::DeviceAssert{};
+      void* dev = nullptr;  // portable + mapped: one device address for every device (UVA)
+      CHORUS_CUDA_CHECK(cudaHostGetDevicePointer(&dev, p, 0));
+      st.dev_records.store(static_cast<::chorus::detail::DeviceAssert*>(dev), std::memory_order_release);
       st.records.store(r, std::memory_order_release);
     }
     if (!st.guards[device].load()) {
@@ -172,10 +176,9 @@ inline ::chorus::detail::DeviceAssertSink device_assert_sink(int device) {
     guard = st.guards[device].load();
     records = st.records.load();
   }
+  (void)records;
   st.used.store(true, std::memory_order_relaxed);
-  void* dev_record = nullptr;
-  CHORUS_CUDA_CHECK(cudaHostGetDevicePointer(&dev_record, records + device, 0));
-  return {guard, static_cast<::chorus::detail::DeviceAssert*>(dev_record)};
+  return {guard, st.dev_records.load(std::memory_order_acquire) + device};
 }
 
 /// Throws the error a kernel on `device` recorded since the last check, and re-arms the
