@@ -55,6 +55,11 @@ typename Node<T>::TensorList AccumulateGrad<T>::apply(typename Node<T>::TensorLi
     }
   } else {
     Tensor<T> acc(var.grad);
+    // The existing grad is written in place over g's elements: it must have g's extent (it
+    // may have been set by hand, or a stale one survived a change of the leaf).
+    CHORUS_CHECK(acc.shape() == var.shape && acc.device() == var.device(), "AccumulateGrad: the existing grad (",
+                 acc.shape(), " on ", acc.device(), ") does not match its leaf (", var.shape, " on ", var.device(),
+                 ")");
     Tensor<T> gc = g;
     if (!gc.is_contiguous()) {
       gc = Tensor<T>::empty(g.shape(), g.device());
@@ -223,6 +228,7 @@ class GraphTask {
           inputs[i] = std::move(c);
         }
       }
+      n->check_saved_versions();  // Note [version counter]
       auto outputs = n->apply(std::move(inputs));
       if (!retain_ && n->releasable()) {
         n->release_saved();

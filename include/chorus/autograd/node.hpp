@@ -1,6 +1,7 @@
 #pragma once
 // Graph nodes: each recorded operation leaves a Node that maps the gradients of its outputs
 // to the gradients of its inputs, plus edges to the nodes that produced those inputs.
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -77,9 +78,47 @@ class Node {
 
   /// Set by the engine after release_saved(); a second backward then fails clearly.
   bool released() const { return released_; }
-  void mark_released() { released_ = true; }
+  void mark_released() {
+    released_ = true;
+    num_saved_ = 0;
+    for (auto& sv : saved_) sv.storage.reset();
+  }
+
+  /// Records the version of a tensor this node saves for backward; the engine checks it is
+  /// unchanged before apply() (Note [version counter]). Returns `t` for use in initialisers.
+  template <class U>
+  const Tensor<U>& save_version(const Tensor<U>& t) {
+    if (!t.defined() || !t.impl()->storage) return t;
+    CHORUS_CHECK(num_saved_ < kMaxSaved, name(), ": saves more than ", kMaxSaved, " tensors");
+    saved_[num_saved_++] = {t.impl()->storage, t.impl()->storage->version(), Tensor<U>::dtype(), t.shape()};
+    return t;
+  }
+  /// Throws (with PyTorch's wording) when a saved tensor was written in place after it was saved.
+  void check_saved_versions() const {
+    for (int i = 0; i < num_saved_; ++i) {
+      const auto& sv = saved_[i];
+      const auto now = sv.storage->version();
+      CHORUS_CHECK(now == sv.version,
+                   "one of the variables needed for gradient computation has been modified by an inplace "
+                   "operation: [",
+                   dtype_name(sv.dtype), " ", sv.shape, "], saved by ", name(), ", is at version ", now,
+                   "; expected version ", sv.version,
+                   " instead. Write into a copy (clone()) of a tensor that autograd saved, or run backward before "
+                   "changing it");
+    }
+  }
 
  private:
+  struct SavedVersion {
+    Storage storage;
+    std::uint64_t version = 0;
+    DType dtype = DType::Float32;
+    Shape shape;
+  };
+  static constexpr int kMaxSaved = 4;
+  std::array<SavedVersion, kMaxSaved> saved_{};
+  int num_saved_ = 0;
+
   std::vector<Edge<T>> next_;
   std::vector<InputMeta> input_meta_;
   Stream* stream_ = nullptr;

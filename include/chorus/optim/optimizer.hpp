@@ -94,9 +94,12 @@ class Optimizer {
           if (!grad.defined()) return;
           CHORUS_CHECK(p.is_contiguous() && grad.is_contiguous(), "optimizer: parameter ", i,
                        " or its gradient is not contiguous");
+          CHORUS_CHECK(grad.shape() == p.shape(), "optimizer: gradient of parameter ", i, " has shape ",
+                       grad.shape(), ", the parameter has shape ", p.shape());
           CHORUS_CHECK(grad.device() == p.device(), "optimizer: gradient of parameter ", i, " is on ", grad.device(),
                        ", the parameter on ", p.device());
           f(p, grad, state_[i]);
+          p.bump_version();  // an in-place update (Note [version counter])
         }
       });
     }

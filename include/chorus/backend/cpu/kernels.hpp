@@ -377,7 +377,7 @@ void adam_step(T* p, const T* g, T* m, T* v, T* vmax, std::int64_t n, double lr,
     v[i] = b2 * v[i] + (T(1) - b2) * gi * gi;
     T vhat = v[i];
     if (vmax) {
-      vmax[i] = std::max(vmax[i], v[i]);
+      vmax[i] = fn::Maximum{}(vmax[i], v[i]);  // NaN propagates, as torch.maximum
       vhat = vmax[i];
     }
     T denom = std::sqrt(vhat) / bc2_sqrt + e;
