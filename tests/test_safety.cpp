@@ -66,6 +66,9 @@ TEST(CheckedSizes, ElementCountOverflowIsAnError) {
   // A zero size means no elements, whatever the others are (PyTorch agrees).
   EXPECT_EQ(numel_of(Shape{0, 1LL << 62, 3}), 0);
   EXPECT_EQ(empty<float>({0, 1LL << 40}).numel(), 0);
+  // ... but the product of the nonzero sizes must fit, so that partial products (outer and
+  // inner extents around a dimension) cannot overflow in the kernels.
+  EXPECT_TRUE(throws_with([] { empty<float>({1LL << 62, 4, 0}); }, {"strides"}));
 }
 
 TEST(CheckedSizes, ReshapeAndFlattenProductsAreChecked) {
@@ -105,6 +108,13 @@ TEST(Bounds, NarrowWithAHugeLengthIsAnError) {
   EXPECT_EQ(t.narrow(0, -2, 2).to_vector(), (std::vector<float>{3, 4}));
   EXPECT_EQ(t.narrow(0, 5, 0).numel(), 0);
   EXPECT_EQ(t.slice(0, 1, INT64_MAX).numel(), 4);
+}
+
+TEST(Bounds, ChunkPlanOfAHugeBatch) {
+  auto plan = parallel::plan_chunks(INT64_MAX, 3);
+  ASSERT_EQ(plan.used(), 3u);
+  EXPECT_EQ(plan.sizes[0], INT64_MAX / 3 + 1);
+  EXPECT_EQ(plan.offsets[2] + plan.sizes[2], INT64_MAX);
 }
 
 TEST(Bounds, SplitAndChunkWithHugeCounts) {
@@ -289,4 +299,217 @@ TEST(DataLoaderBatch, HugeBatchSizeGivesOneBatch) {
   std::vector<std::int64_t> sizes;
   for (auto batch : loader) sizes.push_back(batch.data.size(0));
   EXPECT_EQ(sizes, (std::vector<std::int64_t>{3, 3, 3, 1}));
+}
+
+// ---- 13. only chorus::Error leaves the library ----
+
+namespace {
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    path = fs::temp_directory_path() / ("chorus_safety_" + std::to_string(::getpid()) + "_" +
+                                        std::to_string(reinterpret_cast<std::uintptr_t>(this)));
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+void write_bytes(const std::string& path, const std::string& b) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(b.data(), static_cast<std::streamsize>(b.size()));
+}
+
+struct Fc : nn::Module {
+  nn::Linear fc;
+  Fc() : fc(register_module("fc", nn::Linear(3, 2))) {}
+  Tensor<float> forward(const Tensor<float>& x) { return fc(x); }
+};
+
+/// A node whose backward throws a std exception (as a user's node, or an allocation, may).
+template <class T>
+struct ThrowingBackward final : autograd::Node<T> {
+  std::string name() const override { return "ThrowingBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&&) override {
+    throw std::out_of_range("vector index 7 past the end");
+  }
+};
+
+template <class T>
+Tensor<T> throwing_op(const Tensor<T>& x, Stream* stream = nullptr) {
+  auto out = x.detach().clone();
+  auto node = autograd::make_node<ThrowingBackward<T>, T>({&x});
+  if (stream) node->set_stream(stream);
+  autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  return out;
+}
+}  // namespace
+
+TEST(ErrorBoundary, LoadingADirectoryIsAChorusError) {
+  TempDir dir;
+  Fc m;
+  EXPECT_TRUE(throws_with([&] { load(m, dir.path.string()); }, {"is a directory", dir.path.string().c_str()}));
+  EXPECT_TRUE(throws_with([&] { (void)io::read(dir.path.string()); }, {"is a directory"}));
+  optim::SGD opt(m.parameters(), {});
+  EXPECT_TRUE(throws_with([&] { load(opt, dir.path.string()); }, {"is a directory"}));
+  EXPECT_TRUE(throws_with([&] { load(m, dir.file("absent")); }, {"cannot open", "No such file"}));
+}
+
+TEST(ErrorBoundary, OptimizerFileWithAHugeIndexIsAChorusError) {
+  TempDir dir;
+  Fc m;
+  optim::SGD opt(m.parameters(), {.lr = 0.1, .momentum = 0.9});
+  // A valid optimizer file whose tensor name carries a 23-digit parameter index.
+  nn::Module::NamedTensor t{"12345678901234567890123.momentum_buffer", AnyTensor(zeros<float>({2, 3}))};
+  io::Metadata meta{{"format", "chorus.optimizer"}, {"optimizer", "SGD"}, {"parameters", "2"}};
+  io::detail::write_atomically(dir.file("opt.safetensors"), io::detail::serialise({t}, meta));
+  EXPECT_TRUE(throws_with([&] { load(opt, dir.file("opt.safetensors")); },
+                          {"names parameter 12345678901234567890123", "optimizer has 2"}));
+  t.name = "2.momentum_buffer";  // one past the end
+  io::detail::write_atomically(dir.file("opt.safetensors"), io::detail::serialise({t}, meta));
+  EXPECT_TRUE(throws_with([&] { load(opt, dir.file("opt.safetensors")); }, {"names parameter 2"}));
+}
+
+TEST(ErrorBoundary, StdExceptionInABackwardNodeNamesNodeAndDevice) {
+  auto x = ones<float>({3}).requires_grad_();
+  EXPECT_TRUE(throws_with([&] { throwing_op(x).sum().backward(); },
+                          {"in backward of ThrowingBackward on cpu:0", "vector index 7 past the end"}));
+  // The same when the node runs on another device's worker thread (as a replica's does).
+  set_cpu_device_count(2);
+  auto y = ones<float>({3}, Device::cpu(1)).requires_grad_();
+  Tensor<float> out;
+  {
+    StreamGuard g(get_stream(Device::cpu(1)));
+    out = throwing_op(y, &get_stream(Device::cpu(1)));
+  }
+  EXPECT_TRUE(throws_with([&] { out.to(Device::cpu(0)).sum().backward(); },
+                          {"in backward of ThrowingBackward on cpu:1", "vector index 7"}));
+}
+
+TEST(ErrorBoundary, SavingANonUtf8NameIsAChorusError) {
+  TempDir dir;
+  nn::Module::NamedTensor t{std::string("bad\xff"), AnyTensor(zeros<float>({1}))};
+  EXPECT_TRUE(throws_with([&] { io::detail::serialise({t}, {}); }, {"cannot write the header"}));
+}
+
+// ---- 14. the safetensors header is checked before the file is read ----
+
+TEST(SafetensorsRead, ALargeNonCheckpointIsRefusedAfterEightBytes) {
+  TempDir dir;
+  // 64 MiB of text: the first 8 bytes, read as the header length, are far beyond the limit.
+  {
+    std::ofstream out(dir.file("big.txt"), std::ios::binary);
+    std::string line(1 << 20, 'x');
+    for (int i = 0; i < 64; ++i) out << line;
+  }
+  Fc m;
+  const auto before = m.fc->weight.to_vector();
+  EXPECT_TRUE(throws_with([&] { load(m, dir.file("big.txt")); }, {"header length", "100 MiB", "big.txt"}));
+  EXPECT_EQ(m.fc->weight.to_vector(), before);
+  // A file no longer than its length field is refused as truncated.
+  write_bytes(dir.file("short"), "abc");
+  EXPECT_TRUE(throws_with([&] { load(m, dir.file("short")); }, {"truncated", "3 bytes"}));
+}
+
+TEST(SafetensorsRead, TensorsAreReadFromTheOpenFileIntoTheirStorage) {
+  TempDir dir;
+  manual_seed(1);
+  Fc a;
+  save(a, dir.file("a.safetensors"));
+  auto f = io::read(dir.file("a.safetensors"));
+  EXPECT_TRUE(f.bytes.empty());  // only the header was read
+  ASSERT_TRUE(f.file != nullptr);
+  manual_seed(2);
+  Fc b;
+  const float* storage = b.fc->weight.data();
+  const auto v0 = b.fc->weight.version();
+  io::load_into(b, f);
+  EXPECT_EQ(b.fc->weight.data(), storage);  // written in place
+  EXPECT_EQ(b.fc->weight.to_vector(), a.fc->weight.to_vector());
+  EXPECT_EQ(b.fc->bias.to_vector(), a.fc->bias.to_vector());
+  EXPECT_GT(b.fc->weight.version(), v0);  // a load is an in-place write (Note [version counter])
+  // The file shrinking after validation is reported, not read past.
+  fs::resize_file(dir.file("a.safetensors"), f.data_start + 4);
+  EXPECT_TRUE(throws_with([&] { io::load_into(b, f); }, {"ended early", "partly loaded"}));
+}
+
+TEST(SafetensorsRead, MinorMessagesNameTheFileAndTheOverflow) {
+  TempDir dir;
+  Fc m;
+  auto put = [&](const std::string& header, std::size_t data) {
+    std::string s(8, '\0');
+    const std::uint64_t n = header.size();
+    std::memcpy(s.data(), &n, 8);
+    write_bytes(dir.file("f.safetensors"), s + header + std::string(data, '\0'));
+  };
+  put(R"({"w":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}})", 4);
+  EXPECT_TRUE(throws_with([&] { load(m, dir.file("f.safetensors")); }, {"f.safetensors", "BF16"}));
+  put(R"({"w":{"dtype":"F32","shape":[281474976710656,281474976710656],"data_offsets":[0,4]}})", 4);
+  auto overflow = throws_with([&] { load(m, dir.file("f.safetensors")); }, {"overflows", "span 4 bytes"});
+  EXPECT_TRUE(overflow);
+  EXPECT_FALSE(throws_with([&] { load(m, dir.file("f.safetensors")); }, {"(0 bytes)"}));
+}
+
+// ---- 15. missing keys name both sides and a common prefix ----
+
+TEST(SafetensorsNames, PyTorchDataParallelPrefixIsNamedAndCanBeStripped) {
+  TempDir dir;
+  manual_seed(3);
+  Fc a;
+  // What PyTorch's nn.DataParallel(model).state_dict() holds: every name under "module.".
+  std::vector<nn::Module::NamedTensor> named;
+  for (auto& t : a.named_tensors()) named.push_back({"module." + t.name, t.tensor});
+  io::detail::write_atomically(dir.file("dp.safetensors"), io::detail::serialise(named, {}));
+  manual_seed(4);
+  Fc b;
+  const auto before = b.fc->weight.to_vector();
+  EXPECT_TRUE(throws_with([&] { load(b, dir.file("dp.safetensors")); },
+                          {"'fc.weight'", "missing from the file", "'module.fc.weight'", "not in the module",
+                           "prefixed with 'module.'", "nn.DataParallel", "strip_prefix = \"module.\""}));
+  EXPECT_EQ(b.fc->weight.to_vector(), before);
+  load(b, dir.file("dp.safetensors"), io::LoadOptions{.strip_prefix = "module."});
+  EXPECT_EQ(b.fc->weight.to_vector(), a.fc->weight.to_vector());
+  // A prefix that only some names carry is stripped from those (consume_prefix semantics).
+  named[1].name = "fc.bias";
+  io::detail::write_atomically(dir.file("mixed.safetensors"), io::detail::serialise(named, {}));
+  load(b, dir.file("mixed.safetensors"), io::LoadOptions{.strip_prefix = "module."});
+  // Both a prefixed and a bare copy of one name is ambiguous.
+  named.push_back({"module.fc.bias", named[1].tensor});
+  io::detail::write_atomically(dir.file("dup.safetensors"), io::detail::serialise(named, {}));
+  EXPECT_TRUE(throws_with([&] { load(b, dir.file("dup.safetensors"), io::LoadOptions{.strip_prefix = "module."}); },
+                          {"both load into 'fc.bias'"}));
+}
+
+TEST(SafetensorsNames, BothSidesAreNamedWithoutAPrefix) {
+  TempDir dir;
+  Fc a;
+  std::vector<nn::Module::NamedTensor> named = {{"fc.weight", a.fc->weight}, {"head.bias", a.fc->bias}};
+  io::detail::write_atomically(dir.file("x.safetensors"), io::detail::serialise(named, {}));
+  EXPECT_TRUE(throws_with([&] { load(a, dir.file("x.safetensors")); },
+                          {"'fc.bias' (1) are missing from the file", "'head.bias' (1) are not in the module"}));
+  // The module is a level deeper than the file: say so.
+  struct Outer : nn::Module {
+    nn::Linear body;
+    Outer() : body(register_module("body", nn::Linear(3, 2))) {}
+  } outer;
+  save(nn::Linear(3, 2), dir.file("bare.safetensors"));  // names "weight" and "bias"
+  EXPECT_TRUE(throws_with([&] { load(outer, dir.file("bare.safetensors")); }, {"prefixed with 'body.'", "submodule"}));
+  load(outer.body, dir.file("bare.safetensors"));
+}
+
+// ---- 16. minor ----
+
+TEST(Minor, OptimizersRefuseAnEmptyParameterList) {
+  EXPECT_TRUE(throws_with([] { optim::SGD opt(std::vector<AnyTensor>{}, {}); }, {"empty parameter list"}));
+  EXPECT_TRUE(throws_with([] { optim::Adam opt(std::vector<AnyTensor>{}, {}); }, {"empty parameter list"}));
+}
+
+TEST(Minor, ADeviceBeyondAReducedCountIsRefused) {
+  set_cpu_device_count(4);
+  auto t = zeros<float>({2}, Device::cpu(3));  // cpu:3's allocator and stream now exist
+  (void)get_stream(Device::cpu(3));
+  set_cpu_device_count(2);
+  EXPECT_TRUE(throws_with([] { zeros<float>({2}, Device::cpu(3)); }, {"cpu:3 is not available", "2 virtual CPU"}));
+  EXPECT_TRUE(throws_with([] { (void)get_stream(Device::cpu(3)); }, {"cpu:3 is not available"}));
+  EXPECT_EQ(t.to_vector(), (std::vector<float>{0, 0}));  // existing tensors stay usable
 }

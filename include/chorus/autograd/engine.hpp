@@ -245,11 +245,15 @@ class GraphTask {
         if (--deps_[e.fn.get()] == 0 && scheduled_.insert(e.fn.get()).second) ready.push_back(e.fn.get());
       }
     } catch (const Skip&) {
-    } catch (const Error& err) {
-      record_error(std::make_exception_ptr(
-          Error(std::string("in backward of ") + n->name() + " on " + n->device().str() + ": " + err.what())));
+    } catch (const std::exception& err) {
+      // Only chorus::Error leaves the library: a std exception of a node (std::bad_alloc, one
+      // thrown by a user's node) is wrapped too, naming the node and its device as forward's
+      // parallel_apply names the replica and device.
+      failure = std::make_exception_ptr(Error(std::string("in backward of ") + n->name() + " on " +
+                                              n->device().str() + ": " + err.what()));
     } catch (...) {
-      failure = std::current_exception();
+      failure = std::make_exception_ptr(
+          Error(std::string("in backward of ") + n->name() + " on " + n->device().str() + ": unknown exception"));
     }
     if (failure) record_error(std::move(failure));  // after the handler let go (see Future)
     for (Node<T>* r : ready) schedule(r);

@@ -98,7 +98,9 @@ using Strides = Dims;
 /// Every element count, stride and byte count is computed with overflow checks: a wrapped
 /// product (`{1<<32, 1<<32}` gives 0) would allocate too little and every kernel would then
 /// read and write out of bounds. A shape holding a 0 has no elements however large the other
-/// sizes are, as in PyTorch; its strides must still be representable.
+/// sizes are, as in PyTorch, but a tensor's shape must also keep the product of max(size, 1)
+/// within int64 (contiguous_strides checks it): then every partial product of its sizes
+/// (outer/inner extents, strides, row counts) fits, and kernels need no checks of their own.
 inline std::int64_t numel_of(const Shape& s) {
   std::int64_t n = 1;
   bool overflow = false, zero = false;
@@ -128,7 +130,7 @@ inline Strides contiguous_strides(const Shape& s) {
   std::int64_t acc = 1;
   for (int i = s.size() - 1; i >= 0; --i) {
     st[i] = acc;
-    if (i > 0 && __builtin_mul_overflow(acc, std::max<std::int64_t>(s[i], 1), &acc)) [[unlikely]]
+    if (__builtin_mul_overflow(acc, std::max<std::int64_t>(s[i], 1), &acc)) [[unlikely]]
       CHORUS_FAIL("shape ", s, " has strides an int64 cannot hold");
   }
   return st;

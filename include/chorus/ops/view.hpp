@@ -170,9 +170,14 @@ Tensor<T> Tensor<T>::narrow(std::int64_t dim, std::int64_t start, std::int64_t l
   const std::int64_t size = shape()[d];
   if (start < 0) start += size;
   // `length <= size - start`, not `start + length <= size`: the sum overflows for a huge length.
-  CHORUS_CHECK(start >= 0 && start <= size && length >= 0 && length <= size - start, "narrow: start ", start,
-               " and length ", length, " are out of bounds for dimension ", d, " of size ", size, " (shape ", shape(),
-               ")");
+  if (!(start >= 0 && start <= size && length >= 0 && length <= size - start)) [[unlikely]] {
+    std::int64_t end = 0;
+    const std::string range = __builtin_add_overflow(start, length, &end)
+                                  ? std::to_string(start) + " + " + std::to_string(length)
+                                  : std::to_string(end);
+    CHORUS_FAIL("narrow: range [", start, ", ", range, ") (start ", start, ", length ", length,
+                ") is out of bounds for dimension ", d, " of size ", size, " (shape ", shape(), ")");
+  }
   Shape s = shape();
   s[d] = length;
   auto out = ops::detail::make_view(*this, s, strides(), storage_offset() + start * strides()[d]);

@@ -14,6 +14,9 @@ namespace optim {
 class Optimizer {
  public:
   explicit Optimizer(std::vector<AnyTensor> params) : params_(std::move(params)) {
+    // As PyTorch: an empty list is almost always a mistake (parameters() of the wrong module,
+    // or taken before the layers were registered).
+    CHORUS_CHECK(!params_.empty(), "optimizer got an empty parameter list");
     std::unordered_set<const void*> seen;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       const auto& p = params_[i];
