@@ -92,7 +92,7 @@ TEST(CheckedSizes, BlasRefusesSizesBeyondItsIntInterface) {
   float c = 0;
   EXPECT_TRUE(throws_with(
       [&] {
-        backend::cpu::gemm<float>(false, false, (1LL << 31) + 1, 1, 1, 1.f, nullptr, 1, nullptr, 1, 0.f, &c, 1);
+        backend::gemm<float>(false, false, (1LL << 31) + 1, 1, 1, 1.f, nullptr, 1, nullptr, 1, 0.f, &c, 1, Device::cpu());
       },
       {"gemm", "2147483649"}));
 }
@@ -257,6 +257,25 @@ TYPED_TEST(NanPropagation, AmsgradMaxKeepsNaN) {
   auto vmax = opt.state()[0].at("max_exp_avg_sq").template as<T>().to_vector();
   EXPECT_TRUE(is_nan(vmax[0]));  // torch.maximum keeps the NaN; std::max dropped it
   EXPECT_FALSE(is_nan(vmax[1]));
+}
+
+TEST(CheckedSizes, FloatToIntegerConversionSaturates) {
+  // static_cast of NaN or 1e30 to int64 is undefined (UBSan reports it): saturate, as CUDA does.
+  const double inf = std::numeric_limits<double>::infinity();
+  auto v = from_vector<double>({std::nan(""), 1e30, -1e30, inf, -inf, 2.7, -2.7}).to<std::int64_t>().to_vector();
+  EXPECT_EQ(v, (std::vector<std::int64_t>{0, INT64_MAX, INT64_MIN, INT64_MAX, INT64_MIN, 2, -2}));
+}
+
+TEST(CheckedSizes, RandintOverTheWholeInt64Range) {
+  auto r = randint(INT64_MIN, INT64_MAX, {64}).to_vector();  // high - low overflowed int64
+  bool negative = false, positive = false;
+  for (auto v : r) {
+    negative |= v < 0;
+    positive |= v > 0;
+    EXPECT_LT(v, INT64_MAX);
+  }
+  EXPECT_TRUE(negative && positive);
+  for (auto v : randint(-3, 2, {100}).to_vector()) EXPECT_TRUE(v >= -3 && v < 2);
 }
 
 // ---- 7. arange ----

@@ -20,6 +20,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <bit>
 #include <cerrno>
 #include <charconv>
@@ -28,7 +30,6 @@
 #include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <set>
 #include <span>
 #include <string>
@@ -259,8 +260,12 @@ inline File read_file(const std::string& path) {
 
 /// Writes `bytes` to `path` atomically (Note [checkpoint safety]).
 inline void write_atomically(const std::string& path, const std::vector<std::uint8_t>& bytes) {
-  std::random_device rd;
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(rd());
+  // A unique name without std::random_device, whose constructor may throw std::system_error
+  // (no entropy source): only chorus::Error leaves the library.
+  static std::atomic<std::uint64_t> counter{0};
+  const auto stamp = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(stamp) + "." +
+                          std::to_string(counter.fetch_add(1));
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   CHORUS_CHECK(fd >= 0, "safetensors: cannot create '", tmp, "': ", std::strerror(errno));
   auto fail = [&](const char* step) {

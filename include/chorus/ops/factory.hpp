@@ -121,9 +121,11 @@ Tensor<T> randint(std::int64_t low, std::int64_t high, const Shape& shape, Devic
                   Generator& gen = default_generator()) {
   CHORUS_CHECK(high > low, "randint: empty range [", low, ", ", high, ")");
   auto t = Tensor<T>::empty(shape, device);
+  // In uint64 arithmetic: high - low overflows int64 for a range wider than INT64_MAX.
+  const auto range = static_cast<std::uint64_t>(high) - static_cast<std::uint64_t>(low);
   backend::random_fill(t, [&](T* p, std::int64_t n) {
     for (std::int64_t i = 0; i < n; ++i)
-      p[i] = static_cast<T>(low + static_cast<std::int64_t>(gen.below(static_cast<std::uint64_t>(high - low))));
+      p[i] = static_cast<T>(static_cast<std::int64_t>(static_cast<std::uint64_t>(low) + gen.below(range)));
   });
   return t;
 }

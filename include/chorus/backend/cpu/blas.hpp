@@ -14,11 +14,6 @@ template <class T>
 void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64_t K, T alpha,
           const T* A, std::int64_t lda, const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc) {
   if (M == 0 || N == 0) return;
-  // CBLAS takes int sizes: a larger one would be truncated into a wrong (out-of-bounds) call.
-  constexpr std::int64_t kMax = INT32_MAX;
-  CHORUS_CHECK(M <= kMax && N <= kMax && K <= kMax && lda <= kMax && ldb <= kMax && ldc <= kMax,
-               "gemm: sizes M=", M, " N=", N, " K=", K, " (lda ", lda, ", ldb ", ldb, ", ldc ", ldc,
-               ") exceed the 32-bit BLAS interface (at most ", kMax, ")");
   if (K == 0) {  // BLAS leaves C untouched when K == 0 only if beta == 1; be explicit
     for (std::int64_t i = 0; i < M; ++i)
       for (std::int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == T(0) ? T(0) : beta * C[i * ldc + j];
