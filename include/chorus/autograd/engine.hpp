@@ -237,6 +237,15 @@ class GraphTask {
       const auto& edges = n->next_edges();
       CHORUS_CHECK(outputs.size() == edges.size() || outputs.empty(), n->name(), " returned ", outputs.size(),
                    " gradients for ", edges.size(), " inputs");
+      // As PyTorch's validate_outputs: a gradient must have its input's shape and device, or
+      // the sums and kernels downstream would read and write past its end.
+      for (std::size_t i = 0; i < outputs.size(); ++i) {
+        if (!edges[i].valid() || !outputs[i].defined()) continue;
+        const auto& meta = edges[i].fn->input_meta(edges[i].input_nr);
+        CHORUS_CHECK(outputs[i].shape() == meta.shape && outputs[i].device() == meta.device, n->name(),
+                     " returned a gradient of shape ", outputs[i].shape(), " on ", outputs[i].device(), " for input ",
+                     i, ", expected shape ", meta.shape, " on ", meta.device);
+      }
       std::lock_guard<std::mutex> lk(m_);
       for (std::size_t i = 0; i < edges.size(); ++i) {
         const auto& e = edges[i];

@@ -420,10 +420,11 @@ inline void load_into(nn::Module& module, const File& f, const std::string& what
     // Name both sides, and the likely cause when the names differ only by a prefix.
     std::string msg = "load: the tensor names of " + what + " do not match the module's:";
     if (!missing.empty())
-      msg += " the module's " + detail::join(missing) + " (" + std::to_string(missing.size()) + ") are missing from the file;";
+      msg += " the file lacks " + std::to_string(missing.size()) + " tensor(s) of the module: " +
+             detail::join(missing) + ";";
     if (!unexpected.empty())
-      msg += " the file's " + detail::join(unexpected) + " (" + std::to_string(unexpected.size()) +
-             ") are not in the module;";
+      msg += " the file has " + std::to_string(unexpected.size()) + " tensor(s) the module lacks: " +
+             detail::join(unexpected) + ";";
     if (auto p = detail::common_prefix(file_names, names); !p.empty()) {
       msg += " every name in the file is the module's name prefixed with '" + p + "'" +
              (p == "module." ? " (as saved from a model wrapped in PyTorch's nn.DataParallel)" : "") +

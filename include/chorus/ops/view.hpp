@@ -378,7 +378,17 @@ Tensor<T>& Tensor<T>::copy_(const Tensor<T>& src) {
   ops::detail::check_inplace(*this, "copy_");
   CHORUS_CHECK(src.shape() == shape(), "copy_: source shape ", src.shape(), " differs from destination shape ",
                shape());
-  backend::copy(*this, src);
+  if (same_storage(src) && numel() > 0) {
+    if (storage_offset() == src.storage_offset() && strides() == src.strides()) return *this;  // x.copy_(x)
+    // Source and destination may overlap (x[0:3].copy_(x[1:4])): memcpy over overlapping bytes
+    // is undefined and the strided loop would read elements it already overwrote. Copy
+    // through a temporary.
+    auto tmp = Tensor<T>::empty(src.shape(), src.device());
+    backend::copy(tmp, src);
+    backend::copy(*this, tmp);
+  } else {
+    backend::copy(*this, src);
+  }
   bump_version();  // Note [version counter]
   return *this;
 }
