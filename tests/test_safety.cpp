@@ -449,6 +449,25 @@ TEST(GradShape, ANodeReturningAGradientOfAnotherShapeIsRefused) {
                           {"WrongShapeBackward returned a gradient of shape [1]", "expected shape [1000]"}));
 }
 
+namespace {
+struct ThrowsOnSecondReplica : nn::Module {
+  nn::Linear fc;
+  ThrowsOnSecondReplica() : fc(register_module("fc", nn::Linear(3, 2))) {}
+  Tensor<float> forward(const Tensor<float>& x) {
+    auto y = fc(x);
+    return x.device() == Device::cpu(1) ? throwing_op(y) : y;
+  }
+};
+}  // namespace
+
+TEST(ErrorBoundary, BackwardErrorsNameTheReplicaAsForwardsDo) {
+  set_cpu_device_count(2);
+  DataParallel<ThrowsOnSecondReplica> dp(ThrowsOnSecondReplica(), {Device::cpu(0), Device::cpu(1)});
+  auto loss = dp(ones<float>({4, 3})).sum();
+  EXPECT_TRUE(throws_with([&] { loss.backward(); },
+                          {"in backward of ThrowingBackward in replica 1 on cpu:1", "vector index 7 past the end"}));
+}
+
 TEST(ErrorBoundary, SavingANonUtf8NameIsAChorusError) {
   TempDir dir;
   nn::Module::NamedTensor t{std::string("bad\xff"), AnyTensor(zeros<float>({1}))};

@@ -258,11 +258,9 @@ class GraphTask {
       // Only chorus::Error leaves the library: a std exception of a node (std::bad_alloc, one
       // thrown by a user's node) is wrapped too, naming the node and its device as forward's
       // parallel_apply names the replica and device.
-      failure = std::make_exception_ptr(Error(std::string("in backward of ") + n->name() + " on " +
-                                              n->device().str() + ": " + err.what()));
+      failure = std::make_exception_ptr(Error("in backward of " + n->name() + " " + n->where() + ": " + err.what()));
     } catch (...) {
-      failure = std::make_exception_ptr(
-          Error(std::string("in backward of ") + n->name() + " on " + n->device().str() + ": unknown exception"));
+      failure = std::make_exception_ptr(Error("in backward of " + n->name() + " " + n->where() + ": unknown exception"));
     }
     if (failure) record_error(std::move(failure));  // after the handler let go (see Future)
     for (Node<T>* r : ready) schedule(r);
