@@ -126,8 +126,8 @@ class Tensor {
   /// The accumulated gradient of a leaf (undefined before the first backward).
   Tensor grad() const { return Tensor(checked().grad); }
   /// Replaces (or clears, with an undefined tensor) the accumulated gradient. The gradient
-  /// must match this tensor's shape and device (backward and the optimizers rely on it), and
-  /// be contiguous, as PyTorch requires of a .grad it assigns.
+  /// must match this tensor's shape and device, as PyTorch requires of an assigned .grad, and
+  /// be contiguous (backward and the optimizers write it in place as a flat array).
   void set_grad(const Tensor& g) const {
     auto& im = checked();
     if (g.defined()) {
