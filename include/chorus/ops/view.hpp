@@ -479,7 +479,7 @@ std::vector<Tensor<T>> split(const Tensor<T>& t, std::int64_t size, std::int64_t
   CHORUS_CHECK(size > 0, "split: size must be positive, got ", size);
   const int d = wrap_dim_of_shape(dim, t.dim(), "split");
   std::vector<Tensor<T>> out;
-  // s < n and size <= n - s are checked before s += size, which can then not overflow.
+  // Advancing by min(size, n - s) keeps s <= n; s += size would overflow for a huge size.
   const std::int64_t n = t.shape()[d];
   for (std::int64_t s = 0; s < n; s += std::min(size, n - s)) out.push_back(t.narrow(d, s, std::min(size, n - s)));
   return out;
