@@ -55,6 +55,11 @@ typename Node<T>::TensorList AccumulateGrad<T>::apply(typename Node<T>::TensorLi
     }
   } else {
     Tensor<T> acc(var.grad);
+    // The existing grad is written in place over g's elements: it must have g's extent (it
+    // may have been set by hand, or a stale one survived a change of the leaf).
+    CHORUS_CHECK(acc.shape() == var.shape && acc.device() == var.device(), "AccumulateGrad: the existing grad (",
+                 acc.shape(), " on ", acc.device(), ") does not match its leaf (", var.shape, " on ", var.device(),
+                 ")");
     Tensor<T> gc = g;
     if (!gc.is_contiguous()) {
       gc = Tensor<T>::empty(g.shape(), g.device());
@@ -223,6 +228,7 @@ class GraphTask {
           inputs[i] = std::move(c);
         }
       }
+      n->check_saved_versions();  // Note [version counter]
       auto outputs = n->apply(std::move(inputs));
       if (!retain_ && n->releasable()) {
         n->release_saved();
@@ -231,6 +237,15 @@ class GraphTask {
       const auto& edges = n->next_edges();
       CHORUS_CHECK(outputs.size() == edges.size() || outputs.empty(), n->name(), " returned ", outputs.size(),
                    " gradients for ", edges.size(), " inputs");
+      // As PyTorch's validate_outputs: a gradient must have its input's shape and device, or
+      // the sums and kernels downstream would read and write past its end.
+      for (std::size_t i = 0; i < outputs.size(); ++i) {
+        if (!edges[i].valid() || !outputs[i].defined()) continue;
+        const auto& meta = edges[i].fn->input_meta(edges[i].input_nr);
+        CHORUS_CHECK(outputs[i].shape() == meta.shape && outputs[i].device() == meta.device, n->name(),
+                     " returned a gradient of shape ", outputs[i].shape(), " on ", outputs[i].device(), " for input ",
+                     i, ", expected shape ", meta.shape, " on ", meta.device);
+      }
       std::lock_guard<std::mutex> lk(m_);
       for (std::size_t i = 0; i < edges.size(); ++i) {
         const auto& e = edges[i];
@@ -239,11 +254,13 @@ class GraphTask {
         if (--deps_[e.fn.get()] == 0 && scheduled_.insert(e.fn.get()).second) ready.push_back(e.fn.get());
       }
     } catch (const Skip&) {
-    } catch (const Error& err) {
-      record_error(std::make_exception_ptr(
-          Error(std::string("in backward of ") + n->name() + " on " + n->device().str() + ": " + err.what())));
+    } catch (const std::exception& err) {
+      // Only chorus::Error leaves the library: a std exception of a node (std::bad_alloc, one
+      // thrown by a user's node) is wrapped too, naming the node and its device as forward's
+      // parallel_apply names the replica and device.
+      failure = std::make_exception_ptr(Error("in backward of " + n->name() + " " + n->where() + ": " + err.what()));
     } catch (...) {
-      failure = std::current_exception();
+      failure = std::make_exception_ptr(Error("in backward of " + n->name() + " " + n->where() + ": unknown exception"));
     }
     if (failure) record_error(std::move(failure));  // after the handler let go (see Future)
     for (Node<T>* r : ready) schedule(r);

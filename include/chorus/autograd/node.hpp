@@ -1,11 +1,13 @@
 #pragma once
 // Graph nodes: each recorded operation leaves a Node that maps the gradients of its outputs
 // to the gradients of its inputs, plus edges to the nodes that produced those inputs.
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../core/tensor.hpp"
@@ -27,6 +29,12 @@ struct Edge {
 };
 
 namespace detail {
+/// The replica whose forward the calling thread runs (-1 outside DataParallel's replicas).
+inline int& current_replica() {
+  thread_local int r = -1;
+  return r;
+}
+
 inline std::uint64_t next_sequence_nr() {
   static std::atomic<std::uint64_t> n{0};
   return n.fetch_add(1, std::memory_order_relaxed);
@@ -75,14 +83,61 @@ class Node {
 
   void add_next_edge(Edge<T> e) { next_.push_back(std::move(e)); }
 
+  /// The DataParallel replica whose forward recorded this node (-1: none), for error messages.
+  int replica() const { return replica_; }
+  void set_replica(int r) { replica_ = r; }
+  /// Where this node runs, for error messages: "in replica 2 on cpu:2" or "on cpu:0".
+  std::string where() const {
+    return (replica_ >= 0 ? "in replica " + std::to_string(replica_) + " " : std::string()) + "on " + device().str();
+  }
+
   /// Set by the engine after release_saved(); a second backward then fails clearly.
   bool released() const { return released_; }
-  void mark_released() { released_ = true; }
+  void mark_released() {
+    released_ = true;
+    num_saved_ = 0;
+    for (auto& sv : saved_) sv.storage.reset();
+  }
+
+  /// Records the version of a tensor this node saves for backward; the engine checks it is
+  /// unchanged before apply() (Note [version counter]). Returns `t` for use in initialisers.
+  template <class U>
+  const Tensor<U>& save_version(const Tensor<U>& t) {
+    if (!t.defined() || !t.impl()->storage) return t;
+    CHORUS_CHECK(num_saved_ < kMaxSaved, name(), ": saves more than ", kMaxSaved, " tensors");
+    saved_[num_saved_++] = {t.impl()->storage, t.impl()->storage->version(), Tensor<U>::dtype(), t.shape()};
+    return t;
+  }
+  /// Throws (with PyTorch's wording) when a saved tensor was written in place after it was saved.
+  void check_saved_versions() const {
+    for (int i = 0; i < num_saved_; ++i) {
+      const auto& sv = saved_[i];
+      const auto now = sv.storage->version();
+      CHORUS_CHECK(now == sv.version,
+                   "one of the variables needed for gradient computation has been modified by an inplace "
+                   "operation: [",
+                   dtype_name(sv.dtype), " ", sv.shape, "], saved by ", name(), ", is at version ", now,
+                   "; expected version ", sv.version,
+                   " instead. Write into a copy (clone()) of a tensor that autograd saved, or run backward before "
+                   "changing it");
+    }
+  }
 
  private:
+  struct SavedVersion {
+    Storage storage;
+    std::uint64_t version = 0;
+    DType dtype = DType::Float32;
+    Shape shape;
+  };
+  static constexpr int kMaxSaved = 4;
+  std::array<SavedVersion, kMaxSaved> saved_{};
+  int num_saved_ = 0;
+
   std::vector<Edge<T>> next_;
   std::vector<InputMeta> input_meta_;
   Stream* stream_ = nullptr;
+  int replica_ = -1;
   std::uint64_t seq_;
   bool released_ = false;
 };
@@ -145,11 +200,25 @@ std::shared_ptr<NodeT> make_node(std::initializer_list<const Tensor<T>*> inputs,
   return node;
 }
 
+/// Marks the calling thread as running replica `r`'s forward while alive, so that the nodes it
+/// records name the replica when their backward fails (as forward's errors do).
+class ReplicaGuard {
+ public:
+  explicit ReplicaGuard(int r) : prev_(std::exchange(detail::current_replica(), r)) {}
+  ~ReplicaGuard() { detail::current_replica() = prev_; }
+  ReplicaGuard(const ReplicaGuard&) = delete;
+  ReplicaGuard& operator=(const ReplicaGuard&) = delete;
+
+ private:
+  int prev_;
+};
+
 /// Records `node` as the producer of `out` (its next forward output).
 template <class T>
 void set_history(Tensor<T>& out, const std::shared_ptr<Node<T>>& node) {
   auto& impl = *out.impl();
   if (!node->stream()) node->set_stream(&current_stream(out.device()));
+  if (node->replica() < 0) node->set_replica(detail::current_replica());
   impl.output_nr = node->add_input(impl.shape, out.device());
   impl.grad_fn = node;
   impl.requires_grad = true;

@@ -168,6 +168,12 @@ void index_add(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int
 template <class T>
 void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A, std::int64_t lda,
           const T* B, std::int64_t ldb, T beta, T* C, std::int64_t ldc, Device dev) {
+  // CBLAS and cuBLAS take int sizes: a larger one would be truncated into a wrong,
+  // out-of-bounds call (Note [checked sizes]).
+  constexpr std::int64_t kMax = INT32_MAX;
+  CHORUS_CHECK(M <= kMax && N <= kMax && K <= kMax && lda <= kMax && ldb <= kMax && ldc <= kMax, "gemm: sizes M=", M,
+               " N=", N, " K=", K, " (lda ", lda, ", ldb ", ldb, ", ldc ", ldc,
+               ") exceed the 32-bit BLAS interface (at most ", kMax, ")");
   CHORUS_DISPATCH(dev, cpu::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc),
                   cuda::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, dev));
 }

@@ -33,9 +33,10 @@ struct Sqrt {
   template <class T>
   CHORUS_HOST_DEVICE T operator()(T x) const { return sqrt(x); }
 };
+// NaN propagates, as in PyTorch: relu(NaN) is NaN (and relu(-0.0) is -0.0).
 struct Relu {
   template <class T>
-  CHORUS_HOST_DEVICE T operator()(T x) const { return x > T(0) ? x : T(0); }
+  CHORUS_HOST_DEVICE T operator()(T x) const { return x < T(0) ? T(0) : x; }
 };
 // Exact GELU (PyTorch's default): x * Phi(x).
 struct Gelu {
@@ -71,6 +72,11 @@ struct PowScalar {
 };
 
 // ---- binary ----
+/// max(a, b) that propagates NaN from either side (torch.maximum); std::max and fmax drop it.
+struct Maximum {
+  template <class T>
+  CHORUS_HOST_DEVICE T operator()(T a, T b) const { return (a != a || a > b) ? a : b; }
+};
 struct Add {
   template <class T>
   CHORUS_HOST_DEVICE T operator()(T a, T b) const { return a + b; }
@@ -89,9 +95,9 @@ struct Div {
 };
 
 // ---- backward: (grad, saved) -> grad_input ----
-struct ReluBackward {  // saved: the output
+struct ReluBackward {  // saved: the output; PyTorch's threshold_backward passes g where y is NaN
   template <class T>
-  CHORUS_HOST_DEVICE T operator()(T g, T y) const { return y > T(0) ? g : T(0); }
+  CHORUS_HOST_DEVICE T operator()(T g, T y) const { return y <= T(0) ? T(0) : g; }
 };
 struct GeluBackward {  // saved: the input
   template <class T>

@@ -82,7 +82,9 @@ class Runtime {
 
   Allocator& allocator(Device d) {
     if (d.is_cpu()) {
-      if (d.index >= 0 && d.index < kMaxCpuDevices) {
+      // The fast path checks the current count too: a device beyond a reduced count keeps its
+      // allocator, but must be refused like any other unavailable device.
+      if (d.index >= 0 && d.index < kMaxCpuDevices && d.index < cpu_count_.load(std::memory_order_acquire)) {
         if (auto* a = cpu_alloc_[d.index].load(std::memory_order_acquire)) return *a;
       }
       check(d);
@@ -115,7 +117,8 @@ class Runtime {
 
   Stream& stream(Device d, int slot) {
     CHORUS_CHECK(slot >= 0 && slot < 64, "stream slot ", slot, " out of range [0, 64)");
-    if (d.is_cpu() && slot == 0 && d.index >= 0 && d.index < kMaxCpuDevices) {
+    if (d.is_cpu() && slot == 0 && d.index >= 0 && d.index < kMaxCpuDevices &&
+        d.index < cpu_count_.load(std::memory_order_acquire)) {
       if (auto* s = cpu_default_[d.index].load(std::memory_order_acquire)) return *s;
     }
     check(d);

@@ -3,6 +3,7 @@
 // allocation per tensor); tensors have at most Shape::kMaxDims dimensions.
 #include <algorithm>
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <ostream>
@@ -57,6 +58,7 @@ class Dims {
     v_[pos] = x;
   }
   void erase(int pos) {
+    CHORUS_CHECK(pos >= 0 && pos < n_, "dimension ", pos, " is out of range for ", n_, " dimension(s)");
     for (int i = pos; i + 1 < n_; ++i) v_[i] = v_[i + 1];
     --n_;
   }
@@ -89,30 +91,68 @@ class Dims {
 using Shape = Dims;
 using Strides = Dims;
 
-/// Product of the sizes (1 for a 0-dim shape).
+/// Product of the sizes (1 for a 0-dim shape). Throws when a size is negative or the product
+/// does not fit in int64 (see Note [checked sizes]).
+///
+/// Note [checked sizes]
+/// Every element count, stride and byte count is computed with overflow checks: a wrapped
+/// product (`{1<<32, 1<<32}` gives 0) would allocate too little and every kernel would then
+/// read and write out of bounds. A shape holding a 0 has no elements however large the other
+/// sizes are, as in PyTorch, but a tensor's shape must also keep the product of max(size, 1)
+/// within int64 (contiguous_strides checks it): then every partial product of its sizes
+/// (outer/inner extents, strides, row counts) fits, and kernels need no checks of their own.
 inline std::int64_t numel_of(const Shape& s) {
   std::int64_t n = 1;
-  for (auto x : s) n *= x;
+  bool overflow = false, zero = false;
+  for (auto x : s) {
+    CHORUS_CHECK(x >= 0, "negative size ", x, " in shape ", s);
+    zero |= x == 0;
+    overflow |= __builtin_mul_overflow(n, x, &n);
+  }
+  if (zero) return 0;
+  if (overflow) [[unlikely]]
+    CHORUS_FAIL("shape ", s, " has more elements than an int64 can count");
   return n;
 }
 
-/// Row-major (contiguous) strides of a shape.
+/// Bytes of `numel` elements of `elem_size` bytes each; throws when they exceed what a
+/// pointer difference can address (so `p + nbytes` and every element offset are defined).
+inline std::size_t checked_nbytes(std::int64_t numel, std::size_t elem_size, const Shape& shape) {
+  constexpr auto kMax = static_cast<std::uint64_t>(PTRDIFF_MAX);
+  CHORUS_CHECK(numel >= 0 && static_cast<std::uint64_t>(numel) <= kMax / elem_size, "shape ", shape, " of ",
+               numel, " elements of ", elem_size, " bytes needs more bytes than the address space holds");
+  return static_cast<std::size_t>(numel) * elem_size;
+}
+
+/// Row-major (contiguous) strides of a shape (checked: Note [checked sizes]).
 inline Strides contiguous_strides(const Shape& s) {
   Strides st = Strides::filled(s.size(), 1);
   std::int64_t acc = 1;
   for (int i = s.size() - 1; i >= 0; --i) {
     st[i] = acc;
-    acc *= std::max<std::int64_t>(s[i], 1);
+    if (__builtin_mul_overflow(acc, std::max<std::int64_t>(s[i], 1), &acc)) [[unlikely]]
+      CHORUS_FAIL("shape ", s, " has strides an int64 cannot hold");
   }
   return st;
 }
 
-/// Wraps a possibly negative dimension index into [0, ndim); throws when out of range.
+/// Wraps a possibly negative dimension index into [0, ndim); throws when out of range. A 0-dim
+/// tensor accepts dim 0 and -1 (as PyTorch's reductions and squeeze do), so callers that go on
+/// to index the shape must use wrap_dim_of_shape (or check ndim > 0) instead.
 inline int wrap_dim(std::int64_t dim, int ndim, const char* what = "dim") {
   std::int64_t n = std::max(ndim, 1);
   CHORUS_CHECK(dim >= -n && dim < n, what, " ", dim, " is out of range for a tensor with ", ndim,
                " dimension(s)");
   return static_cast<int>(dim < 0 ? dim + n : dim);
+}
+
+/// Wraps a dimension index that will index the shape: a 0-dim tensor has no dimension to
+/// index, so any dim is refused for it (as PyTorch's size(0) on a scalar is).
+inline int wrap_dim_of_shape(std::int64_t dim, int ndim, const char* op) {
+  CHORUS_CHECK(ndim > 0, op, ": dimension ", dim, " specified, but the tensor is 0-dim (has no dimensions)");
+  CHORUS_CHECK(dim >= -ndim && dim < ndim, op, ": dimension ", dim, " is out of range for a tensor with ", ndim,
+               " dimension(s) (expected to be in [", -ndim, ", ", ndim - 1, "])");
+  return static_cast<int>(dim < 0 ? dim + ndim : dim);
 }
 
 /// NumPy broadcasting of two shapes; the error names both shapes.

@@ -1,6 +1,8 @@
 #pragma once
 // Storage: one allocation on one device, shared by the tensors that view it.
+#include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 
@@ -22,13 +24,27 @@ class StorageImpl {
   std::size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
 
+  /// The version counter of the data (Note [version counter]): bumped by every in-place write
+  /// through the public API, compared by backward against the version a node saved.
+  std::uint64_t version() const { return version_.load(std::memory_order_relaxed); }
+  void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }
+
  private:
   Device device_;
+  std::atomic<std::uint64_t> version_{0};
   std::size_t nbytes_;
   Allocator* alloc_;
   void* data_ = nullptr;
 };
 
+// Note [version counter]
+// As in PyTorch, a tensor saved for backward must not change before backward reads it: an
+// in-place write in between (`y = (w * x).sum(); x.fill_(0); y.backward()`) would otherwise
+// give a silently wrong gradient. The counter lives on the storage, so every view of the data
+// (narrow, reshape, detach, ...) shares it, as PyTorch's views share their base's counter.
+// In-place writes through the API (fill_, zero_, copy_, optimizer steps, checkpoint loads)
+// bump it; a node records the versions of what it saved (Node::save_version) and the engine
+// compares them before running the node, failing with PyTorch's wording.
 using Storage = std::shared_ptr<StorageImpl>;
 
 inline Storage make_storage(Device device, std::size_t nbytes) {

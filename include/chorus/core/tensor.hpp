@@ -71,11 +71,12 @@ class Tensor {
 
   /// Allocates an uninitialised contiguous tensor.
   static Tensor empty(const Shape& shape, Device device = Device::cpu()) {
-    for (auto s : shape) CHORUS_CHECK(s >= 0, "negative size in shape ", shape);
+    // Sizes, element count, strides and byte count are all checked (Note [checked sizes]).
+    const std::size_t nbytes = checked_nbytes(numel_of(shape), sizeof(T), shape);
     auto impl = std::make_shared<Impl>();
-    impl->storage = make_storage(device, static_cast<std::size_t>(numel_of(shape)) * sizeof(T));
-    impl->shape = shape;
     impl->strides = contiguous_strides(shape);
+    impl->storage = make_storage(device, nbytes);
+    impl->shape = shape;
     return Tensor(std::move(impl));
   }
 
@@ -84,11 +85,11 @@ class Tensor {
   const std::shared_ptr<Impl>& impl() const { return impl_; }
   const Shape& shape() const { return checked().shape; }
   const Shape& sizes() const { return shape(); }
-  std::int64_t size(std::int64_t d) const { return shape()[wrap_dim(d, dim())]; }
+  std::int64_t size(std::int64_t d) const { return shape()[wrap_dim_of_shape(d, dim(), "size")]; }
   int dim() const { return shape().size(); }
   std::int64_t numel() const { return numel_of(shape()); }
   const Strides& strides() const { return checked().strides; }
-  std::int64_t stride(std::int64_t d) const { return strides()[wrap_dim(d, dim())]; }
+  std::int64_t stride(std::int64_t d) const { return strides()[wrap_dim_of_shape(d, dim(), "stride")]; }
   std::int64_t storage_offset() const { return checked().offset; }
   Device device() const { return checked().device(); }
   static constexpr DType dtype() { return dtype_of<T>(); }
@@ -124,8 +125,31 @@ class Tensor {
 
   /// The accumulated gradient of a leaf (undefined before the first backward).
   Tensor grad() const { return Tensor(checked().grad); }
-  /// Replaces (or clears, with an undefined tensor) the accumulated gradient.
-  void set_grad(const Tensor& g) const { checked().grad = g.impl_; }
+  /// Replaces (or clears, with an undefined tensor) the accumulated gradient. The gradient
+  /// must match this tensor's shape and device, as PyTorch requires of an assigned .grad, and
+  /// be contiguous (backward and the optimizers write it in place as a flat array).
+  void set_grad(const Tensor& g) const {
+    auto& im = checked();
+    if (g.defined()) {
+      CHORUS_CHECK(g.shape() == im.shape, "set_grad: gradient of shape ", g.shape(), " for a tensor of shape ",
+                   im.shape);
+      CHORUS_CHECK(g.device() == im.device(), "set_grad: gradient on ", g.device(), " for a tensor on ",
+                   im.device());
+      CHORUS_CHECK(g.is_contiguous(), "set_grad: the gradient (shape ", g.shape(), ") is not contiguous");
+      CHORUS_CHECK(g.impl_ != impl_, "set_grad: a tensor cannot be its own gradient");
+    }
+    im.grad = g.impl_;
+  }
+
+  /// The version counter of this tensor's data (Note [version counter]; PyTorch's _version).
+  std::uint64_t version() const {
+    const auto& st = checked().storage;
+    return st ? st->version() : 0;
+  }
+  /// Marks this tensor's data as written in place (for code that writes through data()).
+  void bump_version() const {
+    if (const auto& st = checked().storage) st->bump_version();
+  }
 
   /// A tensor sharing this one's data, cut off from the autograd graph.
   Tensor detach() const {

@@ -28,8 +28,9 @@ class DataLoader {
 
   /// Batches in one epoch.
   std::size_t num_batches() const {
-    const std::size_t n = dataset_.size(), b = options_.batch_size;
-    return options_.drop_last ? n / b : (n + b - 1) / b;
+    // n / b rounded up without n + b - 1, which wraps for a huge batch_size (of either type).
+    const std::size_t n = dataset_.size(), b = static_cast<std::size_t>(options_.batch_size);
+    return options_.drop_last ? n / b : n / b + (n % b != 0);
   }
   const D& dataset() const { return dataset_; }
 
@@ -64,8 +65,9 @@ class DataLoader {
 
  private:
   Batch make_batch(const std::vector<std::size_t>& order, std::size_t b) const {
-    const std::size_t start = b * options_.batch_size;
-    const std::size_t stop = std::min(order.size(), start + options_.batch_size);
+    const std::size_t size = static_cast<std::size_t>(options_.batch_size);
+    const std::size_t start = b * size;  // b < num_batches(), so start < order.size()
+    const std::size_t stop = start + std::min(size, order.size() - start);
     std::vector<std::size_t> idx(order.begin() + static_cast<std::ptrdiff_t>(start),
                                  order.begin() + static_cast<std::ptrdiff_t>(stop));
     if constexpr (BatchDataset<D>) {

@@ -7,21 +7,29 @@
 //
 // Note [checkpoint safety]
 // Loading validates the whole file against the module before writing a single value, so a
-// bad file leaves the module unchanged. Saving writes a temporary file in the destination's
-// folder, flushes it to disk and renames it over the destination, so a failure part-way
-// leaves the previous checkpoint intact.
+// bad file leaves the module unchanged. Reading checks the 8-byte header length first and then
+// reads only the header (a large file that is not a checkpoint costs 8 bytes, not its size);
+// tensors are then read straight from the file into their storage (CPU) or a host staging
+// tensor (CUDA), never through a copy of the whole file. Only an I/O error after validation
+// (a disk error, the file truncated while being read) can leave a module part-loaded, and
+// the error says so. Saving writes a temporary file in the destination's folder, flushes it
+// to disk and renames it over the destination, so a failure part-way leaves the previous
+// checkpoint intact.
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <bit>
 #include <cerrno>
+#include <charconv>
+#include <memory>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <set>
 #include <span>
 #include <string>
@@ -45,13 +53,56 @@ struct TensorRecord {
   std::size_t begin = 0, end = 0;  // byte offsets into the data section
 };
 
-/// A parsed and validated safetensors file held in memory.
+namespace detail {
+/// An open file descriptor, closed on destruction.
+class FileHandle {
+ public:
+  explicit FileHandle(int fd) : fd_(fd) {}
+  ~FileHandle() { ::close(fd_); }
+  FileHandle(const FileHandle&) = delete;
+  FileHandle& operator=(const FileHandle&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+/// Reads exactly `n` bytes at `offset`; throws on an error or an early end of file.
+inline void pread_exact(int fd, void* dst, std::size_t n, std::uint64_t offset, const std::string& what) {
+  auto* p = static_cast<char*>(dst);
+  while (n > 0) {
+    const ssize_t r = ::pread(fd, p, std::min<std::size_t>(n, std::size_t{1} << 30), static_cast<off_t>(offset));
+    if (r < 0 && errno == EINTR) continue;
+    CHORUS_CHECK(r >= 0, "safetensors: error reading ", what, ": ", std::strerror(errno));
+    CHORUS_CHECK(r > 0, "safetensors: ", what, " ended early at byte ", offset,
+                 " (was it truncated while being read?)");
+    p += r;
+    n -= static_cast<std::size_t>(r);
+    offset += static_cast<std::uint64_t>(r);
+  }
+}
+}  // namespace detail
+
+/// A parsed and validated safetensors file: its header, and where the data is (a file kept
+/// open by read(), or an in-memory image given to parse()).
 struct File {
   Metadata metadata;
   std::map<std::string, TensorRecord> tensors;
-  std::vector<std::uint8_t> bytes;  // the whole file
   std::size_t data_start = 0;       // 8 + header length
-  const std::uint8_t* data(const TensorRecord& r) const { return bytes.data() + data_start + r.begin; }
+  std::string source;               // for messages: the quoted path, or "buffer"
+  std::vector<std::uint8_t> bytes;  // the image given to parse(); empty for read()
+  std::shared_ptr<detail::FileHandle> file;  // the open file of read()
+
+  /// Copies the bytes of tensor `r` (r.end - r.begin of them) to host memory at `dst`.
+  void read_into(const TensorRecord& r, void* dst) const {
+    const std::size_t n = r.end - r.begin;
+    if (n == 0) return;
+    if (file) {
+      detail::pread_exact(file->get(), dst, n, data_start + r.begin, source);
+    } else {
+      std::memcpy(dst, bytes.data() + data_start + r.begin, n);
+    }
+  }
 };
 
 namespace detail {
@@ -67,30 +118,36 @@ inline const char* dtype_code(DType d) {
   return "?";
 }
 
-inline DType parse_dtype(const std::string& code, const std::string& name) {
+inline DType parse_dtype(const std::string& code, const std::string& name, const std::string& what) {
   if (code == "F32") return DType::Float32;
   if (code == "F64") return DType::Float64;
   if (code == "I64") return DType::Int64;
   static const std::set<std::string> known = {"BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16",
                                               "F16",  "BF16", "I32", "U32", "U64"};
   if (known.count(code))
-    CHORUS_FAIL("safetensors: tensor '", name, "' has dtype ", code,
+    CHORUS_FAIL("safetensors: ", what, ": tensor '", name, "' has dtype ", code,
                 ", which chorus does not hold (F32, F64 and I64 are supported)");
-  CHORUS_FAIL("safetensors: tensor '", name, "' has unknown dtype '", code, "'");
+  CHORUS_FAIL("safetensors: ", what, ": tensor '", name, "' has unknown dtype '", code, "'");
 }
 
-/// Parses and validates a file image (see Note [checkpoint safety]).
-inline File parse(std::vector<std::uint8_t> bytes, const std::string& what) {
-  File f;
-  CHORUS_CHECK(bytes.size() >= 8, "safetensors: ", what, " is truncated: ", bytes.size(),
+/// Checks the 8-byte header length of a file of `file_size` bytes (before anything else is read).
+inline std::size_t check_header_length(std::uint64_t n, std::uint64_t file_size, const std::string& what) {
+  CHORUS_CHECK(file_size >= 8, "safetensors: ", what, " is truncated: ", file_size,
                " bytes, fewer than the 8-byte header length");
-  std::uint64_t n = 0;
-  std::memcpy(&n, bytes.data(), 8);
-  CHORUS_CHECK(n <= kMaxHeader, "safetensors: ", what, ": header length ", n, " exceeds the 100 MiB limit");
-  CHORUS_CHECK(n <= bytes.size() - 8, "safetensors: ", what, ": header length ", n, " runs past the end of the file (",
-               bytes.size(), " bytes)");
-  f.data_start = 8 + static_cast<std::size_t>(n);
-  const std::size_t data_size = bytes.size() - f.data_start;
+  CHORUS_CHECK(n <= kMaxHeader, "safetensors: ", what, ": header length ", n,
+               " exceeds the 100 MiB limit (is it a safetensors file?)");
+  CHORUS_CHECK(n <= file_size - 8, "safetensors: ", what, ": header length ", n, " runs past the end of the file (",
+               file_size, " bytes)");
+  return static_cast<std::size_t>(n);
+}
+
+/// Parses and validates the JSON header (`header`, `n` bytes) of a file whose data section
+/// holds `data_size` bytes (see Note [checkpoint safety]).
+inline File parse_header(const std::uint8_t* header_bytes, std::size_t n, std::size_t data_size,
+                         const std::string& what) {
+  File f;
+  f.data_start = 8 + n;
+  f.source = what;
 
   std::set<std::string> seen;
   std::string duplicate;
@@ -101,8 +158,7 @@ inline File parse(std::vector<std::uint8_t> bytes, const std::string& what) {
   };
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + static_cast<std::ptrdiff_t>(f.data_start),
-                                   on_event);
+    header = nlohmann::json::parse(header_bytes, header_bytes + n, on_event);
   } catch (const nlohmann::json::exception& e) {
     CHORUS_FAIL("safetensors: ", what, ": the header is not valid JSON (", e.what(), ")");
   }
@@ -125,7 +181,7 @@ inline File parse(std::vector<std::uint8_t> bytes, const std::string& what) {
                  "safetensors: ", what, ": entry '", name, "' needs dtype, shape and data_offsets");
     CHORUS_CHECK(v["dtype"].is_string(), "safetensors: ", what, ": dtype of '", name, "' is not a string");
     TensorRecord r;
-    r.dtype = parse_dtype(v["dtype"].get<std::string>(), name);
+    r.dtype = parse_dtype(v["dtype"].get<std::string>(), name, what);
     CHORUS_CHECK(v["shape"].is_array() && v["shape"].size() <= static_cast<std::size_t>(Dims::kMaxDims),
                  "safetensors: ", what, ": shape of '", name, "' is not an array of at most ", Dims::kMaxDims,
                  " sizes");
@@ -147,8 +203,10 @@ inline File parse(std::vector<std::uint8_t> bytes, const std::string& what) {
     const auto b = off[0].get<std::uint64_t>(), e = off[1].get<std::uint64_t>();
     CHORUS_CHECK(b <= e && e <= data_size, "safetensors: ", what, ": data_offsets [", b, ", ", e, ") of '", name,
                  "' are out of range for ", data_size, " bytes of data");
-    CHORUS_CHECK(!overflow && numel * dtype_size(r.dtype) == e - b, "safetensors: ", what, ": '", name, "' has shape ",
-                 r.shape, " and dtype ", dtype_code(r.dtype), " (", overflow ? 0 : numel * dtype_size(r.dtype),
+    CHORUS_CHECK(!overflow, "safetensors: ", what, ": '", name, "' has shape ", r.shape, " and dtype ",
+                 dtype_code(r.dtype), ", whose byte count overflows (its data_offsets span ", e - b, " bytes)");
+    CHORUS_CHECK(numel * dtype_size(r.dtype) == e - b, "safetensors: ", what, ": '", name, "' has shape ", r.shape,
+                 " and dtype ", dtype_code(r.dtype), " (", numel * dtype_size(r.dtype),
                  " bytes) but its data_offsets span ", e - b, " bytes");
     r.begin = static_cast<std::size_t>(b);
     r.end = static_cast<std::size_t>(e);
@@ -165,22 +223,49 @@ inline File parse(std::vector<std::uint8_t> bytes, const std::string& what) {
   }
   CHORUS_CHECK(pos == data_size, "safetensors: ", what, ": bytes [", pos, ", ", data_size,
                ") of the data belong to no tensor");
+  return f;
+}
+
+/// Parses and validates a file image held in memory.
+inline File parse(std::vector<std::uint8_t> bytes, const std::string& what) {
+  std::uint64_t n = 0;
+  if (bytes.size() >= 8) std::memcpy(&n, bytes.data(), 8);
+  const std::size_t len = check_header_length(n, bytes.size(), what);
+  File f = parse_header(bytes.data() + 8, len, bytes.size() - 8 - len, what);
   f.bytes = std::move(bytes);
   return f;
 }
 
-inline std::vector<std::uint8_t> read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  CHORUS_CHECK(in.good(), "safetensors: cannot open '", path, "': ", std::strerror(errno));
-  std::vector<std::uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  CHORUS_CHECK(!in.bad(), "safetensors: error reading '", path, "'");
-  return bytes;
+/// Opens, checks and parses a file on disk: the 8-byte length first, then the header only;
+/// the file stays open for File::read_into (Note [checkpoint safety]).
+inline File read_file(const std::string& path) {
+  const std::string what = "'" + path + "'";
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  CHORUS_CHECK(fd >= 0, "safetensors: cannot open ", what, ": ", std::strerror(errno));
+  auto handle = std::make_shared<FileHandle>(fd);
+  struct stat st {};
+  CHORUS_CHECK(::fstat(fd, &st) == 0, "safetensors: cannot stat ", what, ": ", std::strerror(errno));
+  CHORUS_CHECK(!S_ISDIR(st.st_mode), "safetensors: ", what, " is a directory, not a safetensors file");
+  CHORUS_CHECK(S_ISREG(st.st_mode), "safetensors: ", what, " is not a regular file");
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  std::uint64_t n = 0;
+  if (size >= 8) pread_exact(fd, &n, 8, 0, what);
+  const std::size_t len = check_header_length(n, size, what);
+  std::vector<std::uint8_t> header(len);
+  pread_exact(fd, header.data(), len, 8, what);
+  File f = parse_header(header.data(), len, static_cast<std::size_t>(size - 8 - len), what);
+  f.file = std::move(handle);
+  return f;
 }
 
 /// Writes `bytes` to `path` atomically (Note [checkpoint safety]).
 inline void write_atomically(const std::string& path, const std::vector<std::uint8_t>& bytes) {
-  std::random_device rd;
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(rd());
+  // A unique name without std::random_device, whose constructor may throw std::system_error
+  // (no entropy source): only chorus::Error leaves the library.
+  static std::atomic<std::uint64_t> counter{0};
+  const auto stamp = static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid()) + "." + std::to_string(stamp) + "." +
+                          std::to_string(counter.fetch_add(1));
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   CHORUS_CHECK(fd >= 0, "safetensors: cannot create '", tmp, "': ", std::strerror(errno));
   auto fail = [&](const char* step) {
@@ -230,7 +315,12 @@ inline std::vector<std::uint8_t> serialise(const std::vector<nn::Module::NamedTe
     offset += blob.size();
     blobs.push_back(std::move(blob));
   }
-  std::string h = header.dump();
+  std::string h;
+  try {
+    h = header.dump();
+  } catch (const nlohmann::json::exception& e) {  // e.g. a name or metadata that is not UTF-8
+    CHORUS_FAIL("safetensors: cannot write the header: ", e.what());
+  }
   h.append((8 - h.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
   std::vector<std::uint8_t> out(8 + h.size() + offset);
   const std::uint64_t n = h.size();
@@ -248,7 +338,7 @@ inline std::vector<std::uint8_t> serialise(const std::vector<nn::Module::NamedTe
 template <class T>
 Tensor<T> host_tensor(const File& f, const TensorRecord& r) {
   auto t = Tensor<T>::empty(r.shape, Device::cpu());
-  if (r.end > r.begin) std::memcpy(t.data(), f.data(r), r.end - r.begin);
+  f.read_into(r, t.data());
   return t;
 }
 
@@ -261,45 +351,115 @@ inline std::string join(const std::vector<std::string>& v) {
 
 }  // namespace detail
 
-/// Reads and validates a safetensors file.
-inline File read(const std::string& path) { return detail::parse(detail::read_file(path), "'" + path + "'"); }
+/// Reads and validates a safetensors file's header; tensors are read from the (open) file
+/// when loaded (Note [checkpoint safety]).
+inline File read(const std::string& path) { return detail::read_file(path); }
 
 /// Validates an in-memory safetensors image.
 inline File parse(std::span<const std::uint8_t> bytes) {
   return detail::parse(std::vector<std::uint8_t>(bytes.begin(), bytes.end()), "buffer");
 }
 
+/// How load() matches a file's tensor names to the module's.
+struct LoadOptions {
+  /// Removed from the front of every file name that starts with it before matching, as
+  /// PyTorch's consume_prefix_in_state_dict_if_present does: "module." loads a file saved
+  /// from a model wrapped in PyTorch's nn.DataParallel into the bare module.
+  std::string strip_prefix;
+};
+
+namespace detail {
+/// A prefix p (ending in '.') such that the file's names are exactly p + the module's names,
+/// or the other way round; empty when there is none. `from` is the side that has the prefix.
+inline std::string common_prefix(const std::set<std::string>& from, const std::set<std::string>& to) {
+  if (from.empty() || from.size() != to.size()) return {};
+  const std::string& first = *from.begin();
+  for (std::size_t dot = first.find('.'); dot != std::string::npos; dot = first.find('.', dot + 1)) {
+    const std::string p = first.substr(0, dot + 1);
+    bool all = true;
+    for (const auto& k : from) {
+      if (k.compare(0, p.size(), p) != 0 || !to.count(k.substr(p.size()))) {
+        all = false;
+        break;
+      }
+    }
+    if (all) return p;
+  }
+  return {};
+}
+}  // namespace detail
+
 /// Copies a file's tensors into `module`'s parameters and buffers (matched by dotted name,
 /// dtype and shape; every tensor of each side must be matched). On any mismatch it throws
-/// and leaves the module unchanged.
-inline void load_into(nn::Module& module, const File& f, const std::string& what = "checkpoint") {
+/// and leaves the module unchanged (Note [checkpoint safety]).
+inline void load_into(nn::Module& module, const File& f, const std::string& what = "checkpoint",
+                      const LoadOptions& options = {}) {
   auto named = module.named_tensors();
+  // The file's tensors under the names they are matched by (strip_prefix applied).
+  std::map<std::string, const TensorRecord*> file;
+  std::map<std::string, std::string> original;  // matched name -> name in the file
+  const std::string& prefix = options.strip_prefix;
+  for (const auto& [name, r] : f.tensors) {
+    std::string key = !prefix.empty() && name.compare(0, prefix.size(), prefix) == 0 ? name.substr(prefix.size()) : name;
+    auto [it, fresh] = original.emplace(key, name);
+    CHORUS_CHECK(fresh, "load: ", what, ": '", it->second, "' and '", name, "' both load into '", key,
+                 "' once the prefix '", prefix, "' is stripped");
+    file.emplace(key, &r);
+  }
   std::vector<std::string> missing, unexpected;
-  std::set<std::string> names;
+  std::set<std::string> names, file_names;
   for (const auto& t : named) {
     names.insert(t.name);
-    if (!f.tensors.count(t.name)) missing.push_back(t.name);
+    if (!file.count(t.name)) missing.push_back(t.name);
   }
-  for (const auto& [name, r] : f.tensors)
-    if (!names.count(name)) unexpected.push_back(name);
-  CHORUS_CHECK(missing.empty(), "load: ", what, " lacks ", missing.size(), " tensor(s) of the module: ",
-               detail::join(missing));
-  CHORUS_CHECK(unexpected.empty(), "load: ", what, " has ", unexpected.size(), " tensor(s) the module lacks: ",
-               detail::join(unexpected));
+  for (const auto& [name, r] : file) {
+    file_names.insert(name);
+    if (!names.count(name)) unexpected.push_back(original.at(name));
+  }
+  if (!missing.empty() || !unexpected.empty()) {
+    // Name both sides, and the likely cause when the names differ only by a prefix.
+    std::string msg = "load: the tensor names of " + what + " do not match the module's:";
+    if (!missing.empty())
+      msg += " the file lacks " + std::to_string(missing.size()) + " tensor(s) of the module: " +
+             detail::join(missing) + ";";
+    if (!unexpected.empty())
+      msg += " the file has " + std::to_string(unexpected.size()) + " tensor(s) the module lacks: " +
+             detail::join(unexpected) + ";";
+    if (auto p = detail::common_prefix(file_names, names); !p.empty()) {
+      msg += " every name in the file is the module's name prefixed with '" + p + "'" +
+             (p == "module." ? " (as saved from a model wrapped in PyTorch's nn.DataParallel)" : "") +
+             ": load with io::LoadOptions{.strip_prefix = \"" + prefix + p + "\"}";
+    } else if (auto q = detail::common_prefix(names, file_names); !q.empty()) {
+      msg += " every name of the module is the file's name prefixed with '" + q +
+             "': load the file into that submodule instead";
+    }
+    if (msg.back() == ';') msg.pop_back();
+    CHORUS_FAIL(msg);
+  }
   for (const auto& t : named) {
-    const auto& r = f.tensors.at(t.name);
+    const auto& r = *file.at(t.name);
     CHORUS_CHECK(r.dtype == t.tensor.dtype(), "load: '", t.name, "' is ", dtype_name(r.dtype), " in ", what,
                  " but ", dtype_name(t.tensor.dtype()), " in the module");
     CHORUS_CHECK(r.shape == t.tensor.shape(), "load: '", t.name, "' has shape ", r.shape, " in ", what,
                  " but shape ", t.tensor.shape(), " in the module");
   }
   NoGradGuard g;  // everything checked: now write
-  for (auto& t : named) {
-    const auto& r = f.tensors.at(t.name);
-    t.tensor.visit([&](auto& x) {
-      using T = typename std::decay_t<decltype(x)>::value_type;
-      backend::copy(x, detail::host_tensor<T>(f, r));
-    });
+  try {
+    for (auto& t : named) {
+      const auto& r = *file.at(t.name);
+      t.tensor.visit([&](auto& x) {
+        using T = typename std::decay_t<decltype(x)>::value_type;
+        if (x.device().is_cpu() && x.is_contiguous()) {
+          f.read_into(r, x.data());  // straight into the tensor's storage
+        } else {
+          backend::copy(x, detail::host_tensor<T>(f, r));
+        }
+        x.bump_version();  // Note [version counter]
+      });
+    }
+  } catch (const Error& e) {
+    CHORUS_FAIL("load: ", what, ": ", e.what(), "; the file was valid when checked, so the module may now be "
+                "partly loaded");
   }
 }
 
@@ -316,9 +476,9 @@ void save(const M& module, const std::string& path, const io::Metadata& metadata
 /// Loads a checkpoint written by save() (or by safetensors' save_file) into a module.
 template <class M>
   requires(!std::is_base_of_v<optim::Optimizer, M>)
-void load(M& module, const std::string& path) {
+void load(M& module, const std::string& path, const io::LoadOptions& options = {}) {
   auto f = io::read(path);
-  io::load_into(nn::module_of(module), f, "'" + path + "'");
+  io::load_into(nn::module_of(module), f, "'" + path + "'", options);
 }
 
 /// Saves an optimizer's state: tensor "<i>.<key>" is entry `key` of parameter i's state.
@@ -349,8 +509,11 @@ inline void load(optim::Optimizer& opt, const std::string& path) {
     const auto dot = name.find('.');
     CHORUS_CHECK(dot != std::string::npos && dot > 0 && name.find_first_not_of("0123456789") == dot, "load: '", path,
                  "': '", name, "' is not of the form <parameter index>.<state>");
-    const std::size_t i = std::stoul(name.substr(0, dot));
-    CHORUS_CHECK(i < state.size(), "load: '", path, "': '", name, "' names parameter ", i, " of ", state.size());
+    // from_chars, not stoul: a 23-digit index must be a chorus::Error, not std::out_of_range.
+    std::size_t i = 0;
+    const auto [end, ec] = std::from_chars(name.data(), name.data() + dot, i);
+    CHORUS_CHECK(ec == std::errc() && end == name.data() + dot && i < state.size(), "load: '", path, "': '", name,
+                 "' names parameter ", name.substr(0, dot), ", but the optimizer has ", state.size());
     const Device dev = opt.parameters()[i].device();
     AnyTensor t;
     switch (r.dtype) {

@@ -32,7 +32,9 @@ Tensor<T> unary_forward(const Tensor<T>& x, Op op) {
 template <class T, class BwdOp>
 class PointwiseBackward final : public autograd::Node<T> {
  public:
-  PointwiseBackward(const char* name, Tensor<T> saved, BwdOp op) : name_(name), saved_(std::move(saved)), op_(op) {}
+  PointwiseBackward(const char* name, Tensor<T> saved, BwdOp op) : name_(name), saved_(std::move(saved)), op_(op) {
+    this->save_version(saved_);
+  }
   std::string name() const override { return name_; }
   typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
     auto out = Tensor<T>::empty(g[0].shape(), g[0].device());
@@ -72,8 +74,8 @@ class BinaryBackward final : public autograd::Node<T> {
   BinaryBackward(BinaryKind kind, const Tensor<T>& a, const Tensor<T>& b, bool save)
       : kind_(kind), a_shape_(a.shape()), b_shape_(b.shape()) {
     if (save) {
-      a_ = a.detach();
-      b_ = b.detach();
+      a_ = this->save_version(a.detach());
+      b_ = this->save_version(b.detach());
     }
   }
   std::string name() const override {

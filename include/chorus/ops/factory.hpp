@@ -55,11 +55,22 @@ Tensor<T> scalar_tensor(T value, Device device = Device::cpu()) {
 /// [start, end) in steps of `step`, as torch.arange.
 template <class T = float>
 Tensor<T> arange(double start, double end, double step = 1.0, Device device = Device::cpu()) {
+  CHORUS_CHECK(std::isfinite(start) && std::isfinite(end) && std::isfinite(step), "arange: unsupported range [",
+               start, ", ", end, ") with step ", step, " (bounds and step must be finite)");
   CHORUS_CHECK(step != 0.0, "arange: step must be nonzero");
   CHORUS_CHECK((end - start) / step >= 0 || end == start, "arange: range [", start, ", ", end,
                ") is empty in the direction of step ", step);
-  auto n = static_cast<std::int64_t>(std::ceil((end - start) / step));
-  auto t = Tensor<T>::empty(Shape{std::max<std::int64_t>(n, 0)}, device);
+  // Converting a double beyond int64's range is undefined: check the size before casting.
+  const double size = std::ceil((end - start) / step);
+  CHORUS_CHECK(size >= 0 && size < 9.2e18, "arange: range [", start, ", ", end, ") with step ", step, " has ", size,
+               " elements, more than a tensor can hold");
+  auto n = static_cast<std::int64_t>(size);
+  if constexpr (!is_floating_v<T>) {  // each value is cast to int64: it must be in range
+    const double last = n > 0 ? start + step * static_cast<double>(n - 1) : start;
+    CHORUS_CHECK(std::abs(start) < 9.2e18 && std::abs(last) < 9.2e18, "arange: range [", start, ", ", end,
+                 ") holds values outside int64's range");
+  }
+  auto t = Tensor<T>::empty(Shape{n}, device);
   backend::arange(t, start, step);
   return t;
 }
@@ -110,9 +121,11 @@ Tensor<T> randint(std::int64_t low, std::int64_t high, const Shape& shape, Devic
                   Generator& gen = default_generator()) {
   CHORUS_CHECK(high > low, "randint: empty range [", low, ", ", high, ")");
   auto t = Tensor<T>::empty(shape, device);
+  // In uint64 arithmetic: high - low overflows int64 for a range wider than INT64_MAX.
+  const auto range = static_cast<std::uint64_t>(high) - static_cast<std::uint64_t>(low);
   backend::random_fill(t, [&](T* p, std::int64_t n) {
     for (std::int64_t i = 0; i < n; ++i)
-      p[i] = static_cast<T>(low + static_cast<std::int64_t>(gen.below(static_cast<std::uint64_t>(high - low))));
+      p[i] = static_cast<T>(static_cast<std::int64_t>(static_cast<std::uint64_t>(low) + gen.below(range)));
   });
   return t;
 }

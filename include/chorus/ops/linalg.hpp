@@ -72,7 +72,10 @@ Tensor<T> as_matrix(const Tensor<T>& x) {
 template <class T>
 class MatmulBackward final : public autograd::Node<T> {
  public:
-  MatmulBackward(Tensor<T> a, Tensor<T> b) : a_(std::move(a)), b_(std::move(b)) {}
+  MatmulBackward(Tensor<T> a, Tensor<T> b) : a_(std::move(a)), b_(std::move(b)) {
+    this->save_version(a_);
+    this->save_version(b_);
+  }
   std::string name() const override { return "MatmulBackward"; }
   typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
     const auto& g = grads[0];
@@ -110,7 +113,10 @@ class MatmulBackward final : public autograd::Node<T> {
 template <class T>
 class LinearBackward final : public autograd::Node<T> {
  public:
-  LinearBackward(Tensor<T> x, Tensor<T> w, bool has_bias) : x_(std::move(x)), w_(std::move(w)), bias_(has_bias) {}
+  LinearBackward(Tensor<T> x, Tensor<T> w, bool has_bias) : x_(std::move(x)), w_(std::move(w)), bias_(has_bias) {
+    this->save_version(x_);
+    this->save_version(w_);
+  }
   std::string name() const override { return "LinearBackward"; }
   typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
     const auto& g = grads[0];

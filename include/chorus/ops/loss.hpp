@@ -11,7 +11,10 @@ namespace ops::detail {
 template <class T>
 class MseBackward final : public autograd::Node<T> {
  public:
-  MseBackward(Tensor<T> a, Tensor<T> b, Reduction r) : a_(std::move(a)), b_(std::move(b)), r_(r) {}
+  MseBackward(Tensor<T> a, Tensor<T> b, Reduction r) : a_(std::move(a)), b_(std::move(b)), r_(r) {
+    this->save_version(a_);
+    this->save_version(b_);
+  }
   std::string name() const override { return "MseLossBackward"; }
   typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
     const auto& e = this->next_edges();
@@ -58,7 +61,10 @@ class ClassLossBackward final : public autograd::Node<T> {
         ignore_(ignore),
         r_(r),
         count_(count),
-        count_t_(std::move(count_t)) {}
+        count_t_(std::move(count_t)) {
+    this->save_version(input_);
+    this->save_version(target_);
+  }
   std::string name() const override { return nll_ ? "NllLossBackward" : "CrossEntropyBackward"; }
   typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
     Tensor<T> gs = g[0];

@@ -41,7 +41,11 @@ std::ostream& operator<<(std::ostream& os, const Tensor<T>& t) {
   if (!t.defined()) return os << "tensor(undefined)";
   std::ostringstream body;
   body << std::setprecision(4);
-  ops::detail::print_rec(body, t.to_vector(), t.shape(), 0, 0, 7);
+  if (t.numel() == 0) {
+    body << "[]";  // not one "[]" per row: a [2^40, 0] tensor would take hours to print
+  } else {
+    ops::detail::print_rec(body, t.to_vector(), t.shape(), 0, 0, 7);
+  }
   os << "tensor(" << body.str() << ", shape=" << t.shape() << ", dtype=" << dtype_name(t.dtype())
      << ", device=" << t.device();
   if (t.grad_fn()) os << ", grad_fn=" << t.grad_fn()->name();

@@ -80,7 +80,9 @@ Tensor<T> reduce_dim(const Tensor<T>& x, std::int64_t dim, bool keepdim, bool me
 template <class T>
 class SoftmaxBackward final : public autograd::Node<T> {
  public:
-  SoftmaxBackward(Tensor<T> out, int dim, bool log_space) : y_(std::move(out)), dim_(dim), log_(log_space) {}
+  SoftmaxBackward(Tensor<T> out, int dim, bool log_space) : y_(std::move(out)), dim_(dim), log_(log_space) {
+    this->save_version(y_);
+  }
   std::string name() const override { return log_ ? "LogSoftmaxBackward" : "SoftmaxBackward"; }
   typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
     auto gx = Tensor<T>::empty(y_.shape(), y_.device());

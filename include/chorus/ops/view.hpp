@@ -92,7 +92,9 @@ template <class T>
 class IndexSelectBackward final : public autograd::Node<T> {
  public:
   IndexSelectBackward(Shape in_shape, int dim, Tensor<std::int64_t> index)
-      : in_(in_shape), dim_(dim), index_(std::move(index)) {}
+      : in_(in_shape), dim_(dim), index_(std::move(index)) {
+    this->save_version(index_);
+  }
   std::string name() const override { return "IndexSelectBackward"; }
   typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
     auto out = zeros<T>(in_, g[0].device());
@@ -146,7 +148,8 @@ inline Shape infer_shape(const Shape& want, std::int64_t numel, const Shape& fro
       infer = i;
     } else {
       CHORUS_CHECK(s[i] >= 0, "reshape: invalid size ", s[i], " in ", want);
-      known *= s[i];
+      CHORUS_CHECK(!__builtin_mul_overflow(known, s[i], &known), "reshape: shape ", want,
+                   " is invalid for a tensor of shape ", from, " (", numel, " elements)");
     }
   }
   if (infer >= 0) {
@@ -163,12 +166,18 @@ inline Shape infer_shape(const Shape& want, std::int64_t numel, const Shape& fro
 
 template <class T>
 Tensor<T> Tensor<T>::narrow(std::int64_t dim, std::int64_t start, std::int64_t length) const {
-  const int d = wrap_dim(dim, this->dim());
-  CHORUS_CHECK(this->dim() > 0, "narrow: cannot narrow a 0-dim tensor");
+  const int d = wrap_dim_of_shape(dim, this->dim(), "narrow");
   const std::int64_t size = shape()[d];
   if (start < 0) start += size;
-  CHORUS_CHECK(start >= 0 && length >= 0 && start + length <= size, "narrow: range [", start, ", ",
-               start + length, ") is out of bounds for dimension ", d, " of size ", size, " (shape ", shape(), ")");
+  // `length <= size - start`, not `start + length <= size`: the sum overflows for a huge length.
+  if (!(start >= 0 && start <= size && length >= 0 && length <= size - start)) [[unlikely]] {
+    std::int64_t end = 0;
+    const std::string range = __builtin_add_overflow(start, length, &end)
+                                  ? std::to_string(start) + " + " + std::to_string(length)
+                                  : std::to_string(end);
+    CHORUS_FAIL("narrow: range [", start, ", ", range, ") (start ", start, ", length ", length,
+                ") is out of bounds for dimension ", d, " of size ", size, " (shape ", shape(), ")");
+  }
   Shape s = shape();
   s[d] = length;
   auto out = ops::detail::make_view(*this, s, strides(), storage_offset() + start * strides()[d]);
@@ -181,7 +190,7 @@ Tensor<T> Tensor<T>::narrow(std::int64_t dim, std::int64_t start, std::int64_t l
 
 template <class T>
 Tensor<T> Tensor<T>::slice(std::int64_t dim, std::int64_t start, std::int64_t end) const {
-  const int d = wrap_dim(dim, this->dim());
+  const int d = wrap_dim_of_shape(dim, this->dim(), "slice");
   const std::int64_t size = shape()[d];
   if (start < 0) start += size;
   if (end < 0) end += size;
@@ -192,7 +201,7 @@ Tensor<T> Tensor<T>::slice(std::int64_t dim, std::int64_t start, std::int64_t en
 
 template <class T>
 Tensor<T> Tensor<T>::select(std::int64_t dim, std::int64_t index) const {
-  const int d = wrap_dim(dim, this->dim());
+  const int d = wrap_dim_of_shape(dim, this->dim(), "select");
   const std::int64_t size = shape()[d];
   if (index < 0) index += size;
   CHORUS_CHECK(index >= 0 && index < size, "select: index ", index, " is out of bounds for dimension ", d,
@@ -251,8 +260,7 @@ Tensor<T> Tensor<T>::flatten(std::int64_t start_dim, std::int64_t end_dim) const
   CHORUS_CHECK(s0 <= s1, "flatten: start_dim ", s0, " is after end_dim ", s1);
   Shape s;
   for (int i = 0; i < s0; ++i) s.push_back(shape()[i]);
-  std::int64_t m = 1;
-  for (int i = s0; i <= s1; ++i) m *= shape()[i];
+  std::int64_t m = numel_of(Shape(std::span<const std::int64_t>(shape().begin() + s0, shape().begin() + s1 + 1)));
   s.push_back(m);
   for (int i = s1 + 1; i < dim(); ++i) s.push_back(shape()[i]);
   return reshape(s);
@@ -269,7 +277,7 @@ Tensor<T> Tensor<T>::unsqueeze(std::int64_t dim) const {
 template <class T>
 Tensor<T> Tensor<T>::squeeze(std::int64_t dim) const {
   const int d = wrap_dim(dim, this->dim());
-  if (shape()[d] != 1) return *this;
+  if (this->dim() == 0 || shape()[d] != 1) return *this;  // a 0-dim tensor squeezes to itself, as in PyTorch
   Shape s = shape();
   s.erase(d);
   return reshape(s);
@@ -356,6 +364,7 @@ Tensor<T>& Tensor<T>::fill_(T value) {
   } else {
     backend::copy(*this, full<T>(shape(), value, device()));
   }
+  bump_version();  // Note [version counter]
   return *this;
 }
 
@@ -369,13 +378,24 @@ Tensor<T>& Tensor<T>::copy_(const Tensor<T>& src) {
   ops::detail::check_inplace(*this, "copy_");
   CHORUS_CHECK(src.shape() == shape(), "copy_: source shape ", src.shape(), " differs from destination shape ",
                shape());
-  backend::copy(*this, src);
+  if (same_storage(src) && numel() > 0) {
+    if (storage_offset() == src.storage_offset() && strides() == src.strides()) return *this;  // x.copy_(x)
+    // Source and destination may overlap (x[0:3].copy_(x[1:4])): memcpy over overlapping bytes
+    // is undefined and the strided loop would read elements it already overwrote. Copy
+    // through a temporary.
+    auto tmp = Tensor<T>::empty(src.shape(), src.device());
+    backend::copy(tmp, src);
+    backend::copy(*this, tmp);
+  } else {
+    backend::copy(*this, src);
+  }
+  bump_version();  // Note [version counter]
   return *this;
 }
 
 template <class T>
 Tensor<T> Tensor<T>::index_select(std::int64_t dim, const Tensor<std::int64_t>& index) const {
-  const int d = wrap_dim(dim, this->dim());
+  const int d = wrap_dim_of_shape(dim, this->dim(), "index_select");
   CHORUS_CHECK(index.dim() == 1, "index_select: index must be 1-D, got shape ", index.shape());
   ops::detail::check_same_device("index_select", *this, index);
   auto idx = ops::detail::contiguous_data(index);
@@ -408,7 +428,7 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
   CHORUS_CHECK(!tensors.empty(), "cat: expected a non-empty list of tensors");
   const auto& first = tensors[0];
   ops::detail::check_defined("cat", first);
-  const int d = wrap_dim(dim, first.dim());
+  const int d = wrap_dim_of_shape(dim, first.dim(), "cat");
   Shape out_shape = first.shape();
   out_shape[d] = 0;
   std::vector<std::int64_t> sizes;
@@ -421,7 +441,8 @@ Tensor<T> cat(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
     for (int k = 0; ok && k < t.dim(); ++k) ok = k == d || t.shape()[k] == first.shape()[k];
     CHORUS_CHECK(ok, "cat: tensor ", i, " has shape ", t.shape(), ", incompatible with shape ", first.shape(),
                  " along dimension ", d);
-    out_shape[d] += t.shape()[d];
+    CHORUS_CHECK(!__builtin_add_overflow(out_shape[d], t.shape()[d], &out_shape[d]), "cat: the sizes along dimension ",
+                 d, " add up to more than an int64 holds");
     sizes.push_back(t.shape()[d]);
     grad = grad || t.requires_grad();
   }
@@ -459,9 +480,11 @@ Tensor<T> stack(const std::vector<Tensor<T>>& tensors, std::int64_t dim = 0) {
 template <class T>
 std::vector<Tensor<T>> split(const Tensor<T>& t, std::int64_t size, std::int64_t dim = 0) {
   CHORUS_CHECK(size > 0, "split: size must be positive, got ", size);
-  const int d = wrap_dim(dim, t.dim());
+  const int d = wrap_dim_of_shape(dim, t.dim(), "split");
   std::vector<Tensor<T>> out;
-  for (std::int64_t s = 0; s < t.shape()[d]; s += size) out.push_back(t.narrow(d, s, std::min(size, t.shape()[d] - s)));
+  // Advancing by min(size, n - s) keeps s <= n; s += size would overflow for a huge size.
+  const std::int64_t n = t.shape()[d];
+  for (std::int64_t s = 0; s < n; s += std::min(size, n - s)) out.push_back(t.narrow(d, s, std::min(size, n - s)));
   return out;
 }
 
@@ -469,10 +492,10 @@ std::vector<Tensor<T>> split(const Tensor<T>& t, std::int64_t size, std::int64_t
 template <class T>
 std::vector<Tensor<T>> chunk(const Tensor<T>& t, std::int64_t chunks, std::int64_t dim = 0) {
   CHORUS_CHECK(chunks > 0, "chunk: number of chunks must be positive, got ", chunks);
-  const int d = wrap_dim(dim, t.dim());
+  const int d = wrap_dim_of_shape(dim, t.dim(), "chunk");
   const std::int64_t n = t.shape()[d];
   if (n == 0) return {t};
-  return split(t, (n + chunks - 1) / chunks, d);
+  return split(t, n / chunks + (n % chunks != 0), d);  // ceil without n + chunks - 1 (overflows)
 }
 
 CHORUS_NAMESPACE_END

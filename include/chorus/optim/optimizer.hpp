@@ -14,6 +14,9 @@ namespace optim {
 class Optimizer {
  public:
   explicit Optimizer(std::vector<AnyTensor> params) : params_(std::move(params)) {
+    // As PyTorch: an empty list is almost always a mistake (parameters() of the wrong module,
+    // or taken before the layers were registered).
+    CHORUS_CHECK(!params_.empty(), "optimizer got an empty parameter list");
     std::unordered_set<const void*> seen;
     for (std::size_t i = 0; i < params_.size(); ++i) {
       const auto& p = params_[i];
@@ -94,9 +97,12 @@ class Optimizer {
           if (!grad.defined()) return;
           CHORUS_CHECK(p.is_contiguous() && grad.is_contiguous(), "optimizer: parameter ", i,
                        " or its gradient is not contiguous");
+          CHORUS_CHECK(grad.shape() == p.shape(), "optimizer: gradient of parameter ", i, " has shape ",
+                       grad.shape(), ", the parameter has shape ", p.shape());
           CHORUS_CHECK(grad.device() == p.device(), "optimizer: gradient of parameter ", i, " is on ", grad.device(),
                        ", the parameter on ", p.device());
           f(p, grad, state_[i]);
+          p.bump_version();  // an in-place update (Note [version counter])
         }
       });
     }

@@ -30,8 +30,8 @@ inline ChunkPlan plan_chunks(std::int64_t batch, std::size_t devices) {
     return plan;
   }
   const auto k = static_cast<std::int64_t>(devices);
-  const std::int64_t chunk = (batch + k - 1) / k;
-  for (std::int64_t off = 0; off < batch; off += chunk) {
+  const std::int64_t chunk = batch / k + (batch % k != 0);  // ceil, without batch + k - 1 (overflows)
+  for (std::int64_t off = 0; off < batch; off += std::min(chunk, batch - off)) {
     plan.offsets.push_back(off);
     plan.sizes.push_back(std::min(chunk, batch - off));
   }

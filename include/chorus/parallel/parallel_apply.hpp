@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../autograd/grad_mode.hpp"
+#include "../autograd/node.hpp"
 #include "../core/runtime.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -27,6 +28,7 @@ auto parallel_apply(const std::vector<Stream*>& streams, F&& fn) -> std::vector<
   for (std::size_t r = 1; r < n; ++r) {
     futures.push_back(streams[r]->async([&fn, &joins, r, grad_mode, s = streams[r]]() -> R {
       GradModeGuard g(grad_mode);
+      autograd::ReplicaGuard rg(static_cast<int>(r));  // its nodes name the replica in backward errors
       R out = fn(r);
       if (s->device().is_cuda()) joins[r].emplace().record(*s);
       return out;
@@ -35,6 +37,7 @@ auto parallel_apply(const std::vector<Stream*>& streams, F&& fn) -> std::vector<
   std::vector<std::optional<R>> results(n);
   std::vector<std::exception_ptr> errors(n);
   try {
+    autograd::ReplicaGuard rg(0);
     results[0].emplace(fn(0));
   } catch (...) {
     errors[0] = std::current_exception();

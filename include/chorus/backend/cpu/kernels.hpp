@@ -75,7 +75,17 @@ void copy_strided(const T* src, const Strides& src_strides, T* dst, const Stride
 
 template <class U, class T>
 void convert(const T* src, U* dst, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<U>(src[i]);
+  if constexpr (std::is_floating_point_v<T> && std::is_integral_v<U>) {
+    // Casting NaN or an out-of-range value to an integer is undefined behaviour in C++:
+    // saturate instead, as CUDA's conversion instructions do (NaN -> 0).
+    constexpr U lo = std::numeric_limits<U>::min(), hi = std::numeric_limits<U>::max();
+    for (std::int64_t i = 0; i < n; ++i) {
+      const T v = src[i];
+      dst[i] = v != v ? U(0) : v <= static_cast<T>(lo) ? lo : v >= static_cast<T>(hi) ? hi : static_cast<U>(v);
+    }
+  } else {
+    for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<U>(src[i]);
+  }
 }
 
 template <class T, class Op>
@@ -377,7 +387,7 @@ void adam_step(T* p, const T* g, T* m, T* v, T* vmax, std::int64_t n, double lr,
     v[i] = b2 * v[i] + (T(1) - b2) * gi * gi;
     T vhat = v[i];
     if (vmax) {
-      vmax[i] = std::max(vmax[i], v[i]);
+      vmax[i] = fn::Maximum{}(vmax[i], v[i]);  // NaN propagates, as torch.maximum
       vhat = vmax[i];
     }
     T denom = std::sqrt(vhat) / bc2_sqrt + e;
