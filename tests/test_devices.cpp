@@ -1,6 +1,8 @@
 // Virtual CPU devices: device counts, streams (worker threads), events, per-device memory.
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <sstream>
 #include <thread>
 
 #include "test_util.hpp"
@@ -82,4 +84,35 @@ TEST(Devices, AllocationsAreCountedPerDevice) {
     EXPECT_EQ(reinterpret_cast<std::uintptr_t>(t.data()) % 64, 0u);
   }
   EXPECT_EQ(memory_stats(Device::cpu(1)).allocated, d1.allocated);
+}
+
+// Issue 10, item 12: println writes whole lines, also from the replicas' worker threads at once
+// (under ThreadSanitizer, an unlocked write to the shared stream is reported as a race).
+TEST(Println, LinesFromConcurrentWorkersNeverInterleave) {
+  set_cpu_device_count(std::max(cpu_device_count(), 4));
+  std::ostringstream out;
+  constexpr int kLines = 200;
+  std::vector<Future<void>> done;
+  for (int d = 0; d < 4; ++d)
+    done.push_back(get_stream(Device::cpu(d), 7).async([&out, d] {
+      for (int i = 0; i < kLines; ++i) println(out, "replica ", d, " line ", i, " shape ", Shape{d, i});
+    }));
+  for (auto& f : done) f.get();
+  std::istringstream in(out.str());
+  std::string line;
+  std::vector<int> next(4, 0);
+  int n = 0;
+  while (std::getline(in, line)) {
+    int d = -1, i = -1;
+    ASSERT_EQ(std::sscanf(line.c_str(), "replica %d line %d", &d, &i), 2) << line;
+    ASSERT_TRUE(d >= 0 && d < 4) << line;
+    EXPECT_EQ(i, next[d]++) << line;  // each thread's lines whole and in its order
+    EXPECT_EQ(line, "replica " + std::to_string(d) + " line " + std::to_string(i) + " shape [" + std::to_string(d) +
+                        ", " + std::to_string(i) + "]");
+    ++n;
+  }
+  EXPECT_EQ(n, 4 * kLines);
+  std::ostringstream empty;
+  println(empty);
+  EXPECT_EQ(empty.str(), "\n");
 }

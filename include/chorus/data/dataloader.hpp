@@ -10,7 +10,7 @@ CHORUS_NAMESPACE_BEGIN
 namespace data {
 
 struct DataLoaderOptions {
-  std::size_t batch_size = 1;
+  std::int64_t batch_size = 1;  ///< an int64 like every size in the API: `{.batch_size = n}` with an int n
   bool shuffle = false;
   std::uint64_t seed = 0;   ///< seeds the shuffling; each epoch draws a new permutation
   bool drop_last = false;   ///< drop a last batch smaller than batch_size
@@ -23,12 +23,12 @@ class DataLoader {
 
   DataLoader(D dataset, DataLoaderOptions options)
       : dataset_(std::move(dataset)), options_(options), rng_(options.seed) {
-    CHORUS_CHECK(options_.batch_size > 0, "DataLoader: batch_size must be positive");
+    CHORUS_CHECK(options_.batch_size > 0, "DataLoader: batch_size must be positive, got ", options_.batch_size);
   }
 
   /// Batches in one epoch.
   std::size_t num_batches() const {
-    const std::size_t n = dataset_.size(), b = options_.batch_size;
+    const std::size_t n = dataset_.size(), b = static_cast<std::size_t>(options_.batch_size);
     return options_.drop_last ? n / b : (n + b - 1) / b;
   }
   const D& dataset() const { return dataset_; }
@@ -64,8 +64,9 @@ class DataLoader {
 
  private:
   Batch make_batch(const std::vector<std::size_t>& order, std::size_t b) const {
-    const std::size_t start = b * options_.batch_size;
-    const std::size_t stop = std::min(order.size(), start + options_.batch_size);
+    const auto size = static_cast<std::size_t>(options_.batch_size);
+    const std::size_t start = b * size;
+    const std::size_t stop = std::min(order.size(), start + size);
     std::vector<std::size_t> idx(order.begin() + static_cast<std::ptrdiff_t>(start),
                                  order.begin() + static_cast<std::ptrdiff_t>(stop));
     if constexpr (BatchDataset<D>) {

@@ -19,6 +19,7 @@
 // gradients into the primary device (through the Communicator) and hands the sums to the
 // primary parameters' AccumulateGrad, which also receives replica 0's own gradients.
 #include <memory>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -144,6 +145,7 @@ class Replicator {
       for (std::size_t r = 1; r < devices_.size(); ++r) dsts.push_back(replica_flats_[r - 1][g]);
       comm_->broadcast(flats_[g], dsts);
     }
+    join_idle(used);
     const bool training = nn::module_of(primary_).is_training();
     for (std::size_t r = 1; r < used; ++r) {
       auto& rep = nn::module_of(*replicas_[r - 1]);
@@ -157,6 +159,27 @@ class Replicator {
   const M& replica(std::size_t r) const { return r == 0 ? primary_ : *replicas_[r - 1]; }
 
  private:
+  // Note [idle replicas]
+  // The broadcast to a replica that this step leaves idle (batch smaller than the device
+  // count) reads the primary's flat buffers on that replica's stream, and no forward task
+  // follows it there for parallel_apply to wait on: without a join, the optimizer step that
+  // writes the primary next races with the copy. So the caller waits for the idle replicas'
+  // streams here (CPU: on the host; CUDA: an event the primary's current stream waits on).
+  // The marker runs on the worker, after the broadcast's posted work, so it also covers
+  // CUDA work that the worker had not yet launched when the broadcast returned.
+  void join_idle(std::size_t used) {
+    const auto& streams = comm_->streams();
+    std::vector<Future<std::optional<Event>>> marks;
+    for (std::size_t r = used; r < streams.size(); ++r)
+      marks.push_back(streams[r]->async([s = streams[r]] {
+        std::optional<Event> done;
+        if (s->device().is_cuda()) done.emplace().record(*s);
+        return done;
+      }));
+    for (auto& m : marks)
+      if (auto done = m.get()) done->block(current_stream(devices_[0]));
+  }
+
   void check_on_primary() const {
     for (const auto& e : tensors_)
       CHORUS_CHECK(e.tensor.device() == devices_[0], "DataParallel: ", e.is_param ? "parameter '" : "buffer '", e.name,
