@@ -1,5 +1,6 @@
 // DataParallel on virtual CPU devices: the multi-device run equals the single-device run.
 #include <atomic>
+#include <mutex>
 #include <thread>
 
 #include "test_util.hpp"
@@ -10,6 +11,13 @@ using chorus::testing::throws_with;
 namespace F = chorus::nn::functional;
 
 namespace {
+// These tests exercise the threaded path (every replica on its device's worker), also for
+// their small models; the inline path (Note [inline small steps]) has its own tests below.
+const bool kThreaded = [] {
+  parallel::set_inline_work_default(0);
+  return true;
+}();
+
 template <class T>
 struct Net : nn::Module {
   nn::LinearT<T> fc1, fc2;
@@ -375,4 +383,78 @@ TEST(DataParallel, ToMovesThePrimaryAndRebuildsTheReplicas) {
   EXPECT_EQ(dp.devices(), (std::vector<Device>{Device::cpu(3), Device::cpu(0), Device::cpu(1)}));
   EXPECT_TRUE(all_close(dp(x).to(Device::cpu(0)), reference.forward(x), 1e-12, 1e-12));
   EXPECT_TRUE(throws_with([&] { dp.to(Device::cuda(0)); }, {"cuda:0"}));
+}
+
+// Item 22: a step too small to pay for a hand-off runs every replica on the calling thread,
+// each under its own stream, with the same results as the threaded and single-device runs.
+TYPED_TEST(DataParallelTyped, SmallStepsRunOnTheCallerWithTheSameResults) {
+  using T = TypeParam;
+  ASSERT_TRUE(kThreaded);
+  struct Where {
+    std::mutex m;
+    std::vector<std::pair<Device, std::thread::id>> seen;
+  };
+  struct Traced : Net<T> {
+    std::shared_ptr<Where> where = std::make_shared<Where>();
+    Tensor<T> forward(const Tensor<T>& x) {
+      {
+        std::lock_guard<std::mutex> lk(where->m);
+        where->seen.emplace_back(x.device(), std::this_thread::get_id());
+      }
+      return Net<T>::forward(x);
+    }
+  };
+  manual_seed(13);
+  Traced reference;
+  for (std::int64_t work : {std::int64_t{1} << 40, std::int64_t{0}}) {  // inline, then threaded
+    DataParallel<Traced> dp(nn::clone(reference, Device::cpu(0)), cpus(3));
+    dp.set_inline_work(work);
+    EXPECT_EQ(dp.inline_work(), work);
+    auto where = dp.module().where;
+    for (auto& p : reference.parameters()) p.set_grad(AnyTensor());
+    auto x = randn<T>({8, 6});
+    auto ref = reference.forward(x);
+    where->seen.clear();  // the clone shares the reference's record
+    auto out = dp(x);
+    EXPECT_TRUE(all_close(out, ref, chorus::testing::tol<T>(), chorus::testing::tol<T>()));
+    (out * out).sum().backward();  // backward of replicas 1, 2 runs on their devices' workers
+    (ref * ref).sum().backward();
+    expect_grads_equal<T>(reference, dp.module(), 10 * chorus::testing::tol<T>(), "inline work " + std::to_string(work));
+    ASSERT_EQ(where->seen.size(), 3u);
+    int on_caller = 0;
+    for (auto& [dev, id] : where->seen) on_caller += id == std::this_thread::get_id();
+    EXPECT_EQ(on_caller, work > 0 ? 3 : 1);
+    // Replicas see the primary's current values after an optimizer step, inline as threaded.
+    optim::SGD opt(dp.parameters(), {.lr = 0.5});
+    opt.step();
+    dp(x);
+    EXPECT_TRUE(all_close(dp.replica(2).fc1->weight, dp.module().fc1->weight.to(Device::cpu(2)), 0));
+  }
+  // The default threshold sends a tiny step inline and a big one to the workers.
+  DataParallel<Traced> dp(Traced(), cpus(2));
+  dp.set_inline_work(kDefaultInlineWork);
+  auto where = dp.module().where;
+  dp(randn<T>({4, 6}));
+  EXPECT_EQ(where->seen.size(), 2u);
+  EXPECT_EQ(where->seen[1].second, std::this_thread::get_id());
+  where->seen.clear();
+  dp(randn<T>({4096, 6}));  // 2048 rows x 2 x 163 parameters off the caller: threaded
+  std::size_t on_caller = 0;
+  for (auto& [dev, id] : where->seen) on_caller += id == std::this_thread::get_id();
+  EXPECT_EQ(on_caller, 1u);
+  EXPECT_TRUE(throws_with([&] { dp.set_inline_work(-1); }, {"-1"}));
+}
+
+TEST(DataParallel, AnExceptionInAnInlineReplicaNamesIt) {
+  struct Flaky : nn::Module {
+    nn::Linear fc;
+    Flaky() : fc(register_module("fc", nn::Linear(3, 3))) {}
+    Tensor<float> forward(const Tensor<float>& x) {
+      if (x.device() == Device::cpu(1)) throw std::runtime_error("replica blew up");
+      return fc(x);
+    }
+  };
+  DataParallel<Flaky> dp(Flaky(), cpus(2));
+  dp.set_inline_work(std::int64_t{1} << 40);
+  EXPECT_TRUE(throws_with([&] { dp(randn<float>({4, 3})); }, {"replica 1", "cpu:1", "replica blew up"}));
 }

@@ -65,6 +65,33 @@ inline std::shared_ptr<Communicator> make_communicator(const std::vector<Device>
 /// Default size of a gradient bucket (Note [gradient buckets]).
 inline constexpr std::size_t kDefaultBucketBytes = std::size_t{8} << 20;
 
+// Note [inline small steps]
+// Handing a replica's forward to its device's worker costs a wake-up when the worker sleeps:
+// a few microseconds on one VM, 100 us on another (issue 10 measured a tutorial batch at
+// 130 us on a 2-vCPU VM where a single Linear(5, 2) takes 2 us). A step whose replicas
+// 1 … k-1 together have less work than that runs them on the calling thread instead, one
+// after another, on CPU devices: each still under its own stream (so autograd sends its
+// backward to its device as usual), with its own parameters, copied by the caller. The work
+// is estimated as rows × (2 × parameter elements) + input elements, for the rows that would
+// leave the caller; at or below the threshold (default kDefaultInlineWork, about 10-50 us
+// of one core's small-op work) the step stays on the caller. 0 turns it off.
+inline constexpr std::int64_t kDefaultInlineWork = std::int64_t{1} << 16;
+
+namespace parallel {
+namespace detail {
+inline std::atomic<std::int64_t>& inline_work_default() {
+  static std::atomic<std::int64_t> v{kDefaultInlineWork};
+  return v;
+}
+}  // namespace detail
+/// The inline-work threshold new DataParallels start with (Note [inline small steps]).
+inline void set_inline_work_default(std::int64_t work) {
+  CHORUS_CHECK(work >= 0, "set_inline_work_default: work must be >= 0, got ", work);
+  detail::inline_work_default().store(work);
+}
+inline std::int64_t inline_work_default() { return detail::inline_work_default().load(); }
+}  // namespace parallel
+
 template <class M>
 class DataParallel {
   static_assert(std::is_base_of_v<nn::Module, M> || requires { typename M::ImplType; },
@@ -108,6 +135,7 @@ class DataParallel {
       return to_output(parallel::detail::call_forward(module_, scatter(args, 0, batch)...));
     }
     const auto plan = parallel::plan_chunks(batch, devices_.size());
+    if (runs_on_caller(plan, batch, args...)) return forward_on_caller<R>(plan, args...);
     if (devices_[0].is_cuda()) {  // replica streams start after the work issued so far (inputs, optimizer step)
       Event fork;
       fork.record(current_stream(devices_[0]));
@@ -166,6 +194,15 @@ class DataParallel {
     return *this;
   }
 
+  /// Steps whose work off the caller is at most `work` run on the calling thread (Note
+  /// [inline small steps]); 0: never.
+  DataParallel& set_inline_work(std::int64_t work) {
+    CHORUS_CHECK(work >= 0, "DataParallel::set_inline_work: work must be >= 0, got ", work);
+    inline_work_ = work;
+    return *this;
+  }
+  std::int64_t inline_work() const { return inline_work_; }
+
   const std::vector<Device>& devices() const { return devices_; }
   Device output_device() const { return output_device_; }
   std::int64_t dim() const { return dim_; }
@@ -219,6 +256,38 @@ class DataParallel {
                   "; nested DataParallel is not supported: it would wait for work queued behind itself. Call the "
                   "inner module directly inside the outer model");
     }
+  }
+
+  // ---- small steps (Note [inline small steps]) ----
+  template <class... Args>
+  bool runs_on_caller(const parallel::ChunkPlan& plan, std::int64_t batch, const Args&... args) const {
+    if (inline_work_ <= 0 || !devices_[0].is_cpu() || batch <= 0) return false;
+    const std::int64_t rows = batch - plan.sizes[0];  // the rows that would leave the caller
+    const std::int64_t params = replicator_->parameter_numel();
+    if (params > inline_work_) return false;          // keeps the product below from overflowing
+    std::int64_t work = rows * 2 * params;
+    auto add_input = [&](const auto& a) {
+      if constexpr (parallel::detail::is_tensor_v<decltype(a)>) work += a.numel() / batch * rows;
+    };
+    (add_input(args), ...);
+    return work <= inline_work_;
+  }
+
+  template <class R, class... Args>
+  R forward_on_caller(const parallel::ChunkPlan& plan, const Args&... args) {
+    auto modules = replicator_->prepare(plan.used(), /*on_caller=*/true);
+    std::vector<R> outs;
+    outs.reserve(plan.used());
+    for (std::size_t r = 0; r < plan.used(); ++r) {
+      std::optional<StreamGuard> on_stream;  // replica r's stream is current, as on its worker
+      if (r > 0) on_stream.emplace(*streams_[r]);
+      try {
+        outs.push_back(parallel::detail::call_forward(*modules[r], scatter(args, plan, r)...));
+      } catch (const std::exception& e) {
+        CHORUS_FAIL("in replica ", r, " on ", devices_[r], ": ", e.what());
+      }
+    }
+    return gather_outputs(outs);
   }
 
   // ---- scattering ----
@@ -295,6 +364,7 @@ class DataParallel {
   std::int64_t dim_;
   std::size_t bucket_bytes_;
   std::atomic<bool> in_forward_{false};
+  std::int64_t inline_work_ = parallel::inline_work_default();
   std::vector<Stream*> streams_;
   std::shared_ptr<parallel::Communicator> comm_;
   std::unique_ptr<parallel::Replicator<M>> replicator_;
