@@ -21,6 +21,7 @@
 //    module directly there.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -141,6 +142,7 @@ class DataParallel {
       fork.record(current_stream(devices_[0]));
       for (std::size_t r = 1; r < devices_.size(); ++r) fork.block(*streams_[r]);
     }
+    keep_workers_hot(plan.used());
     auto modules = replicator_->prepare(plan.used());
     std::vector<Stream*> streams(streams_.begin(), streams_.begin() + static_cast<std::ptrdiff_t>(plan.used()));
     streams[0] = &current_stream(devices_[0]);
@@ -258,6 +260,24 @@ class DataParallel {
     }
   }
 
+  // Note [active window]
+  // A training step posts work to the replicas' workers in bursts: the forward, then the
+  // backward (after the loss), then nothing until the next forward (after the optimizer
+  // step). A worker that fell asleep in a gap costs a wake-up at the next burst (up to
+  // ~100 us on some VMs, per burst). So each forward keeps the used workers spinning for
+  // twice the time since the previous forward (the step period), capped at kMaxActiveWindow:
+  // short steps never sleep between bursts; a loop that pauses between steps (evaluation,
+  // I/O) lets them sleep again after the cap. Spinning workers yield to runnable threads.
+  static constexpr auto kMaxActiveWindow = std::chrono::milliseconds(10);
+  void keep_workers_hot(std::size_t used) {
+    const auto now = std::chrono::steady_clock::now();
+    const auto period = now - last_forward_;
+    last_forward_ = now;
+    if (period > kMaxActiveWindow) return;  // also the first step
+    const auto until = now + std::min<std::chrono::steady_clock::duration>(2 * period, kMaxActiveWindow);
+    for (std::size_t r = 1; r < used; ++r) streams_[r]->keep_hot_until(until);
+  }
+
   // ---- small steps (Note [inline small steps]) ----
   template <class... Args>
   bool runs_on_caller(const parallel::ChunkPlan& plan, std::int64_t batch, const Args&... args) const {
@@ -365,6 +385,7 @@ class DataParallel {
   std::size_t bucket_bytes_;
   std::atomic<bool> in_forward_{false};
   std::int64_t inline_work_ = parallel::inline_work_default();
+  std::chrono::steady_clock::time_point last_forward_{};
   std::vector<Stream*> streams_;
   std::shared_ptr<parallel::Communicator> comm_;
   std::unique_ptr<parallel::Replicator<M>> replicator_;
