@@ -147,6 +147,15 @@ TEST(DataParallel, ReplicasAreBuiltOnceAndLiveOnTheirDevices) {
   }
   dp(randn<float>({9, 6}));
   EXPECT_EQ(dp.replica(2).fc2->bias.to_vector(), std::vector<float>(3, 7.0f));
+  // Every tensor, whichever thread copied its part (Note [shared broadcast]), equals the primary's.
+  auto primary = dp.module().named_tensors();
+  for (std::size_t r = 1; r < 3; ++r) {
+    auto rep = dp.replica(r).named_tensors();
+    ASSERT_EQ(rep.size(), primary.size());
+    for (std::size_t i = 0; i < rep.size(); ++i)
+      EXPECT_TRUE(all_close(rep[i].tensor.as<float>().to(Device::cpu(0)), primary[i].tensor.as<float>(), 0))
+          << "replica " << r << " " << rep[i].name;
+  }
 }
 
 TEST(DataParallel, OutputDeviceDimAndMultipleArguments) {

@@ -116,3 +116,22 @@ TEST(Println, LinesFromConcurrentWorkersNeverInterleave) {
   println(empty);
   EXPECT_EQ(empty.str(), "\n");
 }
+
+// Issue 10, item 22 (Note [worker spin]): a worker kept hot for a step in flight still runs
+// every task in order, and a stream destroyed in the middle of a (long) hot window stops at
+// once instead of spinning to its end.
+TEST(Devices, AHotWorkerRunsTasksInOrderAndStopsWhenDestroyed) {
+  auto stream = std::make_unique<Stream>(Device::cpu(0), 61);
+  std::vector<int> order;
+  stream->post([&] { order.push_back(0); });
+  stream->keep_hot_until(std::chrono::steady_clock::now() + std::chrono::hours(1));
+  stream->keep_hot_until(std::chrono::steady_clock::now());  // an earlier time never shortens it
+  for (int i = 1; i <= 50; ++i) {
+    stream->post([&order, i] { order.push_back(i); });
+    if (i % 10 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));  // gaps the worker spins through
+  }
+  EXPECT_EQ(stream->async([&] { return order.size(); }).get(), 51u);
+  for (int i = 0; i <= 50; ++i) EXPECT_EQ(order[static_cast<std::size_t>(i)], i);
+  stream.reset();  // with an hour left in the window: returns promptly, or the test times out
+  SUCCEED();
+}
