@@ -175,8 +175,8 @@ class DataParallel {
   /// elsewhere (an optimizer's) stay valid: the tensors move in place.
   DataParallel& to(Device device) {
     check_device(device);
-    CHORUS_CHECK(device.kind == devices_[0].kind, "DataParallel::to(", device, "): the devices are ", devices_[0],
-                 "…; a DataParallel cannot change device kind (build a new one for ", device, ")");
+    CHORUS_CHECK(device.kind == devices_[0].kind, "DataParallel::to(", device, "): the primary device is ", devices_[0],
+                 "; a DataParallel cannot change device kind (build a new one for ", device, ")");
     const InUse in_use(in_forward_);
     if (device == devices_[0]) {
       nn::module_of(module_).to(device);  // a module moved behind our back comes home
