@@ -1,6 +1,10 @@
 // PyTorch's DataParallel tutorial in chorus: RandomDataset(5, 100), batches of 30, and a
 // Linear(5, 2) model that reports the size of the input each replica sees.
 //
+// The replicas run forward concurrently, each on its device's thread: the model prints with
+// chorus::println, which writes one whole line at a time (a chain of `std::cout << a << b`
+// would interleave with the other replicas' lines).
+//
 //   data_parallel_tutorial            all GPUs, else the virtual CPU devices (CHORUS_CPU_DEVICES)
 //   data_parallel_tutorial --cpu N    N virtual CPU devices
 //   data_parallel_tutorial --gpus     all GPUs
@@ -8,8 +12,6 @@
 
 #include <cstdlib>
 #include <iostream>
-#include <mutex>
-#include <sstream>
 #include <string>
 
 #include "device_options.hpp"
@@ -17,18 +19,11 @@
 using namespace chorus;
 
 namespace {
-std::mutex print_mutex;  // replicas print from their own threads: one line at a time
-
-void print_line(const std::string& s) {
-  std::lock_guard<std::mutex> lk(print_mutex);
-  std::cout << s << std::endl;
-}
-
 struct RandomDataset {
   Tensor<float> data;
   RandomDataset(int size, int length) : data(randn<float>({length, size})) {}
   std::size_t size() const { return static_cast<std::size_t>(data.size(0)); }
-  Tensor<float> get(std::size_t i) const { return data.select(0, static_cast<std::int64_t>(i)); }
+  Tensor<float> get(std::size_t i) const { return data[static_cast<std::int64_t>(i)]; }
 };
 
 struct Model : nn::Module {
@@ -36,9 +31,7 @@ struct Model : nn::Module {
   Model(int input_size, int output_size) : fc(register_module("fc", nn::Linear(input_size, output_size))) {}
   Tensor<float> forward(const Tensor<float>& input) {
     auto output = fc(input);
-    std::ostringstream os;
-    os << "\tIn Model: input size " << input.shape() << " output size " << output.shape();
-    print_line(os.str());
+    println("\tIn Model: input size ", input.shape(), " output size ", output.shape());
     return output;
   }
 };
@@ -66,9 +59,7 @@ int main(int argc, char** argv) try {
 
   for (auto input : loader) {
     auto output = dp(input);
-    std::ostringstream os;
-    os << "Outside: input size " << input.shape() << " output_size " << output.shape();
-    print_line(os.str());
+    println("Outside: input size ", input.shape(), " output_size ", output.shape());
   }
   return 0;
 } catch (const std::exception& e) {

@@ -83,7 +83,7 @@ int main(int argc, char** argv) try {
   for (auto& d : devices) std::cout << " " << d;
   std::cout << "\n";
 
-  data::DataLoader loader(train, {.batch_size = static_cast<std::size_t>(batch), .shuffle = true, .seed = 3});
+  data::DataLoader loader(train, {.batch_size = batch, .shuffle = true, .seed = 3});
   for (int epoch = 1; epoch <= epochs; ++epoch) {
     auto start = std::chrono::steady_clock::now();
     std::size_t seen = 0, step = 0;

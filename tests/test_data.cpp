@@ -86,3 +86,18 @@ TEST(DataLoader, Errors) {
   EXPECT_TRUE(throws_with([] { data::TensorDataset<float, float>(zeros<float>({3, 2}), zeros<float>({4})); },
                           {"[3, 2]", "[4]"}));
 }
+
+// Issue 10, item 20: batch_size is a std::int64_t like every other size, so an int (or an
+// int64 from a tensor's shape) goes into the designated initialiser without a narrowing error.
+TEST(DataLoader, BatchSizeIsAnInt64) {
+  static_assert(std::is_same_v<decltype(data::DataLoaderOptions::batch_size), std::int64_t>);
+  const int from_int = 30;
+  data::DataLoader a(RandomDataset(5, 100), {.batch_size = from_int});
+  EXPECT_EQ(a.num_batches(), 4u);
+  RandomDataset ds(5, 100);
+  data::DataLoader b(ds, {.batch_size = ds.data.size(0) / 4});  // an int64 straight from a shape
+  EXPECT_EQ(b.num_batches(), 4u);
+  EXPECT_EQ((*b.begin()).shape(), (Shape{25, 5}));
+  EXPECT_TRUE(throws_with([] { data::DataLoader(RandomDataset(5, 10), {.batch_size = -3}); },
+                          {"batch_size must be positive", "-3"}));
+}

@@ -1,5 +1,7 @@
 // DataParallel on virtual CPU devices: the multi-device run equals the single-device run.
 #include <atomic>
+#include <mutex>
+#include <thread>
 
 #include "test_util.hpp"
 
@@ -9,6 +11,13 @@ using chorus::testing::throws_with;
 namespace F = chorus::nn::functional;
 
 namespace {
+// These tests exercise the threaded path (every replica on its device's worker), also for
+// their small models; the inline path (Note [inline small steps]) has its own tests below.
+const bool kThreaded = [] {
+  parallel::set_inline_work_default(0);
+  return true;
+}();
+
 template <class T>
 struct Net : nn::Module {
   nn::LinearT<T> fc1, fc2;
@@ -138,6 +147,15 @@ TEST(DataParallel, ReplicasAreBuiltOnceAndLiveOnTheirDevices) {
   }
   dp(randn<float>({9, 6}));
   EXPECT_EQ(dp.replica(2).fc2->bias.to_vector(), std::vector<float>(3, 7.0f));
+  // Every tensor, whichever thread copied its part (Note [shared broadcast]), equals the primary's.
+  auto primary = dp.module().named_tensors();
+  for (std::size_t r = 1; r < 3; ++r) {
+    auto rep = dp.replica(r).named_tensors();
+    ASSERT_EQ(rep.size(), primary.size());
+    for (std::size_t i = 0; i < rep.size(); ++i)
+      EXPECT_TRUE(all_close(rep[i].tensor.as<float>().to(Device::cpu(0)), primary[i].tensor.as<float>(), 0))
+          << "replica " << r << " " << rep[i].name;
+  }
 }
 
 TEST(DataParallel, OutputDeviceDimAndMultipleArguments) {
@@ -279,4 +297,208 @@ TEST(DataParallel, FlatBufferOffsetsAre256ByteAligned) {
   out.sum().backward();
   single.forward(x).sum().backward();
   expect_grads_equal<float>(single, dp.module(), 1e-5, "aligned flat layout");
+}
+
+// Issue 10, item 9: a batch smaller than the device count leaves replicas idle; their
+// refresh must be joined before the optimizer writes the primary (TSan saw the race).
+TEST(DataParallel, IdleReplicasAreJoinedBeforeTheOptimizerStep) {
+  manual_seed(11);
+  Net<double> reference;
+  DataParallel<Net<double>> dp(nn::clone(reference, Device::cpu(0)), cpus(4));
+  optim::SGD opt(dp.parameters(), {.lr = 0.1, .momentum = 0.5});
+  optim::SGD ref_opt(reference.parameters(), {.lr = 0.1, .momentum = 0.5});
+  for (int step = 0; step < 20; ++step) {
+    auto x = randn<double>({step % 2 == 0 ? 2 : 3, 6});  // 2 or 3 of the 4 replicas work
+    auto loss = dp(x).sum();
+    // The idle replica saw this step's parameters, all of them.
+    EXPECT_TRUE(all_close(dp.replica(3).fc1->weight, dp.module().fc1->weight.to(Device::cpu(3)), 0));
+    opt.zero_grad();
+    loss.backward();
+    opt.step();  // writes the primary's flat buffer the idle replicas were refreshed from
+    auto ref_loss = reference.forward(x).sum();
+    ref_opt.zero_grad();
+    ref_loss.backward();
+    ref_opt.step();
+    EXPECT_NEAR(loss.item(), ref_loss.item(), 1e-10) << "step " << step;
+  }
+  EXPECT_TRUE(all_close(dp.module().fc2->weight, reference.fc2->weight, 1e-10, 1e-10));
+}
+
+// Item 10: a second thread entering forward of a DataParallel that is busy gets an error,
+// not a race on the replicas' autograd wiring.
+TEST(DataParallel, ConcurrentForwardFromTwoThreadsIsRefused) {
+  struct Gate {
+    std::atomic<bool> armed{false}, inside{false}, release{false};
+  };
+  struct Held : nn::Module {
+    nn::Linear fc;
+    std::shared_ptr<Gate> gate = std::make_shared<Gate>();
+    Held() : fc(register_module("fc", nn::Linear(3, 2))) {}
+    Tensor<float> forward(const Tensor<float>& x) {
+      if (x.device() == Device::cpu(0) && gate->armed.exchange(false)) {  // replica 0, once
+        gate->inside = true;
+        while (!gate->release) std::this_thread::yield();
+      }
+      return fc(x);
+    }
+  };
+  DataParallel<Held> dp(Held(), cpus(2));
+  auto gate = dp.module().gate;
+  gate->armed = true;
+  auto x = randn<float>({4, 3});
+  Tensor<float> first;
+  std::thread other([&] {
+    NoGradGuard g;
+    first = dp(x);
+  });
+  while (!gate->inside) std::this_thread::yield();
+  EXPECT_TRUE(throws_with(
+      [&] {
+        NoGradGuard g;
+        dp(x);
+      },
+      {"another thread is inside forward", "one DataParallel per thread"}));
+  gate->release = true;
+  other.join();
+  EXPECT_EQ(first.shape(), (Shape{4, 2}));
+  // Once the first call has left, the same DataParallel works from this thread.
+  NoGradGuard g;
+  EXPECT_TRUE(all_close(dp(x), first, 0));
+}
+
+// Item 11: a DataParallel called inside a replica's forward on the same devices would wait
+// for its own worker; it is refused with an error instead of hanging.
+TEST(DataParallel, NestedDataParallelOnTheSameDevicesIsAnErrorNotADeadlock) {
+  struct Inner : nn::Module {
+    nn::Linear fc;
+    Inner() : fc(register_module("fc", nn::Linear(3, 3))) {}
+    Tensor<float> forward(const Tensor<float>& x) { return fc(x); }
+  };
+  auto inner = std::make_shared<DataParallel<Inner>>(Inner(), cpus(2));
+  struct Outer : nn::Module {
+    nn::Linear fc;
+    std::shared_ptr<DataParallel<Inner>> inner;
+    std::shared_ptr<std::atomic<bool>> nest = std::make_shared<std::atomic<bool>>(true);
+    Outer() : fc(register_module("fc", nn::Linear(3, 3))) {}
+    Tensor<float> forward(const Tensor<float>& x) {
+      if (*nest) return fc((*inner)(x.to(Device::cpu(0))).to(x.device()));
+      return fc(x);
+    }
+  };
+  Outer o;
+  o.inner = inner;
+  DataParallel<Outer> dp(std::move(o), cpus(2));
+  EXPECT_TRUE(throws_with([&] { dp(randn<float>({6, 3})); },
+                          {"replica 1 on cpu:1", "worker thread of cpu:1/stream0", "nested DataParallel is not supported"}));
+  dp.module().nest->store(false);
+  EXPECT_EQ(dp(randn<float>({6, 3})).shape(), (Shape{6, 3}));
+  // The inner DataParallel itself is unharmed.
+  EXPECT_EQ((*inner)(randn<float>({6, 3})).shape(), (Shape{6, 3}));
+}
+
+// Item 19: DataParallel::to moves the primary and rebuilds the replicas.
+TEST(DataParallel, ToMovesThePrimaryAndRebuildsTheReplicas) {
+  manual_seed(12);
+  Net<double> reference;
+  DataParallel<Net<double>> dp(nn::clone(reference, Device::cpu(0)), cpus(3));
+  optim::SGD opt(dp.parameters(), {.lr = 0.1});
+  auto x = randn<double>({7, 6});
+  dp.to(Device::cpu(2));  // one of the devices: it comes first
+  EXPECT_EQ(dp.devices(), (std::vector<Device>{Device::cpu(2), Device::cpu(0), Device::cpu(1)}));
+  EXPECT_EQ(dp.output_device(), Device::cpu(2));
+  for (auto& p : dp.parameters()) EXPECT_EQ(p.device(), Device::cpu(2));
+  EXPECT_EQ(dp.replica(1).fc1->weight.device(), Device::cpu(0));
+  auto out = dp(x);
+  EXPECT_EQ(out.device(), Device::cpu(2));
+  EXPECT_TRUE(all_close(out.to(Device::cpu(0)), reference.forward(x), 1e-12, 1e-12));
+  opt.zero_grad();
+  out.sum().backward();
+  opt.step();  // the optimizer's handles followed the move
+  reference.forward(x).sum().backward();
+  for (auto& p : reference.parameters()) {
+    auto& t = p.as<double>();
+    NoGradGuard g;
+    t.copy_(t - t.grad() * 0.1);
+  }
+  EXPECT_TRUE(all_close(dp.module().fc1->weight.to(Device::cpu(0)), reference.fc1->weight, 1e-12, 1e-12));
+  // A device outside the list replaces the primary; a different kind is refused.
+  set_cpu_device_count(4);
+  dp.to(Device::cpu(3));
+  EXPECT_EQ(dp.devices(), (std::vector<Device>{Device::cpu(3), Device::cpu(0), Device::cpu(1)}));
+  EXPECT_TRUE(all_close(dp(x).to(Device::cpu(0)), reference.forward(x), 1e-12, 1e-12));
+  EXPECT_TRUE(throws_with([&] { dp.to(Device::cuda(0)); }, {"cuda:0"}));
+}
+
+// Item 22: a step too small to pay for a hand-off runs every replica on the calling thread,
+// each under its own stream, with the same results as the threaded and single-device runs.
+TYPED_TEST(DataParallelTyped, SmallStepsRunOnTheCallerWithTheSameResults) {
+  using T = TypeParam;
+  ASSERT_TRUE(kThreaded);
+  struct Where {
+    std::mutex m;
+    std::vector<std::pair<Device, std::thread::id>> seen;
+  };
+  struct Traced : Net<T> {
+    std::shared_ptr<Where> where = std::make_shared<Where>();
+    Tensor<T> forward(const Tensor<T>& x) {
+      {
+        std::lock_guard<std::mutex> lk(where->m);
+        where->seen.emplace_back(x.device(), std::this_thread::get_id());
+      }
+      return Net<T>::forward(x);
+    }
+  };
+  manual_seed(13);
+  Traced reference;
+  for (std::int64_t work : {std::int64_t{1} << 40, std::int64_t{0}}) {  // inline, then threaded
+    DataParallel<Traced> dp(nn::clone(reference, Device::cpu(0)), cpus(3));
+    dp.set_inline_work(work);
+    EXPECT_EQ(dp.inline_work(), work);
+    auto where = dp.module().where;
+    for (auto& p : reference.parameters()) p.set_grad(AnyTensor());
+    auto x = randn<T>({8, 6});
+    auto ref = reference.forward(x);
+    where->seen.clear();  // the clone shares the reference's record
+    auto out = dp(x);
+    EXPECT_TRUE(all_close(out, ref, chorus::testing::tol<T>(), chorus::testing::tol<T>()));
+    (out * out).sum().backward();  // backward of replicas 1, 2 runs on their devices' workers
+    (ref * ref).sum().backward();
+    expect_grads_equal<T>(reference, dp.module(), 10 * chorus::testing::tol<T>(), "inline work " + std::to_string(work));
+    ASSERT_EQ(where->seen.size(), 3u);
+    int on_caller = 0;
+    for (auto& [dev, id] : where->seen) on_caller += id == std::this_thread::get_id();
+    EXPECT_EQ(on_caller, work > 0 ? 3 : 1);
+    // Replicas see the primary's current values after an optimizer step, inline as threaded.
+    optim::SGD opt(dp.parameters(), {.lr = 0.5});
+    opt.step();
+    dp(x);
+    EXPECT_TRUE(all_close(dp.replica(2).fc1->weight, dp.module().fc1->weight.to(Device::cpu(2)), 0));
+  }
+  // The default threshold sends a tiny step inline and a big one to the workers.
+  DataParallel<Traced> dp(Traced(), cpus(2));
+  dp.set_inline_work(kDefaultInlineWork);
+  auto where = dp.module().where;
+  dp(randn<T>({4, 6}));
+  EXPECT_EQ(where->seen.size(), 2u);
+  EXPECT_EQ(where->seen[1].second, std::this_thread::get_id());
+  where->seen.clear();
+  dp(randn<T>({4096, 6}));  // 2048 rows x 2 x 163 parameters off the caller: threaded
+  std::size_t on_caller = 0;
+  for (auto& [dev, id] : where->seen) on_caller += id == std::this_thread::get_id();
+  EXPECT_EQ(on_caller, 1u);
+  EXPECT_TRUE(throws_with([&] { dp.set_inline_work(-1); }, {"-1"}));
+}
+
+TEST(DataParallel, AnExceptionInAnInlineReplicaNamesIt) {
+  struct Flaky : nn::Module {
+    nn::Linear fc;
+    Flaky() : fc(register_module("fc", nn::Linear(3, 3))) {}
+    Tensor<float> forward(const Tensor<float>& x) {
+      if (x.device() == Device::cpu(1)) throw std::runtime_error("replica blew up");
+      return fc(x);
+    }
+  };
+  DataParallel<Flaky> dp(Flaky(), cpus(2));
+  dp.set_inline_work(std::int64_t{1} << 40);
+  EXPECT_TRUE(throws_with([&] { dp(randn<float>({4, 3})); }, {"replica 1", "cpu:1", "replica blew up"}));
 }

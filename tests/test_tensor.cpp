@@ -186,3 +186,55 @@ TEST(Tensor, InPlaceOnLeafRequiringGradIsRefused) {
   w.fill_(3);
   EXPECT_TRUE(values_are(w, {3, 3}));
 }
+
+// Issue 10, item 17: a loop over parameters() reads as it does in PyTorch.
+TEST(AnyTensor, HasTheDtypeIndependentHalfOfTensorsInterface) {
+  nn::Linear fc(5, 2);
+  auto loss = fc(ones<float>({3, 5})).sum();
+  loss.backward();
+  std::int64_t total = 0;
+  for (auto& p : fc->parameters()) {
+    total += p.numel();
+    EXPECT_EQ(p.device(), Device::cpu(0));
+    EXPECT_EQ(p.dtype(), DType::Float32);
+    EXPECT_TRUE(p.requires_grad());
+    EXPECT_TRUE(p.is_leaf());
+    AnyTensor g = p.grad();
+    ASSERT_TRUE(g.defined());
+    EXPECT_EQ(g.shape(), p.shape());
+    EXPECT_EQ(g.dtype(), DType::Float32);
+    EXPECT_TRUE(is_same(g.as<float>(), p.as<float>().grad()));
+  }
+  EXPECT_EQ(total, 5 * 2 + 2);
+  AnyTensor w = fc->weight;
+  EXPECT_EQ(w.dim(), 2);
+  EXPECT_EQ(w.size(0), 2);
+  EXPECT_EQ(w.size(-1), 5);
+  // The weight's gradient is 3 (three rows of ones) everywhere.
+  EXPECT_TRUE(values_are(w.grad().as<float>(), std::vector<float>(10, 3.0f)));
+  w.set_grad(AnyTensor());  // clears, like zero_grad(set_to_none)
+  EXPECT_FALSE(w.grad().defined());
+  w.set_grad(AnyTensor(zeros<float>({2, 5})));
+  EXPECT_TRUE(values_are(fc->weight.grad(), std::vector<float>(10, 0.0f)));
+  EXPECT_TRUE(throws_with([&] { w.set_grad(AnyTensor(zeros<double>({2, 5}))); }, {"float64", "float32"}));
+  AnyTensor i = arange<std::int64_t>(0, 3);
+  EXPECT_TRUE(throws_with([&] { i.requires_grad_(); }, {"floating-point"}));
+  AnyTensor d = zeros<double>({4});
+  EXPECT_TRUE(d.requires_grad_().requires_grad());
+  EXPECT_TRUE(throws_with([&] { (void)d.as<float>(); }, {"float64", "not float32"}));
+}
+
+// Item 18: t[i] is select(0, i).
+TYPED_TEST(TensorTyped, SubscriptSelectsARowOfDim0) {
+  using T = TypeParam;
+  auto t = arange<T>(0, 12).view({3, 4});
+  EXPECT_TRUE(values_are(t[1], std::vector<T>{4, 5, 6, 7}));
+  EXPECT_TRUE(values_are(t[-1], std::vector<T>{8, 9, 10, 11}));
+  EXPECT_EQ(t[2].shape(), (Shape{4}));
+  EXPECT_TRUE(t[0].same_storage(t));  // a view, like select
+  EXPECT_EQ(t[1][2].item(), T(6));
+  auto x = arange<T>(0, 6).view({2, 3}).requires_grad_();
+  (x[1] * T(2)).sum().backward();
+  EXPECT_TRUE(values_are(x.grad(), std::vector<T>{0, 0, 0, 2, 2, 2}));
+  EXPECT_TRUE(throws_with([&] { (void)t[3]; }, {"3"}));
+}

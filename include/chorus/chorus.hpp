@@ -5,6 +5,7 @@
 #include "version.hpp"
 
 #include "core/any_tensor.hpp"
+#include "core/println.hpp"
 #include "core/runtime.hpp"
 #include "core/tensor.hpp"
 

@@ -1,4 +1,11 @@
-# Configures, builds and runs the consumer project. MODE: find_package | add_subdirectory.
+# Configures, builds and runs the consumer project.
+# MODE: find_package | find_package_cuda | add_subdirectory.
+#   find_package       a C++-only consumer of the installed package: the package was installed by
+#                      a build that found nvcc (when the machine has one), yet the consumer's
+#                      configure must not enable CUDA nor see the installing build's toolkit paths.
+#   find_package_cuda  (machines with nvcc) the cuda component comes from the consumer's own
+#                      configure, and -DCHORUS_ENABLE_CUDA=OFF switches it off.
+#   add_subdirectory   chorus as a subproject, with -DCHORUS_ENABLE_CUDA=OFF honoured.
 file(REMOVE_RECURSE ${WORK_DIR})
 set(consumer ${SOURCE_DIR}/tests/consumer)
 function(run)
@@ -7,15 +14,53 @@ function(run)
     message(FATAL_ERROR "failed (${rc}): ${ARGV}")
   endif()
 endfunction()
-if(MODE STREQUAL "find_package")
-  # Install chorus alone (no tests/examples) into a temporary prefix.
+# The consumer build at `dir` has not enabled the CUDA language.
+function(expect_no_cuda_language dir)
+  file(STRINGS ${dir}/CMakeCache.txt cuda_lines REGEX "^CMAKE_CUDA_COMPILER[:=]")
+  if(cuda_lines OR EXISTS ${dir}/CMakeFiles/${CMAKE_VERSION}/CMakeCUDACompiler.cmake)
+    message(FATAL_ERROR "the C++-only consumer in ${dir} enabled the CUDA language: ${cuda_lines}")
+  endif()
+endfunction()
+set(nvcc_here FALSE)
+if(EXISTS /usr/local/cuda/bin/nvcc)
+  set(nvcc_here TRUE)
+endif()
+
+if(MODE MATCHES "^find_package")
+  # Install chorus alone (no tests/examples) into a temporary prefix, CUDA detection left at
+  # its default: on a machine with nvcc the installing build enables CUDA.
   run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/chorus-build -G ${GENERATOR} -DCHORUS_BUILD_TESTS=OFF
       -DCHORUS_BUILD_EXAMPLES=OFF -DCHORUS_BUILD_BENCHMARKS=OFF -DCHORUS_INSTALL=ON
       -DCMAKE_INSTALL_PREFIX=${WORK_DIR}/prefix)
   run(${CMAKE_COMMAND} --install ${WORK_DIR}/chorus-build)
-  run(${CMAKE_COMMAND} -S ${consumer} -B ${WORK_DIR}/build -G ${GENERATOR} -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
+  # The generated package files carry nothing of the installing build's CUDA (ChorusCuda.cmake,
+  # which looks for the consumer's toolkit, is the one place that names CUDA).
+  file(GLOB pkg_files ${WORK_DIR}/prefix/share/chorus/cmake/chorusConfig.cmake
+       ${WORK_DIR}/prefix/share/chorus/cmake/chorusTargets*.cmake)
+  foreach(f IN LISTS pkg_files)
+    file(READ ${f} text)
+    if(text MATCHES "/cuda|CUDA::|set\\(CHORUS_ENABLE_CUDA|enable_language|add_library\\(chorus::cuda")
+      message(FATAL_ERROR "${f} hard-wires the installing build's CUDA (${CMAKE_MATCH_0})")
+    endif()
+  endforeach()
+  if(MODE STREQUAL "find_package")
+    run(${CMAKE_COMMAND} -S ${consumer} -B ${WORK_DIR}/build -G ${GENERATOR} -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix
+        -DCONSUMER_EXPECT_CUDA_TARGET=OFF)
+    expect_no_cuda_language(${WORK_DIR}/build)
+  else()
+    # Asked for: chorus::cuda from this configure's toolkit (still no CUDA language needed).
+    run(${CMAKE_COMMAND} -S ${consumer} -B ${WORK_DIR}/build-cuda -G ${GENERATOR}
+        -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCONSUMER_WANTS_CUDA=ON -DCONSUMER_EXPECT_CUDA_TARGET=${nvcc_here})
+    expect_no_cuda_language(${WORK_DIR}/build-cuda)
+    # Asked for but switched off by the consumer: not made.
+    run(${CMAKE_COMMAND} -S ${consumer} -B ${WORK_DIR}/build -G ${GENERATOR} -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix
+        -DCONSUMER_WANTS_CUDA=ON -DCHORUS_ENABLE_CUDA=OFF -DCONSUMER_EXPECT_CUDA_TARGET=OFF)
+    expect_no_cuda_language(${WORK_DIR}/build)
+  endif()
 else()
-  run(${CMAKE_COMMAND} -S ${consumer} -B ${WORK_DIR}/build -G ${GENERATOR} -DCHORUS_SOURCE_DIR=${SOURCE_DIR})
+  run(${CMAKE_COMMAND} -S ${consumer} -B ${WORK_DIR}/build -G ${GENERATOR} -DCHORUS_SOURCE_DIR=${SOURCE_DIR}
+      -DCHORUS_ENABLE_CUDA=OFF -DCONSUMER_EXPECT_CUDA_TARGET=OFF)
+  expect_no_cuda_language(${WORK_DIR}/build)
 endif()
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)

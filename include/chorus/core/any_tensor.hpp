@@ -62,6 +62,40 @@ class AnyTensor {
   bool requires_grad() const {
     return visit([](const auto& t) { return t.requires_grad(); });
   }
+
+  // The dtype-independent half of Tensor's interface, so that a loop over parameters()
+  // reads as it does in PyTorch (`for (auto& p : model.parameters()) p.grad()`).
+  int dim() const {
+    return visit([](const auto& t) { return t.dim(); });
+  }
+  std::int64_t size(std::int64_t d) const {
+    return visit([&](const auto& t) { return t.size(d); });
+  }
+  bool is_leaf() const {
+    return visit([](const auto& t) { return t.is_leaf(); });
+  }
+  /// Sets requires_grad on a leaf (see Tensor::requires_grad_). Returns *this.
+  AnyTensor& requires_grad_(bool on = true) {
+    visit([&](auto& t) { t.requires_grad_(on); });
+    return *this;
+  }
+  /// The accumulated gradient, of the same dtype (undefined before the first backward).
+  AnyTensor grad() const {
+    return visit([](const auto& t) { return AnyTensor(t.grad()); });
+  }
+  /// Replaces (or clears, with an undefined AnyTensor) the accumulated gradient.
+  void set_grad(const AnyTensor& g) const {
+    visit([&](const auto& t) {
+      using T = typename std::decay_t<decltype(t)>::value_type;
+      if (!g.defined()) {
+        t.set_grad(Tensor<T>());
+        return;
+      }
+      CHORUS_CHECK(g.dtype() == dtype(), "set_grad: gradient has dtype ", dtype_name(g.dtype()),
+                   ", the tensor has ", dtype_name(dtype()));
+      t.set_grad(g.as<T>());
+    });
+  }
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype()); }
   const void* impl_key() const {
     return visit([](const auto& t) -> const void* { return t.impl().get(); });

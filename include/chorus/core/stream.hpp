@@ -55,6 +55,7 @@ class Worker {
     {
       std::lock_guard<std::mutex> lk(m_);
       stop_ = true;
+      stop_requested_.store(true);
     }
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
@@ -75,6 +76,15 @@ class Worker {
 
   bool on_this_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
+  /// Keeps the worker spinning for new tasks, instead of sleeping, until `until` (Note
+  /// [worker spin]); a later time replaces an earlier one, never the other way round.
+  void keep_hot_until(std::chrono::steady_clock::time_point until) {
+    const auto t = until.time_since_epoch().count();
+    auto cur = hot_until_.load(std::memory_order_relaxed);
+    while (cur < t && !hot_until_.compare_exchange_weak(cur, t, std::memory_order_relaxed)) {
+    }
+  }
+
   /// Blocks until every task posted so far has run; rethrows the first escaped exception.
   void drain() {
     if (on_this_thread()) return;  // everything before the caller's task has run
@@ -86,7 +96,11 @@ class Worker {
  private:
   // Note [worker spin]: a worker that has just run a task spins briefly before sleeping, so
   // the next task of a step (DataParallel posts several in quick succession) starts in well
-  // under a microsecond instead of after a futex wake-up (~10 us on a loaded VM).
+  // under a microsecond instead of after a futex wake-up (~10 us on a loaded VM, 100 us on
+  // others). While a step is in flight (keep_hot_until: DataParallel's active window, like
+  // OpenMP's active wait policy) it keeps spinning past that, yielding the core to any other
+  // runnable thread, so that forward, backward and the optimizer step of one training step
+  // never pay a wake-up.
   static constexpr auto kSpin = std::chrono::microseconds(50);
 
   void loop() {
@@ -95,8 +109,15 @@ class Worker {
     for (;;) {
       if (q_.empty() && !stop_) {
         lk.unlock();
-        const auto until = std::chrono::steady_clock::now() + kSpin;
-        while (pending_.load(std::memory_order_acquire) == 0 && std::chrono::steady_clock::now() < until) {
+        using clock = std::chrono::steady_clock;
+        const auto start = clock::now();
+        const auto brief = start + kSpin;
+        for (auto now = start; pending_.load(std::memory_order_acquire) == 0 && !stop_requested_.load();
+             now = clock::now()) {
+          if (now >= brief) {
+            if (now.time_since_epoch().count() >= hot_until_.load(std::memory_order_relaxed)) break;
+            std::this_thread::yield();  // a hot wait gives way to threads with work
+          }
         }
         lk.lock();
       }
@@ -129,6 +150,8 @@ class Worker {
   std::deque<std::function<void()>> q_;
   bool stop_ = false, busy_ = false, sleeping_ = false;
   std::atomic<std::size_t> pending_{0};
+  std::atomic<bool> stop_requested_{false};
+  std::atomic<std::chrono::steady_clock::rep> hot_until_{0};  // steady_clock ticks
   std::exception_ptr error_;
   std::thread thread_;
 };
@@ -248,6 +271,9 @@ class Stream {
     }
 #endif
   }
+
+  /// Keeps this stream's worker spinning for new work until `until` (Note [worker spin]).
+  void keep_hot_until(std::chrono::steady_clock::time_point until) { worker().keep_hot_until(until); }
 
   /// True once the worker thread exists (a stream never posted to has none).
   bool has_worker() const {

@@ -166,6 +166,8 @@ class Tensor {
   Tensor narrow(std::int64_t dim, std::int64_t start, std::int64_t length) const;
   Tensor slice(std::int64_t dim, std::int64_t start, std::int64_t end) const;
   Tensor select(std::int64_t dim, std::int64_t index) const;
+  /// Row `index` of dim 0 (select(0, index)), as PyTorch's `t[index]`.
+  Tensor operator[](std::int64_t index) const { return select(0, index); }
   Tensor reshape(const Shape& shape) const;
   Tensor view(const Shape& shape) const;
   Tensor flatten(std::int64_t start_dim = 0, std::int64_t end_dim = -1) const;

@@ -10,7 +10,7 @@ CHORUS_NAMESPACE_BEGIN
 namespace data {
 
 struct DataLoaderOptions {
-  std::size_t batch_size = 1;
+  std::int64_t batch_size = 1;  ///< an int64 like every size in the API: `{.batch_size = n}` with an int n
   bool shuffle = false;
   std::uint64_t seed = 0;   ///< seeds the shuffling; each epoch draws a new permutation
   bool drop_last = false;   ///< drop a last batch smaller than batch_size
@@ -23,7 +23,7 @@ class DataLoader {
 
   DataLoader(D dataset, DataLoaderOptions options)
       : dataset_(std::move(dataset)), options_(options), rng_(options.seed) {
-    CHORUS_CHECK(options_.batch_size > 0, "DataLoader: batch_size must be positive");
+    CHORUS_CHECK(options_.batch_size > 0, "DataLoader: batch_size must be positive, got ", options_.batch_size);
   }
 
   /// Batches in one epoch.

@@ -4,7 +4,26 @@
 // forward passes concurrently on their devices' streams, and gathers the outputs on the
 // output device; backward runs each replica's half of the graph on its device and sums the
 // gradients into the primary's parameters bucket by bucket (Note [gradient buckets]).
+//
+// Note [DataParallel threads]
+// forward runs the replicas' forward passes concurrently, on the devices' worker threads
+// (replica 0 on the calling thread). So:
+//  - Anything a module's forward prints comes from several threads at once: a line built
+//    with several `std::cout << a << b` can interleave with other replicas' lines. Print
+//    whole lines with chorus::println(...) (core/println.hpp) or std::osyncstream.
+//  - One DataParallel serves one thread at a time, for a whole step (forward, backward,
+//    optimizer step): its replicas and their autograd wiring are shared state. A forward
+//    entered while another thread is inside forward of the same DataParallel throws
+//    chorus::Error instead of racing; for concurrent inference use one DataParallel per thread.
+//  - A DataParallel cannot be called from inside a replica's forward (a device worker thread),
+//    e.g. nested in a module that DataParallel replicates: the worker would wait for work
+//    queued behind itself. That throws chorus::Error instead of deadlocking; call the inner
+//    module directly there.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 
@@ -47,6 +66,33 @@ inline std::shared_ptr<Communicator> make_communicator(const std::vector<Device>
 /// Default size of a gradient bucket (Note [gradient buckets]).
 inline constexpr std::size_t kDefaultBucketBytes = std::size_t{8} << 20;
 
+// Note [inline small steps]
+// Handing a replica's forward to its device's worker costs a wake-up when the worker sleeps:
+// a few microseconds on one VM, 100 us on another (issue 10 measured a tutorial batch at
+// 130 us on a 2-vCPU VM where a single Linear(5, 2) takes 2 us). A step whose replicas
+// 1 … k-1 together have less work than that runs them on the calling thread instead, one
+// after another, on CPU devices: each still under its own stream (so autograd sends its
+// backward to its device as usual), with its own parameters, copied by the caller. The work
+// is estimated as rows × (2 × parameter elements) + input elements, for the rows that would
+// leave the caller; at or below the threshold (default kDefaultInlineWork, about 10-50 us
+// of one core's small-op work) the step stays on the caller. 0 turns it off.
+inline constexpr std::int64_t kDefaultInlineWork = std::int64_t{1} << 16;
+
+namespace parallel {
+namespace detail {
+inline std::atomic<std::int64_t>& inline_work_default() {
+  static std::atomic<std::int64_t> v{kDefaultInlineWork};
+  return v;
+}
+}  // namespace detail
+/// The inline-work threshold new DataParallels start with (Note [inline small steps]).
+inline void set_inline_work_default(std::int64_t work) {
+  CHORUS_CHECK(work >= 0, "set_inline_work_default: work must be >= 0, got ", work);
+  detail::inline_work_default().store(work);
+}
+inline std::int64_t inline_work_default() { return detail::inline_work_default().load(); }
+}  // namespace parallel
+
 template <class M>
 class DataParallel {
   static_assert(std::is_base_of_v<nn::Module, M> || requires { typename M::ImplType; },
@@ -58,7 +104,10 @@ class DataParallel {
   /// along `dim` (the dimension inputs are split along, default 0).
   explicit DataParallel(M module, std::vector<Device> devices = {}, std::optional<Device> output_device = std::nullopt,
                         std::int64_t dim = 0, std::size_t bucket_bytes = kDefaultBucketBytes)
-      : module_(std::move(module)), devices_(devices.empty() ? available_devices() : std::move(devices)), dim_(dim) {
+      : module_(std::move(module)),
+        devices_(devices.empty() ? available_devices() : std::move(devices)),
+        dim_(dim),
+        bucket_bytes_(bucket_bytes) {
     CHORUS_CHECK(!devices_.empty(), "DataParallel: no devices");
     CHORUS_CHECK(dim_ >= 0, "DataParallel: dim must be non-negative, got ", dim_);
     for (const auto& d : devices_) {
@@ -67,14 +116,7 @@ class DataParallel {
     }
     output_device_ = output_device.value_or(devices_[0]);
     check_device(output_device_);
-    streams_.push_back(&get_stream(devices_[0], 0));
-    for (std::size_t r = 1; r < devices_.size(); ++r) {
-      int slot = 0;
-      for (std::size_t q = 0; q < r; ++q) slot += devices_[q] == devices_[r];
-      streams_.push_back(&get_stream(devices_[r], slot));
-    }
-    comm_ = parallel::detail::make_communicator(devices_, streams_);
-    replicator_ = std::make_unique<parallel::Replicator<M>>(module_, devices_, comm_, bucket_bytes);
+    build();
   }
 
   DataParallel(const DataParallel&) = delete;
@@ -83,6 +125,8 @@ class DataParallel {
   /// Scatters the tensor arguments, runs the replicas, gathers the outputs (Tensor or tuple).
   template <class... Args>
   auto forward(Args&&... args) {
+    check_not_nested();
+    const InUse in_use(in_forward_);  // Note [DataParallel threads]
     const std::int64_t batch = batch_size(args...);
     using R = decltype(parallel::detail::call_forward(module_, scatter(args, 0, batch)...));
     static_assert(parallel::detail::is_tensor_v<R> || parallel::detail::is_tensor_tuple<R>::value,
@@ -92,11 +136,13 @@ class DataParallel {
       return to_output(parallel::detail::call_forward(module_, scatter(args, 0, batch)...));
     }
     const auto plan = parallel::plan_chunks(batch, devices_.size());
+    if (runs_on_caller(plan, batch, args...)) return forward_on_caller<R>(plan, args...);
     if (devices_[0].is_cuda()) {  // replica streams start after the work issued so far (inputs, optimizer step)
       Event fork;
       fork.record(current_stream(devices_[0]));
       for (std::size_t r = 1; r < devices_.size(); ++r) fork.block(*streams_[r]);
     }
+    keep_workers_hot(plan.used());
     auto modules = replicator_->prepare(plan.used());
     std::vector<Stream*> streams(streams_.begin(), streams_.begin() + static_cast<std::ptrdiff_t>(plan.used()));
     streams[0] = &current_stream(devices_[0]);
@@ -122,6 +168,43 @@ class DataParallel {
   void eval() { train(false); }
   void zero_grad(bool set_to_none = true) { nn::module_of(module_).zero_grad(set_to_none); }
 
+  /// Moves the primary module to `device` and rebuilds the replicas (PyTorch's
+  /// `nn.DataParallel(model).to(device)`): `device` becomes the primary device; when it is one
+  /// of devices(), it moves to the front (the others keep their order), else it replaces
+  /// devices()[0]. An output device that was the primary follows it. Parameter handles held
+  /// elsewhere (an optimizer's) stay valid: the tensors move in place.
+  DataParallel& to(Device device) {
+    check_device(device);
+    CHORUS_CHECK(device.kind == devices_[0].kind, "DataParallel::to(", device, "): the primary device is ", devices_[0],
+                 "; a DataParallel cannot change device kind (build a new one for ", device, ")");
+    const InUse in_use(in_forward_);
+    if (device == devices_[0]) {
+      nn::module_of(module_).to(device);  // a module moved behind our back comes home
+      return *this;
+    }
+    const auto moved = std::find(devices_.begin(), devices_.end(), device);
+    const std::size_t dropped = moved == devices_.end() ? 0 : static_cast<std::size_t>(moved - devices_.begin());
+    std::vector<Device> devices{device};
+    for (std::size_t r = 0; r < devices_.size(); ++r)
+      if (r != dropped) devices.push_back(devices_[r]);
+    if (output_device_ == devices_[0]) output_device_ = device;
+    replicator_.reset();  // the old replicas go before the module moves
+    comm_.reset();
+    nn::module_of(module_).to(device);
+    devices_ = std::move(devices);
+    build();
+    return *this;
+  }
+
+  /// Steps whose work off the caller is at most `work` run on the calling thread (Note
+  /// [inline small steps]); 0: never.
+  DataParallel& set_inline_work(std::int64_t work) {
+    CHORUS_CHECK(work >= 0, "DataParallel::set_inline_work: work must be >= 0, got ", work);
+    inline_work_ = work;
+    return *this;
+  }
+  std::int64_t inline_work() const { return inline_work_; }
+
   const std::vector<Device>& devices() const { return devices_; }
   Device output_device() const { return output_device_; }
   std::int64_t dim() const { return dim_; }
@@ -130,6 +213,103 @@ class DataParallel {
   const parallel::Communicator& communicator() const { return *comm_; }
 
  private:
+  /// Streams (slot = how often the device came before), communicator and replicas.
+  void build() {
+    streams_.clear();
+    streams_.push_back(&get_stream(devices_[0], 0));
+    for (std::size_t r = 1; r < devices_.size(); ++r) {
+      int slot = 0;
+      for (std::size_t q = 0; q < r; ++q) slot += devices_[q] == devices_[r];
+      streams_.push_back(&get_stream(devices_[r], slot));
+    }
+    comm_ = parallel::detail::make_communicator(devices_, streams_);
+    replicator_ = std::make_unique<parallel::Replicator<M>>(module_, devices_, comm_, bucket_bytes_);
+  }
+
+  /// Marks the DataParallel busy for a scope; a second thread entering meanwhile gets an error
+  /// (Note [DataParallel threads]).
+  class InUse {
+   public:
+    explicit InUse(std::atomic<bool>& flag) : flag_(flag) {
+      bool expected = false;
+      CHORUS_CHECK(flag_.compare_exchange_strong(expected, true, std::memory_order_acquire),
+                   "DataParallel: forward (or to()) called while another thread is inside forward of the same "
+                   "DataParallel; one DataParallel serves one thread at a time (replicas and their autograd "
+                   "wiring are shared): use one DataParallel per thread, or a lock around the whole step");
+    }
+    ~InUse() { flag_.store(false, std::memory_order_release); }
+    InUse(const InUse&) = delete;
+    InUse& operator=(const InUse&) = delete;
+
+   private:
+    std::atomic<bool>& flag_;
+  };
+
+  /// A forward from a device worker thread (inside a replica's forward) would queue work
+  /// behind itself, or behind workers that wait for it: refuse it (Note [DataParallel threads]).
+  void check_not_nested() const {
+    if (devices_.size() == 1) return;  // the passthrough posts nothing
+    if (const Stream* w = ::chorus::detail::worker_stream_of_thread()) {
+      std::string uses;
+      for (std::size_t r = 1; r < streams_.size() && uses.empty(); ++r)
+        if (streams_[r] == w) uses = " (this DataParallel runs replica " + std::to_string(r) + " on that very stream)";
+      CHORUS_FAIL("DataParallel: forward called on the worker thread of ", w->str(),
+                  ", i.e. inside a replica's forward (a DataParallel nested in a replicated module?)", uses,
+                  "; nested DataParallel is not supported: it would wait for work queued behind itself. Call the "
+                  "inner module directly inside the outer model");
+    }
+  }
+
+  // Note [active window]
+  // A training step posts work to the replicas' workers in bursts: the forward, then the
+  // backward (after the loss), then nothing until the next forward (after the optimizer
+  // step). A worker that fell asleep in a gap costs a wake-up at the next burst (up to
+  // ~100 us on some VMs, per burst). So each forward keeps the used workers spinning for
+  // twice the time since the previous forward (the step period), capped at kMaxActiveWindow:
+  // short steps never sleep between bursts; a loop that pauses between steps (evaluation,
+  // I/O) lets them sleep again after the cap. Spinning workers yield to runnable threads.
+  static constexpr auto kMaxActiveWindow = std::chrono::milliseconds(10);
+  void keep_workers_hot(std::size_t used) {
+    const auto now = std::chrono::steady_clock::now();
+    const auto period = now - last_forward_;
+    last_forward_ = now;
+    if (period > kMaxActiveWindow) return;  // also the first step
+    const auto until = now + std::min<std::chrono::steady_clock::duration>(2 * period, kMaxActiveWindow);
+    for (std::size_t r = 1; r < used; ++r) streams_[r]->keep_hot_until(until);
+  }
+
+  // ---- small steps (Note [inline small steps]) ----
+  template <class... Args>
+  bool runs_on_caller(const parallel::ChunkPlan& plan, std::int64_t batch, const Args&... args) const {
+    if (inline_work_ <= 0 || !devices_[0].is_cpu() || batch <= 0) return false;
+    const std::int64_t rows = batch - plan.sizes[0];  // the rows that would leave the caller
+    const std::int64_t params = replicator_->parameter_numel();
+    if (params > inline_work_) return false;          // keeps the product below from overflowing
+    std::int64_t work = rows * 2 * params;
+    auto add_input = [&](const auto& a) {
+      if constexpr (parallel::detail::is_tensor_v<decltype(a)>) work += a.numel() / batch * rows;
+    };
+    (add_input(args), ...);
+    return work <= inline_work_;
+  }
+
+  template <class R, class... Args>
+  R forward_on_caller(const parallel::ChunkPlan& plan, const Args&... args) {
+    auto modules = replicator_->prepare(plan.used(), /*on_caller=*/true);
+    std::vector<R> outs;
+    outs.reserve(plan.used());
+    for (std::size_t r = 0; r < plan.used(); ++r) {
+      std::optional<StreamGuard> on_stream;  // replica r's stream is current, as on its worker
+      if (r > 0) on_stream.emplace(*streams_[r]);
+      try {
+        outs.push_back(parallel::detail::call_forward(*modules[r], scatter(args, plan, r)...));
+      } catch (const std::exception& e) {
+        CHORUS_FAIL("in replica ", r, " on ", devices_[r], ": ", e.what());
+      }
+    }
+    return gather_outputs(outs);
+  }
+
   // ---- scattering ----
   template <class... Args>
   std::int64_t batch_size(const Args&... args) const {
@@ -202,6 +382,10 @@ class DataParallel {
   std::vector<Device> devices_;
   Device output_device_;
   std::int64_t dim_;
+  std::size_t bucket_bytes_;
+  std::atomic<bool> in_forward_{false};
+  std::int64_t inline_work_ = parallel::inline_work_default();
+  std::chrono::steady_clock::time_point last_forward_{};
   std::vector<Stream*> streams_;
   std::shared_ptr<parallel::Communicator> comm_;
   std::unique_ptr<parallel::Replicator<M>> replicator_;

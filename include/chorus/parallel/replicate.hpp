@@ -19,6 +19,7 @@
 // gradients into the primary device (through the Communicator) and hands the sums to the
 // primary parameters' AccumulateGrad, which also receives replica 0's own gradients.
 #include <memory>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -144,17 +145,24 @@ class Replicator {
 
   /// Makes replicas 1 … used-1 current with the primary and wires them into autograd for
   /// this step; returns the modules of replicas 0 … used-1 (replica 0 is the primary).
-  std::vector<M*> prepare(std::size_t used) {
+  /// `on_caller`: CPU devices only; the calling thread copies the parameters itself, for a
+  /// step that runs every replica on the calling thread (Note [inline small steps]).
+  std::vector<M*> prepare(std::size_t used, bool on_caller = false) {
     check_on_primary();
     if (!primary_is_flat()) flatten_primary();  // the user moved or replaced a tensor
     std::vector<M*> out{&primary_};
     if (used <= 1) return out;
-    // Every replica is refreshed, also those this step leaves idle: a collective such as an
-    // NCCL broadcast needs every rank.
-    for (std::size_t g = 0; g < flats_.size(); ++g) {
-      std::vector<AnyTensor> dsts;
-      for (std::size_t r = 1; r < devices_.size(); ++r) dsts.push_back(replica_flats_[r - 1][g]);
-      comm_->broadcast(flats_[g], dsts);
+    if (on_caller) {
+      refresh_on_caller(used);
+    } else {
+      // Every replica is refreshed, also those this step leaves idle: a collective such as an
+      // NCCL broadcast needs every rank.
+      for (std::size_t g = 0; g < flats_.size(); ++g) {
+        std::vector<AnyTensor> dsts;
+        for (std::size_t r = 1; r < devices_.size(); ++r) dsts.push_back(replica_flats_[r - 1][g]);
+        comm_->broadcast(flats_[g], dsts);
+      }
+      join_idle(used);
     }
     const bool training = nn::module_of(primary_).is_training();
     for (std::size_t r = 1; r < used; ++r) {
@@ -166,9 +174,52 @@ class Replicator {
     return out;
   }
 
+  /// Elements of the parameters (the work of a step grows with it).
+  std::int64_t parameter_numel() const {
+    std::int64_t n = 0;
+    for (const auto& e : tensors_) n += e.is_param ? e.tensor.numel() : 0;
+    return n;
+  }
+
   const M& replica(std::size_t r) const { return r == 0 ? primary_ : *replicas_[r - 1]; }
 
  private:
+  /// Copies the primary's flat buffers into replicas 1 … used-1 on the calling thread, after
+  /// whatever their streams still had queued (a drained stream's next work is ours).
+  void refresh_on_caller(std::size_t used) {
+    const auto& streams = comm_->streams();
+    for (std::size_t r = 1; r < used; ++r) {
+      CHORUS_CHECK(streams[r]->device().is_cpu(), "DataParallel: a refresh on the calling thread is for CPU devices");
+      streams[r]->synchronize();
+      for (std::size_t g = 0; g < flats_.size(); ++g)
+        flats_[g].visit([&](const auto& src) {
+          using T = typename std::decay_t<decltype(src)>::value_type;
+          backend::copy(replica_flats_[r - 1][g].template as<T>(), src);
+        });
+    }
+  }
+
+  // Note [idle replicas]
+  // The broadcast to a replica that this step leaves idle (batch smaller than the device
+  // count) reads the primary's flat buffers on that replica's stream, and no forward task
+  // follows it there for parallel_apply to wait on: without a join, the optimizer step that
+  // writes the primary next races with the copy. So the caller waits for the idle replicas'
+  // streams here (CPU: on the host; CUDA: an event the primary's current stream waits on).
+  // The marker runs on the worker, after the broadcast's posted work, so it also covers
+  // CUDA work that the worker had not yet launched when the broadcast returned.
+  void join_idle(std::size_t used) {
+    const auto& streams = comm_->streams();
+    std::vector<Future<std::optional<Event>>> marks;
+    for (std::size_t r = used; r < streams.size(); ++r)
+      marks.push_back(streams[r]->async([s = streams[r]] {
+        std::optional<Event> done;
+        if (s->device().is_cuda()) done.emplace().record(*s);
+        return done;
+      }));
+    for (auto& m : marks)
+      if (auto done = m.get()) done->block(current_stream(devices_[0]));
+  }
+
   void check_on_primary() const {
     for (const auto& e : tensors_)
       CHORUS_CHECK(e.tensor.device() == devices_[0], "DataParallel: ", e.is_param ? "parameter '" : "buffer '", e.name,
