@@ -554,9 +554,9 @@ class DistributedDataParallel {
                          const std::vector<nn::Module::NamedTensor>& buffers) {
     std::vector<std::string> mine;
     for (const auto& p : params)
-      mine.push_back("parameter '" + p.name + "' " + dtype_name(p.tensor.dtype()) + " " + shape_str(p.tensor.shape()));
+      mine.push_back("parameter '" + p.name + "' " + std::string(dtype_name(p.tensor.dtype())) + " " + shape_str(p.tensor.shape()));
     for (const auto& b : buffers)
-      mine.push_back("buffer '" + b.name + "' " + dtype_name(b.tensor.dtype()) + " " + shape_str(b.tensor.shape()));
+      mine.push_back("buffer '" + b.name + "' " + std::string(dtype_name(b.tensor.dtype())) + " " + shape_str(b.tensor.shape()));
     const int world = group_.world_size();
     if (world == 1) return;
     std::string joined;

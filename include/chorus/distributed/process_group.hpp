@@ -193,13 +193,14 @@ class CommThread {
     {
       std::lock_guard<std::mutex> lk(m_);
       queue_.push_back({std::move(start), std::move(work), MPI_REQUEST_NULL});
+      ++outstanding_;
     }
     cv_.notify_one();
   }
   /// Collectives queued or in flight.
   std::size_t pending() const {
     std::lock_guard<std::mutex> lk(m_);
-    return queue_.size() + in_flight_;
+    return outstanding_;
   }
   void stop() {
     {
@@ -228,12 +229,11 @@ class CommThread {
         if (active.empty()) cv_.wait(lk, [&] { return stopped_ || !queue_.empty(); });
         if (stopped_) return;  // requests still in flight are abandoned (Note [watchdog])
         fresh.swap(queue_);
-        in_flight_ = active.size() + fresh.size();
       }
       for (auto& op : fresh) {
         const int rc = op.start(&op.request);
         if (rc != MPI_SUCCESS) {
-          op.work->finish("MPI error: " + mpi_error_string(rc));
+          complete(op, "MPI error: " + mpi_error_string(rc));
           continue;
         }
         active.push_back(std::move(op));
@@ -246,16 +246,12 @@ class CommThread {
           std::string err;
           if (rc != MPI_SUCCESS) err = "MPI error: " + mpi_error_string(rc);
           else if (active[i].work->on_done) active[i].work->on_done();
-          active[i].work->finish(std::move(err));
+          complete(active[i], std::move(err));
           active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
           progressed = true;
         } else {
           ++i;
         }
-      }
-      {
-        std::lock_guard<std::mutex> lk(m_);
-        in_flight_ = active.size();
       }
       // Poll quickly while things move, then back off (up to 200 us) so that a rank waiting
       // for a slow peer leaves the cores to the computation (Note [communication thread]).
@@ -267,10 +263,18 @@ class CommThread {
     }
   }
 
+  void complete(Op& op, std::string error) {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      --outstanding_;
+    }
+    op.work->finish(std::move(error));
+  }
+
   mutable std::mutex m_;
   std::condition_variable cv_;
   std::deque<Op> queue_;
-  std::size_t in_flight_ = 0;
+  std::size_t outstanding_ = 0;  // submitted, not yet finished
   bool stopped_ = false;
   std::thread thread_;
 };
