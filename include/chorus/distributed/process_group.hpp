@@ -40,6 +40,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -777,11 +778,11 @@ inline void Work::wait(std::chrono::milliseconds timeout) {
   const auto deadline = start_ + timeout;
   if (!cv_.wait_until(lk, deadline, [this] { return done_; })) {
     lk.unlock();
-    const auto secs = std::chrono::duration<double>(timeout).count();
-    std::string msg = "dist: " + what_ + " did not complete within " + std::to_string(secs) +
-                      " s (a rank stopped participating?); the process group is now broken";
+    std::ostringstream msg;
+    msg << "dist: " << what_ << " did not complete within " << std::chrono::duration<double>(timeout).count()
+        << " s (a rank stopped participating?); the process group is now broken";
     if (group) group->mark_broken(what_ + " timed out");
-    CHORUS_FAIL(msg);
+    CHORUS_FAIL(msg.str());
   }
   if (!error_.empty()) {
     lk.unlock();
