@@ -404,7 +404,7 @@ class ProcessGroup {
     if (what.empty()) what = std::string("all_reduce(") + op_name(op) + ")";
     check_tensor(t, what);
     auto work = make_work(what, t);
-    if (world_ == 1) return done(work);
+    if (local_only(t)) return done(work);
 #if CHORUS_CUDA
     if (t.device().is_cuda() || launcher_ == Launcher::Torchrun) {
       return nccl_collective(work, t, [&](const Tensor<T>& d, detail::NcclGroup& g) {
@@ -436,7 +436,7 @@ class ProcessGroup {
     CHORUS_CHECK(root >= 0 && root < world_, "dist: ", what, ": root ", root, " is not a rank of a world of ", world_);
     check_tensor(t, what);
     auto work = make_work(what, t);
-    if (world_ == 1) return done(work);
+    if (local_only(t)) return done(work);
 #if CHORUS_CUDA
     if (t.device().is_cuda() || launcher_ == Launcher::Torchrun) {
       return nccl_collective(work, t, [&](const Tensor<T>& d, detail::NcclGroup& g) {
@@ -470,7 +470,7 @@ class ProcessGroup {
     auto out = Tensor<T>::empty(Shape(dims), t.device());
     auto work = make_work(what, t);
     work->keep.push_back(AnyTensor(out));
-    if (world_ == 1) {
+    if (local_only(t)) {
       backend::copy(out.view(t.shape()), t);
       return out;
     }
@@ -591,6 +591,12 @@ class ProcessGroup {
     w->group = this;
     w->keep.push_back(AnyTensor(t));
     return w;
+  }
+  /// A world of 1 needs no communication; but CUDA tensors under a launcher still go through
+  /// NCCL (a one-rank communicator), so that a one-GPU job runs the same path as a large one.
+  template <class T>
+  bool local_only(const Tensor<T>& t) const {
+    return world_ == 1 && !(t.device().is_cuda() && launcher_ != Launcher::None);
   }
   static std::shared_ptr<Work> done(std::shared_ptr<Work> w) {
     w->finish();
