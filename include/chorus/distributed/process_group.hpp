@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "../core/any_tensor.hpp"
+#include "../ops/ops.hpp"
 #include "../core/runtime.hpp"
 #include "../core/stream.hpp"
 #include "../core/tensor.hpp"
