@@ -201,6 +201,8 @@ TEST(Ddp, BucketsFollowReverseOrderThenTheObservedOrder) {
     loss.backward();
   }
   EXPECT_TRUE(ddp.buckets_rebuilt());
+  // Every bucket but the last started reducing while backward was still producing gradients.
+  EXPECT_EQ(ddp.buckets_started_early(), ddp.bucket_names().size() - 1);
   std::set<std::string> names;
   for (auto& b : ddp.bucket_names())
     for (auto& n : b) names.insert(n);

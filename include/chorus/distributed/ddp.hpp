@@ -94,6 +94,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     }
     ready_.assign(params_.size(), false);
     used_.assign(params_.size(), true);
+    ready_count_ = 0;
+    early_launches_ = 0;
     next_bucket_ = 0;
     started_ = false;
     finalized_ = false;
@@ -105,6 +107,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     if (!used_[i]) return;
     used_[i] = false;
     ready_[i] = true;
+    ++ready_count_;
     --buckets_[bucket_of_[i]].pending;
   }
 
@@ -118,6 +121,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
                  "backward passes, or the parameter shared with another DistributedDataParallel?)");
     started_ = true;
     ready_[i] = true;
+    ++ready_count_;
     if (!rebuilt_) ready_order_.push_back(i);
     auto& b = buckets_[bucket_of_[i]];
     copy_into_bucket(b, i);
@@ -184,6 +188,11 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     ++steps_;
   }
 
+  /// Buckets of the last step whose all-reduce started while gradients were still missing.
+  std::size_t early_launches() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return early_launches_;
+  }
   /// True between a reducing forward and the end of its backward.
   bool in_step() const {
     std::lock_guard<std::mutex> lk(m_);
@@ -223,6 +232,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
       // Unused members (find_unused_parameters) count as zeros.
       for (std::size_t k = 0; k < b.members.size(); ++k)
         if (!used_[b.members[k]]) zero_slot(b, k);
+      if (ready_count_ < params_.size()) ++early_launches_;  // overlaps the rest of backward
       const std::string what = "all_reduce of gradient bucket " + std::to_string(next_bucket_);
       b.flat.visit([&](const auto& f) { b.work = group_.all_reduce_async(f, ReduceOp::Avg, what); });
       ++next_bucket_;
@@ -311,7 +321,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<std::size_t> bucket_of_;
   std::vector<bool> ready_, used_;
   std::vector<std::size_t> ready_order_;
-  std::size_t next_bucket_ = 0;
+  std::size_t next_bucket_ = 0, ready_count_ = 0, early_launches_ = 0;
   std::size_t steps_ = 0;
   bool rebuilt_ = false, started_ = false, finalized_ = false, armed_ = false;
 };
@@ -394,8 +404,10 @@ class DistributedDataParallel {
     verify_same_model(named, buffers);
     sync_from_rank0(named, buffers, /*buffers_only=*/false);
     std::vector<dist::detail::Reducer::Param> trained;
+    std::unordered_set<const void*> seen;  // a tensor registered under two names is reduced once
     for (auto& p : named)
-      if (p.tensor.requires_grad() && p.tensor.dtype() != DType::Int64) trained.push_back({p.name, p.tensor});
+      if (p.tensor.requires_grad() && p.tensor.dtype() != DType::Int64 && seen.insert(p.tensor.impl_key()).second)
+        trained.push_back({p.name, p.tensor});
     reducer_ = std::make_shared<dist::detail::Reducer>(group_, std::move(trained), options_, device_);
   }
 
@@ -471,6 +483,9 @@ class DistributedDataParallel {
   }
   /// True once the buckets were re-made from the observed gradient order.
   bool buckets_rebuilt() const { return reducer_->rebuilt(); }
+  /// How many buckets of the last step started their all-reduce before backward had produced
+  /// every gradient (overlapping it); all but the last, when the order is right.
+  std::size_t buckets_started_early() const { return reducer_->early_launches(); }
 
  private:
   template <class... Args>
