@@ -159,12 +159,13 @@ void check_equals_single_process(DistributedDataParallelOptions options, int ste
   optim::SGD opt(ddp.parameters(), {.lr = 0.05, .momentum = 0.9});
   optim::SGD ref_opt(reference.parameters(), {.lr = 0.05, .momentum = 0.9});
   for (int step = 0; step < steps; ++step) {
+    // Odd steps zero the gradients in place (they are views of the buckets then), even steps drop them.
     auto loss = nn::functional::mse_loss(ddp(x.narrow(0, r * per, per)), y.narrow(0, r * per, per));
-    opt.zero_grad();
+    opt.zero_grad(/*set_to_none=*/step % 2 == 0);
     loss.backward();
     opt.step();
     auto ref_loss = nn::functional::mse_loss(reference.forward(x), y);
-    ref_opt.zero_grad();
+    ref_opt.zero_grad(step % 2 == 0);
     ref_loss.backward();
     ref_opt.step();
   }

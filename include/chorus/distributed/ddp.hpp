@@ -19,8 +19,8 @@
 // ParamReady node, it accumulates the gradient into grad() (what AccumulateGrad would have
 // done), copies grad() into its bucket and, when the bucket is complete, starts its all-reduce.
 // Every ParamReady node has one edge to a Finalize node, which the engine therefore runs after
-// the last of them: it starts what is left, waits for all buckets and writes the averages back
-// into grad(). Copying the accumulated grad() (not just this backward's gradient) gives
+// the last of them: it starts what is left and waits for all buckets, whose averages are then
+// the grad()s. Reducing the accumulated grad() (not just this backward's gradient) gives
 // no_sync()'s semantics: steps under no_sync accumulate locally, the next step reduces the sum.
 #include <algorithm>
 #include <exception>
@@ -111,8 +111,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     --buckets_[bucket_of_[i]].pending;
   }
 
-  /// A ParamReady node: the parameter's gradient is in grad() (Note [DDP graph nodes]).
-  void mark_ready(std::size_t i) {
+  /// A ParamReady node: `grad` is parameter i's gradient from this backward pass; it is added
+  /// to grad() in the bucket, where grad() lives from now on (Note [DDP gradient views]).
+  void mark_ready(std::size_t i, const AnyTensor& grad) {
     std::lock_guard<std::mutex> lk(m_);
     CHORUS_CHECK(armed_, "DistributedDataParallel: a gradient arrived for '", params_[i].name,
                  "' outside a reducing step (backward through the graph of an earlier forward twice?)");
@@ -124,7 +125,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     ++ready_count_;
     if (!rebuilt_) ready_order_.push_back(i);
     auto& b = buckets_[bucket_of_[i]];
-    copy_into_bucket(b, i);
+    accumulate_into_bucket(b, i, grad);
     --b.pending;
     launch_ready();
   }
@@ -166,22 +167,16 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
       group_.all_reduce_async(used, ReduceOp::Sum, "all_reduce of the used-parameter map")->wait(group_.timeout());
       for (std::size_t i = 0; i < params_.size(); ++i) globally_used[i] = used.data()[i] > 0;
     }
+    // The averages are in the buckets, where the used parameters' grad() already points; a
+    // parameter only another rank used gets its view now.
     NoGradGuard ng;
     for (auto& b : buckets_) {
       for (std::size_t k = 0; k < b.members.size(); ++k) {
         const std::size_t i = b.members[k];
-        if (!globally_used[i]) continue;
+        if (!globally_used[i] || used_[i]) continue;
         params_[i].tensor.visit([&](auto& p) {
           using T = typename std::decay_t<decltype(p)>::value_type;
-          if constexpr (is_floating_v<T>) {
-            auto avg = b.flat.template as<T>().narrow(0, b.offsets[k], p.numel()).view(p.shape());
-            auto g = p.grad();
-            if (!g.defined() || !g.is_contiguous()) {
-              g = Tensor<T>::empty(p.shape(), p.device());
-              p.set_grad(g);
-            }
-            backend::copy(g, avg);
-          }
+          if constexpr (is_floating_v<T>) p.set_grad(slot_of(b, k, p));
         });
       }
     }
@@ -213,14 +208,42 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     }
   }
 
-  void copy_into_bucket(Bucket& b, std::size_t i) {
-    const auto k = static_cast<std::size_t>(std::find(b.members.begin(), b.members.end(), i) - b.members.begin());
+  // Note [DDP gradient views]
+  // As PyTorch's gradient_as_bucket_view: a parameter's grad() is a view of its slot in the
+  // bucket, so the all-reduce (in place) leaves the averages where the optimizer reads them,
+  // and each gradient is copied once (into the slot), not twice. The gradient accumulated so
+  // far (no_sync steps, or zero_grad(false)) is what gets added to, as with AccumulateGrad.
+  template <class T>
+  static Tensor<T> slot_of(const Bucket& b, std::size_t k, const Tensor<T>& p) {
+    return b.flat.template as<T>().narrow(0, b.offsets[k], p.numel()).view(p.shape());
+  }
+  template <class T>
+  static bool is_slot(const Tensor<T>& g, const Tensor<T>& slot) {
+    return g.defined() && g.same_storage(slot) && g.storage_offset() == slot.storage_offset() && g.is_contiguous();
+  }
+  std::size_t position(const Bucket& b, std::size_t i) const {
+    return static_cast<std::size_t>(std::find(b.members.begin(), b.members.end(), i) - b.members.begin());
+  }
+
+  void accumulate_into_bucket(Bucket& b, std::size_t i, const AnyTensor& grad) {
+    const std::size_t k = position(b, i);
     NoGradGuard ng;
     params_[i].tensor.visit([&](auto& p) {
       using T = typename std::decay_t<decltype(p)>::value_type;
       if constexpr (is_floating_v<T>) {
-        auto slot = b.flat.template as<T>().narrow(0, b.offsets[k], p.numel()).view(p.shape());
-        backend::copy(slot, p.grad());
+        const auto& g = grad.template as<T>();
+        CHORUS_CHECK(g.shape() == p.shape(), "DistributedDataParallel: gradient of shape ", g.shape(),
+                     " for parameter '", params_[i].name, "' of shape ", p.shape());
+        auto slot = slot_of(b, k, p);
+        auto old = p.grad();
+        if (is_slot(old, slot)) {
+          backend::binary_same(slot, g.is_contiguous() ? g : g.contiguous(), slot, backend::fn::Add{});
+        } else {
+          backend::copy(slot, g);
+          if (old.defined()) backend::binary_same(slot, old.is_contiguous() ? old : old.contiguous(), slot,
+                                                  backend::fn::Add{});
+        }
+        p.set_grad(slot);
       }
     });
   }
@@ -238,11 +261,15 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
       ++next_bucket_;
     }
   }
+  // An unused parameter counts as zeros; its grad() (if it is the slot) keeps its values.
   void zero_slot(Bucket& b, std::size_t k) {
-    b.flat.visit([&](const auto& f) {
-      using T = typename std::decay_t<decltype(f)>::value_type;
-      auto slot = f.narrow(0, b.offsets[k], params_[b.members[k]].tensor.numel());
-      backend::fill(slot, T(0));
+    params_[b.members[k]].tensor.visit([&](auto& p) {
+      using T = typename std::decay_t<decltype(p)>::value_type;
+      if constexpr (is_floating_v<T>) {
+        auto slot = slot_of(b, k, p);
+        if (is_slot(p.grad(), slot)) p.set_grad(slot.clone());
+        backend::fill(slot, T(0));
+      }
     });
   }
 
@@ -330,19 +357,16 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 template <class T>
 class ParamReady final : public autograd::Node<T> {
  public:
-  ParamReady(std::shared_ptr<Reducer> reducer, std::size_t index, std::shared_ptr<autograd::Node<T>> accumulator)
-      : reducer_(std::move(reducer)), index_(index), accumulator_(std::move(accumulator)) {}
+  ParamReady(std::shared_ptr<Reducer> reducer, std::size_t index) : reducer_(std::move(reducer)), index_(index) {}
   std::string name() const override { return "DistributedDataParallel::ParamReady"; }
   typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
-    accumulator_->apply(std::move(grads));
-    reducer_->mark_ready(index_);
+    reducer_->mark_ready(index_, AnyTensor(std::move(grads[0])));
     return {};
   }
 
  private:
   std::shared_ptr<Reducer> reducer_;
   std::size_t index_;
-  std::shared_ptr<autograd::Node<T>> accumulator_;
 };
 
 /// Runs after every ParamReady node of one backward pass (Note [DDP graph nodes]).
@@ -508,7 +532,7 @@ class DistributedDataParallel {
           using T = typename std::decay_t<decltype(p)>::value_type;
           if constexpr (is_floating_v<T>) {
             auto finalize = d_.template finalize_node<T>();
-            auto node = std::make_shared<dist::detail::ParamReady<T>>(d_.reducer_, i, autograd::grad_accumulator(p));
+            auto node = std::make_shared<dist::detail::ParamReady<T>>(d_.reducer_, i);
             node->set_stream(&current_stream(p.device()));
             node->add_next_edge({finalize, 0});
             auto& impl = *p.impl();
