@@ -537,6 +537,12 @@ class ProcessGroup {
     shut_down_ = true;
 #if CHORUS_DIST_MPI
     if (!mpi_) return;
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) {  // the program finalised MPI itself (it should have called dist::shutdown() first)
+      comm_thread_->stop();
+      return;
+    }
     bool clean = !broken() && comm_thread_->pending() == 0;
     if (clean && world_ > 1) {
       // Note [watchdog]: a barrier on a communicator nothing else uses, so that it cannot be
@@ -557,9 +563,7 @@ class ProcessGroup {
     if (!clean) return;  // no MPI_Finalize: the launcher ends the job (Note [watchdog])
     (void)MPI_Comm_free(&comm_);
     (void)MPI_Comm_free(&exit_comm_);
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (owns_mpi_ && !finalized) MPI_Finalize();
+    if (owns_mpi_) MPI_Finalize();
 #endif
   }
 
