@@ -8,7 +8,7 @@
 //   hidden    share of comm_ms that the overlap with backward hides: 1 - (step - local) / comm
 //   plain_ms  (1 process) the plain module's step without DistributedDataParallel: the baseline
 //
-//   mpirun -np N ddp_bench [--steps S] [--warmup W] [--batch B]
+//   mpirun -np N ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB (default 25)]
 #include <chorus/distributed.hpp>
 
 #include <algorithm>
@@ -33,13 +33,15 @@ struct MlpMedium : nn::Module {
 
 int main(int argc, char** argv) try {
   int steps = 20, warmup = 3, batch = 512;
+  double bucket_mb = 25;  // DistributedDataParallel's default cap
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--steps") steps = std::stoi(argv[i + 1]);
     else if (a == "--warmup") warmup = std::stoi(argv[i + 1]);
     else if (a == "--batch") batch = std::stoi(argv[i + 1]);
+    else if (a == "--bucket-mb") bucket_mb = std::stod(argv[i + 1]);
     else {
-      std::fprintf(stderr, "usage: ddp_bench [--steps S] [--warmup W] [--batch B]\n");
+      std::fprintf(stderr, "usage: ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB]\n");
       return 2;
     }
   }
@@ -50,7 +52,8 @@ int main(int argc, char** argv) try {
   manual_seed(0);
   auto x = randn<float>({batch / world, 1024});
   auto y = randn<float>({batch / world, 1024});
-  DistributedDataParallel<MlpMedium> ddp(MlpMedium{});
+  DistributedDataParallel<MlpMedium> ddp(MlpMedium{},
+                                         {.bucket_cap_bytes = static_cast<std::size_t>(bucket_mb * (1 << 20))});
   optim::SGD opt(ddp.parameters(), {.lr = 1e-4});
   auto step = [&] {
     auto loss = nn::functional::mse_loss(ddp(x), y);
