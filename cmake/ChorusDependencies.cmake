@@ -41,3 +41,17 @@ if(NOT DEFINED CHORUS_ENABLE_CUDA OR CHORUS_ENABLE_CUDA)
   endif()
 endif()
 message(STATUS "chorus: CUDA ${CHORUS_HAS_CUDA}")
+
+# MPI for chorus::distributed (optional: without it everything else builds; Debian:
+# openmpi-bin libopenmpi-dev, or mpich libmpich-dev). Sets CHORUS_HAS_MPI.
+set(CHORUS_HAS_MPI OFF)
+if(NOT DEFINED CHORUS_ENABLE_MPI OR CHORUS_ENABLE_MPI)
+  # The C API through the C++ compiler (a project may not enable C), without the deprecated
+  # C++ bindings (OMPI_SKIP_MPICXX).
+  set(MPI_CXX_SKIP_MPICXX TRUE)
+  find_package(MPI COMPONENTS CXX QUIET)
+  if(MPI_CXX_FOUND)
+    set(CHORUS_HAS_MPI ON)
+  endif()
+endif()
+message(STATUS "chorus: MPI ${CHORUS_HAS_MPI}")

@@ -1,6 +1,7 @@
 #pragma once
 // DataLoader: batches of a Dataset, in order or shuffled by a seeded generator.
 #include <algorithm>
+#include <functional>
 #include <numeric>
 #include <random>
 
@@ -16,6 +17,13 @@ struct DataLoaderOptions {
   bool drop_last = false;   ///< drop a last batch smaller than batch_size
 };
 
+/// Something that picks the indices of an epoch (data::DistributedSampler, say).
+template <class S>
+concept Sampler = requires(const S& s) {
+  { s.size() } -> std::convertible_to<std::size_t>;
+  { s.indices() } -> std::convertible_to<std::vector<std::size_t>>;
+};
+
 template <Dataset D>
 class DataLoader {
  public:
@@ -25,11 +33,20 @@ class DataLoader {
       : dataset_(std::move(dataset)), options_(options), rng_(options.seed) {
     CHORUS_CHECK(options_.batch_size > 0, "DataLoader: batch_size must be positive, got ", options_.batch_size);
   }
+  /// Batches of the indices `sampler` picks each epoch (it is read at every begin(), so a
+  /// set_epoch() on it takes effect; it must outlive the loader). Excludes options.shuffle.
+  template <Sampler S>
+  DataLoader(D dataset, DataLoaderOptions options, const S& sampler) : DataLoader(std::move(dataset), options) {
+    CHORUS_CHECK(!options_.shuffle, "DataLoader: shuffle and a sampler exclude each other (the sampler shuffles)");
+    sampler_size_ = [&sampler] { return static_cast<std::size_t>(sampler.size()); };
+    sampler_order_ = [&sampler] { return std::vector<std::size_t>(sampler.indices()); };
+  }
 
   /// Batches in one epoch.
   std::size_t num_batches() const {
-    // n / b rounded up without n + b - 1, which wraps for a huge batch_size (of either type).
-    const std::size_t n = dataset_.size(), b = static_cast<std::size_t>(options_.batch_size);
+    // n / b rounded up without n + b - 1, which wraps for a huge batch_size.
+    const std::size_t n = sampler_size_ ? sampler_size_() : dataset_.size();
+    const auto b = static_cast<std::size_t>(options_.batch_size);
     return options_.drop_last ? n / b : n / b + (n % b != 0);
   }
   const D& dataset() const { return dataset_; }
@@ -56,6 +73,7 @@ class DataLoader {
 
   /// Starts an epoch (drawing a new permutation when shuffling).
   Iterator begin() {
+    if (sampler_order_) return Iterator(this, std::make_shared<const std::vector<std::size_t>>(sampler_order_()), 0);
     auto order = std::make_shared<std::vector<std::size_t>>(dataset_.size());
     std::iota(order->begin(), order->end(), std::size_t{0});
     if (options_.shuffle) std::shuffle(order->begin(), order->end(), rng_);
@@ -83,6 +101,8 @@ class DataLoader {
   D dataset_;
   DataLoaderOptions options_;
   std::mt19937_64 rng_;
+  std::function<std::size_t()> sampler_size_;
+  std::function<std::vector<std::size_t>()> sampler_order_;
 };
 
 }  // namespace data

@@ -1,0 +1,122 @@
+// DistributedDataParallel on the CPU: one mlp-medium training step (4 x Linear(1024, 1024), ReLU,
+// MSE, SGD) with a fixed global batch of 512 split over the processes, one BLAS thread each.
+// Run under mpirun with 1 and 2 processes (benchmarks/ddp_scaling.sh does both and prints the
+// speedup). Rank 0 prints one JSON line:
+//   step_ms   median time of a DDP step (forward, backward with bucketed all-reduces, SGD)
+//   local_ms  the same step under no_sync(): the computation alone
+//   comm_ms   all-reducing the same buckets with nothing else running
+//   hidden    share of comm_ms that the overlap with backward hides: 1 - (step - local) / comm
+//   plain_ms  (1 process) the plain module's step without DistributedDataParallel: the baseline
+//
+//   mpirun -np N ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB (default 25)]
+#include <chorus/distributed.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <string>
+
+
+using namespace chorus;
+
+namespace {
+struct MlpMedium : nn::Module {
+  nn::Sequential net;
+  MlpMedium()
+      : net(register_module("net", nn::Sequential(nn::Linear(1024, 1024), nn::ReLU(), nn::Linear(1024, 1024),
+                                                  nn::ReLU(), nn::Linear(1024, 1024), nn::ReLU(),
+                                                  nn::Linear(1024, 1024)))) {}
+  Tensor<float> forward(const Tensor<float>& x) { return net(x); }
+};
+}  // namespace
+
+int main(int argc, char** argv) try {
+  int steps = 20, warmup = 3, batch = 512;
+  double bucket_mb = 25;  // DistributedDataParallel's default cap
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--steps") steps = std::stoi(argv[i + 1]);
+    else if (a == "--warmup") warmup = std::stoi(argv[i + 1]);
+    else if (a == "--batch") batch = std::stoi(argv[i + 1]);
+    else if (a == "--bucket-mb") bucket_mb = std::stod(argv[i + 1]);
+    else {
+      std::fprintf(stderr, "usage: ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB]\n");
+      return 2;
+    }
+  }
+  auto& pg = dist::init();
+  const int world = pg.world_size();
+  CHORUS_CHECK(batch % world == 0, "batch ", batch, " is not a multiple of ", world);
+  backend::cpu::set_blas_threads(1);
+  manual_seed(0);
+  auto x = randn<float>({batch / world, 1024});
+  auto y = randn<float>({batch / world, 1024});
+  DistributedDataParallel<MlpMedium> ddp(MlpMedium{},
+                                         {.bucket_cap_bytes = static_cast<std::size_t>(bucket_mb * (1 << 20))});
+  optim::SGD opt(ddp.parameters(), {.lr = 1e-4});
+  auto step = [&] {
+    auto loss = nn::functional::mse_loss(ddp(x), y);
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+  };
+  // Median of `steps` timed runs after `warmup` untimed ones; every run starts on all ranks at
+  // once (a barrier), so rank 0's time is the step's.
+  auto run = [&](const std::function<void()>& f) {
+    for (int i = 0; i < warmup; ++i) f();
+    std::vector<double> t;
+    for (int i = 0; i < steps; ++i) {
+      pg.barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      f();
+      t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  const double step_ms = run(step);
+  const double local_ms = run([&] {
+    auto guard = ddp.no_sync();
+    step();
+  });
+  // The same buckets' all-reduces alone.
+  std::vector<Tensor<float>> buckets;
+  std::size_t bytes = 0;
+  for (const auto& b : ddp.bucket_names()) {
+    std::int64_t n = 0;
+    for (const auto& name : b)
+      for (const auto& p : ddp.named_parameters())
+        if (p.name == name) n += p.tensor.numel();
+    buckets.push_back(zeros<float>({n}));
+    bytes += static_cast<std::size_t>(n) * sizeof(float);
+  }
+  const double comm_ms = world == 1 ? 0.0 : run([&] {
+    std::vector<std::shared_ptr<dist::Work>> works;
+    for (auto& b : buckets) works.push_back(pg.all_reduce_async(b, dist::ReduceOp::Avg));
+    for (auto& w : works) w->wait(pg.timeout());
+  });
+  // The baseline of the scaling: the plain module's step, no wrapper (one process only).
+  double plain_ms = 0;
+  if (world == 1) {
+    MlpMedium plain;
+    optim::SGD plain_opt(plain.parameters(), {.lr = 1e-4});
+    plain_ms = run([&] {
+      auto loss = nn::functional::mse_loss(plain.forward(x), y);
+      plain_opt.zero_grad();
+      loss.backward();
+      plain_opt.step();
+    });
+  }
+  const double hidden = comm_ms > 0 ? std::clamp(1.0 - (step_ms - local_ms) / comm_ms, 0.0, 1.0) : 0.0;
+  if (pg.rank() == 0)
+    std::printf(
+        "{\"workload\": \"mlp-medium\", \"processes\": %d, \"global_batch\": %d, \"buckets\": %zu, "
+        "\"gradient_bytes\": %zu, \"step_ms\": %.2f, \"local_ms\": %.2f, \"comm_ms\": %.2f, \"hidden\": %.2f, "
+        "\"plain_ms\": %.2f}\n",
+        world, batch, buckets.size(), bytes, step_ms, local_ms, comm_ms, hidden, plain_ms);
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "ddp_bench: %s\n", e.what());
+  return 1;
+}

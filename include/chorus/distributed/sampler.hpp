@@ -1,0 +1,93 @@
+#pragma once
+// DistributedSampler: each rank's share of a dataset, as torch.utils.data.DistributedSampler.
+//
+// Every epoch, every rank draws the same order (a permutation seeded by seed + epoch, or
+// 0 … n-1), pads it by repeating its start to a multiple of the world size (or, with
+// drop_last, cuts it down to one), and takes every world-th index starting at its rank — so the
+// ranks together see the dataset exactly once (plus the padding) and never the same sample.
+// Call set_epoch(e) at the start of each epoch, or every epoch repeats the first one's order.
+// The permutation is chorus's own Fisher-Yates over std::mt19937_64 (std::shuffle's algorithm
+// differs between standard libraries, and all ranks must agree).
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "../error.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace data {
+
+struct DistributedSamplerOptions {
+  bool shuffle = true;
+  std::uint64_t seed = 0;
+  bool drop_last = false;
+};
+
+class DistributedSampler {
+ public:
+  /// The share of rank `rank` out of `num_replicas` of a dataset of `dataset_size` samples.
+  DistributedSampler(std::size_t dataset_size, int num_replicas, int rank, DistributedSamplerOptions options = {})
+      : n_(dataset_size), world_(num_replicas), rank_(rank), options_(options) {
+    CHORUS_CHECK(num_replicas >= 1, "DistributedSampler: num_replicas must be at least 1, got ", num_replicas);
+    CHORUS_CHECK(rank >= 0 && rank < num_replicas, "DistributedSampler: rank ", rank, " is not in [0, ", num_replicas,
+                 ")");
+    const auto w = static_cast<std::size_t>(world_);
+    if (options_.drop_last && n_ % w != 0) {
+      num_samples_ = n_ >= w ? (n_ - w + w - 1) / w : 0;  // ceil((n - w) / w)
+    } else {
+      num_samples_ = (n_ + w - 1) / w;
+    }
+    total_ = num_samples_ * w;
+  }
+
+  /// Makes the next indices() use the order of epoch `epoch` (same on every rank).
+  void set_epoch(std::uint64_t epoch) { epoch_ = epoch; }
+  std::uint64_t epoch() const { return epoch_; }
+  /// Samples per rank and epoch.
+  std::size_t size() const { return num_samples_; }
+  /// Samples per epoch over all ranks (including the padding).
+  std::size_t total_size() const { return total_; }
+  int rank() const { return rank_; }
+  int num_replicas() const { return world_; }
+
+  /// This rank's indices for the current epoch.
+  std::vector<std::size_t> indices() const {
+    std::vector<std::size_t> order(n_);
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    if (options_.shuffle) {
+      std::mt19937_64 gen(options_.seed + epoch_);
+      for (std::size_t i = n_; i > 1; --i) std::swap(order[i - 1], order[uniform_below(gen, i)]);
+    }
+    if (total_ > n_) {  // pad by repeating the start (several times when n_ is tiny)
+      CHORUS_CHECK(n_ > 0, "DistributedSampler: an empty dataset cannot be padded");
+      for (std::size_t k = 0, pad = total_ - n_; k < pad; ++k) order.push_back(order[k % n_]);
+    } else {
+      order.resize(total_);
+    }
+    std::vector<std::size_t> mine;
+    mine.reserve(num_samples_);
+    for (std::size_t k = static_cast<std::size_t>(rank_); k < total_; k += static_cast<std::size_t>(world_))
+      mine.push_back(order[k]);
+    return mine;
+  }
+
+ private:
+  // Unbiased draw from [0, bound) (rejection sampling; the same on every platform).
+  static std::size_t uniform_below(std::mt19937_64& gen, std::size_t bound) {
+    const std::uint64_t b = bound, limit = UINT64_MAX - UINT64_MAX % b;
+    std::uint64_t x;
+    do x = gen();
+    while (x >= limit);
+    return static_cast<std::size_t>(x % b);
+  }
+
+  std::size_t n_;
+  int world_, rank_;
+  DistributedSamplerOptions options_;
+  std::size_t num_samples_ = 0, total_ = 0;
+  std::uint64_t epoch_ = 0;
+};
+
+}  // namespace data
+CHORUS_NAMESPACE_END

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# On a machine with a GPU: DistributedDataParallel over NCCL, launched two ways on one GPU (one
+# H200 allows one rank per GPU; with a launcher even a world of one goes through NCCL):
+#   1. mpirun -np 1   (MPI bootstrap: NCCL unique id broadcast over MPI)
+#   2. torchrun's environment (RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, no MPI
+#      launcher: NCCL only), and the real torchrun when PyTorch is installed
+# each running test_distributed_cuda and train_mlp_cuda --distributed; writes the logs, the
+# GoogleTest JSON reports and distributed.json (a summary) into OUTDIR. Called by gpu-check.sh.
+#
+#   scripts/gpu-check-distributed.sh OUTDIR [BUILD=build]
+# BUILD must hold a CUDA build with MPI (targets test_distributed_cuda, train_mlp_cuda).
+set -uo pipefail
+out=${1:?usage: gpu-check-distributed.sh OUTDIR [BUILD]}
+build=${2:-build}
+mkdir -p "$out"
+export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/local/cuda/lib64:/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_hwloc_base_binding_policy=none
+export CHORUS_DIST_TIMEOUT_S=${CHORUS_DIST_TIMEOUT_S:-120}  # a hang becomes an error, not a stuck check
+test_bin="$build/tests/distributed/test_distributed_cuda"
+mlp_bin="$build/examples/train_mlp_cuda"
+declare -A results
+
+check() {  # check NAME COMMAND...: runs it with a time limit, logs into OUTDIR/NAME.log
+  local name=$1
+  shift
+  echo "== $name: $*"
+  if timeout 600 "$@" > "$out/$name.log" 2>&1; then results[$name]=ok; else results[$name]="failed ($?)"; fi
+  tail -3 "$out/$name.log"
+}
+torchrun_env=(env -u OMPI_COMM_WORLD_SIZE -u PMI_SIZE -u PMIX_RANK RANK=0 WORLD_SIZE=1 LOCAL_RANK=0
+              LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29531)
+
+check mpirun_tests mpirun -np 1 "$test_bin" --gtest_output=json:"$out/mpirun_tests.json"
+check torchrun_env_tests "${torchrun_env[@]}" "$test_bin" --gtest_output=json:"$out/torchrun_env_tests.json"
+check mpirun_train_mlp mpirun -np 1 "$mlp_bin" --distributed --epochs 2
+check torchrun_env_train_mlp "${torchrun_env[@]}" "$mlp_bin" --distributed --epochs 2
+if command -v torchrun > /dev/null; then
+  check torchrun_train_mlp torchrun --no-python --nproc-per-node=1 --master-port=29541 "$mlp_bin" --distributed --epochs 2
+else
+  results[torchrun_train_mlp]="skipped (no torchrun)"
+fi
+
+status=0
+{
+  echo "{"
+  first=1
+  for k in "${!results[@]}"; do
+    ((first)) || echo ","
+    first=0
+    printf '  "%s": "%s"' "$k" "${results[$k]}"
+    [[ ${results[$k]} == ok || ${results[$k]} == skipped* ]] || status=1
+  done
+  echo
+  echo "}"
+} > "$out/distributed.json"
+cat "$out/distributed.json"
+# The backend each run used (the tests print it): NCCL must have been exercised.
+grep -h "backend" "$out"/*_tests.log 2>/dev/null | sort -u
+exit $status

@@ -1,0 +1,199 @@
+// The distributed layer without MPI and without a launcher: a world of one process, which
+// needs nothing installed; and DistributedSampler's arithmetic against PyTorch's.
+#include <chorus/distributed.hpp>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+using namespace chorus;
+
+namespace {
+
+struct EnvGuard {  // sets variables for one test, restores them after
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved;
+  void set(const char* name, const char* value) {
+    const char* old = std::getenv(name);
+    saved.push_back({name, old ? std::optional<std::string>(old) : std::nullopt});
+    if (value) ::setenv(name, value, 1);
+    else ::unsetenv(name);
+  }
+  ~EnvGuard() {
+    for (auto it = saved.rbegin(); it != saved.rend(); ++it) {
+      if (it->second) ::setenv(it->first.c_str(), it->second->c_str(), 1);
+      else ::unsetenv(it->first.c_str());
+    }
+  }
+};
+
+TEST(ProcessGroupLocal, WorldOfOne) {
+  auto& g = dist::init();
+  EXPECT_EQ(g.world_size(), 1);
+  EXPECT_EQ(g.rank(), 0);
+  EXPECT_EQ(g.local_rank(), 0);
+  EXPECT_EQ(g.backend(), "local");
+  auto t = from_vector(std::vector<double>{1, 2, 3});
+  g.all_reduce(t, dist::ReduceOp::Sum);
+  g.all_reduce(t, dist::ReduceOp::Avg);
+  g.broadcast(t, 0);
+  EXPECT_EQ(t.to_vector(), (std::vector<double>{1, 2, 3}));
+  auto all = g.all_gather(t);
+  EXPECT_EQ(all.shape(), Shape({1, 3}));
+  EXPECT_EQ(all.to_vector(), (std::vector<double>{1, 2, 3}));
+  g.barrier();
+  EXPECT_THROW(g.broadcast(t, 1), Error);
+}
+
+TEST(ProcessGroupLocal, TorchrunWithoutNcclIsRefusedClearly) {
+  EnvGuard env;
+  env.set("RANK", "0");
+  env.set("WORLD_SIZE", "2");
+  env.set("LOCAL_RANK", "0");
+  env.set("MASTER_ADDR", "127.0.0.1");
+  env.set("MASTER_PORT", "29500");
+  if constexpr (!kCudaEnabled) {
+    try {
+      dist::ProcessGroup g;
+      FAIL() << "expected an error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("NCCL"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("WORLD_SIZE=2"), std::string::npos) << e.what();
+    }
+  }
+  env.set("WORLD_SIZE", "1");
+  dist::ProcessGroup one;
+  EXPECT_EQ(one.launcher(), dist::Launcher::Torchrun);
+  EXPECT_EQ(one.world_size(), 1);
+  env.set("RANK", "3");
+  env.set("WORLD_SIZE", "2");
+  EXPECT_THROW(dist::ProcessGroup bad, Error);
+}
+
+TEST(ProcessGroupLocal, TimeoutFromTheEnvironment) {
+  EnvGuard env;
+  env.set("CHORUS_DIST_TIMEOUT_S", "7");
+  dist::ProcessGroup g;
+  EXPECT_EQ(g.timeout(), std::chrono::seconds(7));
+  EXPECT_EQ(dist::ProcessGroup({.timeout = std::chrono::seconds(600)}).timeout().count(), 7000);
+  env.set("CHORUS_DIST_TIMEOUT_S", "x");
+  EXPECT_THROW(dist::ProcessGroup bad, Error);
+}
+
+struct Net : nn::Module {
+  nn::LinearT<double> fc1, fc2, spare;
+  Net()
+      : fc1(register_module("fc1", nn::LinearT<double>(3, 6))),
+        fc2(register_module("fc2", nn::LinearT<double>(6, 2))),
+        spare(register_module("spare", nn::LinearT<double>(2, 2))) {}
+  bool use_spare = true;
+  Tensor<double> forward(const Tensor<double>& x) {
+    auto h = fc2(relu(fc1(x)));
+    return use_spare ? spare(h) : h;
+  }
+};
+
+TEST(DdpLocal, EqualsPlainTrainingAndParametersStayLeaves) {
+  manual_seed(1);
+  auto x = randn<double>({8, 3});
+  manual_seed(2);
+  Net plain;
+  manual_seed(2);
+  DistributedDataParallel<Net> ddp(Net{}, {.first_bucket_bytes = 64});
+  optim::Adam opt(ddp.parameters(), {.lr = 0.01});
+  optim::Adam ref_opt(plain.parameters(), {.lr = 0.01});
+  for (int step = 0; step < 3; ++step) {
+    auto out = ddp(x);
+    auto loss = sum(out * out);
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+    auto ref_out = plain.forward(x);
+    auto ref = sum(ref_out * ref_out);
+    ref_opt.zero_grad();
+    ref.backward();
+    ref_opt.step();
+  }
+  auto a = ddp.parameters(), b = plain.parameters();
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(a[i].as<double>().is_leaf());
+    auto u = a[i].as<double>().to_vector(), v = b[i].as<double>().to_vector();
+    for (std::size_t k = 0; k < u.size(); ++k) ASSERT_NEAR(u[k], v[k], 1e-12);
+  }
+}
+
+TEST(DdpLocal, UnusedParameterIsNamedUnlessAllowed) {
+  manual_seed(3);
+  Net net;
+  net.use_spare = false;
+  DistributedDataParallel<Net> ddp(std::move(net));
+  auto loss = sum(ddp(randn<double>({2, 3})));
+  try {
+    loss.backward();
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'spare.weight'"), std::string::npos) << e.what();
+  }
+  Net net2;
+  net2.use_spare = false;
+  DistributedDataParallel<Net> lenient(std::move(net2), {.find_unused_parameters = true});
+  sum(lenient(randn<double>({2, 3}))).backward();
+  EXPECT_TRUE(lenient.module().fc1->weight.grad().defined());
+  EXPECT_FALSE(lenient.module().spare->weight.grad().defined());
+}
+
+TEST(DdpLocal, NoGradForwardDoesNotReduce) {
+  DistributedDataParallel<Net> ddp(Net{});
+  NoGradGuard ng;
+  auto out = ddp(zeros<double>({1, 3}));
+  EXPECT_FALSE(out.requires_grad());
+}
+
+// ---- DistributedSampler: the same indices as torch.utils.data.DistributedSampler ----
+
+std::vector<std::size_t> share(std::size_t n, int world, int rank, data::DistributedSamplerOptions o) {
+  return data::DistributedSampler(n, world, rank, o).indices();
+}
+using V = std::vector<std::size_t>;
+
+TEST(DistributedSamplerLocal, PadsToAMultipleOfTheWorld) {
+  const data::DistributedSamplerOptions seq{.shuffle = false};
+  EXPECT_EQ(share(10, 3, 0, seq), (V{0, 3, 6, 9}));
+  EXPECT_EQ(share(10, 3, 1, seq), (V{1, 4, 7, 0}));
+  EXPECT_EQ(share(10, 3, 2, seq), (V{2, 5, 8, 1}));
+  EXPECT_EQ(share(2, 5, 4, seq), (V{0}));  // more padding than data: the order repeats
+  EXPECT_EQ(share(2, 5, 3, seq), (V{1}));
+}
+
+TEST(DistributedSamplerLocal, DropLastCutsToAMultipleOfTheWorld) {
+  const data::DistributedSamplerOptions seq{.shuffle = false, .drop_last = true};
+  EXPECT_EQ(share(10, 3, 0, seq), (V{0, 3, 6}));
+  EXPECT_EQ(share(10, 3, 2, seq), (V{2, 5, 8}));
+  EXPECT_EQ(data::DistributedSampler(10, 3, 0, seq).size(), 3u);
+  EXPECT_EQ(data::DistributedSampler(2, 5, 0, seq).size(), 0u);
+}
+
+TEST(DistributedSamplerLocal, ShuffleDependsOnSeedAndEpochOnly) {
+  data::DistributedSampler a(100, 4, 1, {.seed = 5}), b(100, 4, 1, {.seed = 5}), c(100, 4, 1, {.seed = 6});
+  EXPECT_EQ(a.indices(), b.indices());
+  EXPECT_NE(a.indices(), c.indices());
+  const auto first = a.indices();
+  a.set_epoch(1);
+  EXPECT_NE(a.indices(), first);
+  a.set_epoch(0);
+  EXPECT_EQ(a.indices(), first);
+  // The ranks of one epoch partition a permutation.
+  std::vector<int> seen(100, 0);
+  for (int r = 0; r < 4; ++r)
+    for (auto i : data::DistributedSampler(100, 4, r, {.seed = 5}).indices()) ++seen[i];
+  for (int s : seen) EXPECT_EQ(s, 1);
+}
+
+TEST(DistributedSamplerLocal, BadArgumentsAreRefused) {
+  EXPECT_THROW(data::DistributedSampler(10, 0, 0), Error);
+  EXPECT_THROW(data::DistributedSampler(10, 2, 2), Error);
+  EXPECT_THROW(data::DistributedSampler(10, 2, -1), Error);
+  data::DistributedSampler s(4, 1, 0);
+  data::TensorDataset<float, float> ds(zeros<float>({4, 1}), zeros<float>({4, 1}));
+  EXPECT_THROW(data::DataLoader(ds, {.batch_size = 2, .shuffle = true}, s), Error);
+}
+
+}  // namespace

@@ -1,0 +1,400 @@
+// The distributed layer under a real MPI launcher: CTest runs this binary with mpirun -np 1 … 4.
+// Every rank runs every test; only rank 0 prints GoogleTest's report, and a failure on any
+// rank makes mpirun fail.
+#include <chorus/distributed.hpp>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <set>
+
+using namespace chorus;
+
+namespace {
+
+dist::ProcessGroup& pg() { return dist::group(); }
+
+template <class T>
+struct Mlp : nn::Module {
+  nn::LinearT<T> fc1, fc2, fc3;
+  Mlp(int in, int hidden, int out)
+      : fc1(register_module("fc1", nn::LinearT<T>(in, hidden))),
+        fc2(register_module("fc2", nn::LinearT<T>(hidden, hidden))),
+        fc3(register_module("fc3", nn::LinearT<T>(hidden, out))) {}
+  Tensor<T> forward(const Tensor<T>& x) { return fc3(relu(fc2(relu(fc1(x))))); }
+};
+
+/// An Mlp with a layer forward never uses.
+template <class T>
+struct WithUnused : nn::Module {
+  nn::LinearT<T> fc1, unused, fc2;
+  WithUnused()
+      : fc1(register_module("fc1", nn::LinearT<T>(4, 8))),
+        unused(register_module("unused", nn::LinearT<T>(8, 8))),
+        fc2(register_module("fc2", nn::LinearT<T>(8, 2))) {}
+  Tensor<T> forward(const Tensor<T>& x) { return fc2(relu(fc1(x))); }
+};
+
+template <class T>
+std::vector<std::vector<T>> values(const std::vector<AnyTensor>& ts) {
+  std::vector<std::vector<T>> out;
+  for (const auto& t : ts) out.push_back(t.as<T>().to_vector());
+  return out;
+}
+
+/// Every rank's copy of `v`, gathered (as raw bits, for bitwise comparison).
+template <class T>
+std::vector<std::vector<T>> gather_all(const std::vector<T>& v) {
+  auto t = from_vector(v);
+  auto all = pg().all_gather(t);
+  auto flat = all.to_vector();
+  std::vector<std::vector<T>> out(static_cast<std::size_t>(pg().world_size()));
+  for (std::size_t r = 0; r < out.size(); ++r) out[r].assign(flat.begin() + r * v.size(), flat.begin() + (r + 1) * v.size());
+  return out;
+}
+
+template <class T>
+std::vector<T> concat(const std::vector<std::vector<T>>& parts) {
+  std::vector<T> out;
+  for (auto& p : parts) out.insert(out.end(), p.begin(), p.end());
+  return out;
+}
+
+// ---- process group ----
+
+TEST(ProcessGroup, RanksAreConsistent) {
+  const int w = pg().world_size(), r = pg().rank();
+  ASSERT_GE(w, 1);
+  ASSERT_GE(r, 0);
+  ASSERT_LT(r, w);
+  EXPECT_GE(pg().local_rank(), 0);
+  EXPECT_LT(pg().local_rank(), pg().local_world_size());
+  EXPECT_EQ(pg().backend(), "mpi");
+  auto ranks = pg().all_gather(from_vector(std::vector<std::int64_t>{r}));
+  for (int k = 0; k < w; ++k) EXPECT_EQ(ranks.to_vector()[k], k);
+}
+
+template <class T>
+class Collectives : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double, std::int64_t>;
+TYPED_TEST_SUITE(Collectives, Scalars);
+
+TYPED_TEST(Collectives, AllReduceBroadcastAllGather) {
+  using T = TypeParam;
+  const int w = pg().world_size(), r = pg().rank();
+  auto t = from_vector(std::vector<T>{T(r + 1), T(2 * r), T(3)});
+  pg().all_reduce(t, dist::ReduceOp::Sum);
+  EXPECT_EQ(t.to_vector(), (std::vector<T>{T(w * (w + 1) / 2), T(w * (w - 1)), T(3 * w)}));
+  auto a = from_vector(std::vector<T>{T(4 * w), T(8 * r)});
+  pg().all_reduce(a, dist::ReduceOp::Avg);
+  EXPECT_EQ(a.to_vector(), (std::vector<T>{T(4 * w), T(4 * (w - 1))}));
+  auto b = from_vector(std::vector<T>{T(r), T(-r)});
+  pg().broadcast(b, w - 1);
+  EXPECT_EQ(b.to_vector(), (std::vector<T>{T(w - 1), T(1 - w)}));
+  auto g = pg().all_gather(from_vector(std::vector<T>{T(r), T(10 * r)}).view({1, 2}));
+  ASSERT_EQ(g.shape(), Shape({w, 1, 2}));
+  for (int k = 0; k < w; ++k) {
+    EXPECT_EQ(g.to_vector()[2 * k], T(k));
+    EXPECT_EQ(g.to_vector()[2 * k + 1], T(10 * k));
+  }
+  pg().barrier();
+}
+
+TEST(ProcessGroup, ManyCollectivesInFlight) {
+  // Several asynchronous collectives at once complete in issue order, each with its result.
+  const int w = pg().world_size();
+  std::vector<Tensor<double>> ts;
+  std::vector<std::shared_ptr<dist::Work>> works;
+  for (int k = 0; k < 16; ++k) {
+    ts.push_back(full<double>({1000}, double(k + pg().rank())));
+    works.push_back(pg().all_reduce_async(ts.back(), dist::ReduceOp::Sum));
+  }
+  for (auto& wk : works) wk->wait(pg().timeout());
+  for (int k = 0; k < 16; ++k) EXPECT_EQ(ts[k].to_vector()[999], double(k * w + w * (w - 1) / 2));
+}
+
+TEST(ProcessGroup, BadArgumentsAreRefused) {
+  auto t = zeros<float>({4, 4}).t();
+  try {
+    pg().all_reduce(t);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("contiguous"), std::string::npos) << e.what();
+  }
+  auto ok = zeros<float>({2});
+  EXPECT_THROW(pg().broadcast(ok, pg().world_size()), Error);
+}
+
+// ---- DistributedDataParallel ----
+
+template <class T>
+class Ddp : public ::testing::Test {};
+using Floats = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(Ddp, Floats);
+
+template <class T>
+constexpr double tol() {
+  return std::is_same_v<T, double> ? 1e-10 : 2e-5;
+}
+
+/// DDP over the world on rank slices of a batch equals one process on the whole batch.
+template <class T>
+void check_equals_single_process(DistributedDataParallelOptions options, int steps) {
+  const int w = pg().world_size(), r = pg().rank();
+  const int batch = 24, per = batch / w;
+  ASSERT_EQ(batch % w, 0);
+  manual_seed(7);
+  auto x = randn<T>({batch, 5});
+  auto y = randn<T>({batch, 3});
+  manual_seed(1);
+  Mlp<T> reference(5, 16, 3);
+  // Every rank but 0 starts from other weights: DDP must copy rank 0's.
+  manual_seed(r == 0 ? 1 : 100 + r);
+  DistributedDataParallel<Mlp<T>> ddp(Mlp<T>(5, 16, 3), options);
+  EXPECT_EQ(values<T>(ddp.parameters()), values<T>(reference.parameters()));
+
+  optim::SGD opt(ddp.parameters(), {.lr = 0.05, .momentum = 0.9});
+  optim::SGD ref_opt(reference.parameters(), {.lr = 0.05, .momentum = 0.9});
+  for (int step = 0; step < steps; ++step) {
+    // Odd steps zero the gradients in place (they are views of the buckets then), even steps drop them.
+    auto loss = nn::functional::mse_loss(ddp(x.narrow(0, r * per, per)), y.narrow(0, r * per, per));
+    opt.zero_grad(/*set_to_none=*/step % 2 == 0);
+    loss.backward();
+    opt.step();
+    auto ref_loss = nn::functional::mse_loss(reference.forward(x), y);
+    ref_opt.zero_grad(step % 2 == 0);
+    ref_loss.backward();
+    ref_opt.step();
+  }
+  auto got = values<T>(ddp.parameters()), want = values<T>(reference.parameters());
+  for (std::size_t i = 0; i < got.size(); ++i)
+    for (std::size_t k = 0; k < got[i].size(); ++k)
+      ASSERT_NEAR(got[i][k], want[i][k], tol<T>()) << "parameter " << i << " element " << k << " on rank " << r;
+  // Every rank holds bitwise the same parameters.
+  auto mine = concat(got);
+  auto all = gather_all(mine);
+  for (int k = 1; k < w; ++k)
+    ASSERT_EQ(std::memcmp(all[0].data(), all[k].data(), mine.size() * sizeof(T)), 0) << "rank " << k << " differs";
+}
+
+TYPED_TEST(Ddp, EqualsSingleProcessOnTheWholeBatch) { check_equals_single_process<TypeParam>({}, 4); }
+
+TYPED_TEST(Ddp, EqualsSingleProcessWithSmallBuckets) {
+  // Several buckets, rebuilt after the first step.
+  check_equals_single_process<TypeParam>({.bucket_cap_bytes = 512, .first_bucket_bytes = 64}, 4);
+}
+
+TEST(Ddp, BucketsFollowReverseOrderThenTheObservedOrder) {
+  manual_seed(3);
+  DistributedDataParallel<Mlp<double>> ddp(Mlp<double>(5, 16, 3), {.bucket_cap_bytes = 1000, .first_bucket_bytes = 100});
+  auto before = ddp.bucket_names();
+  ASSERT_GE(before.size(), 3u);
+  EXPECT_EQ(before.front().front(), "fc3.bias");  // reverse registration order
+  EXPECT_EQ(before.back().back(), "fc1.weight");
+  EXPECT_FALSE(ddp.buckets_rebuilt());
+  auto x = randn<double>({4, 5});
+  for (int step = 0; step < 2; ++step) {
+    auto loss = sum(ddp(x));
+    ddp.zero_grad();
+    loss.backward();
+  }
+  EXPECT_TRUE(ddp.buckets_rebuilt());
+  // Every bucket but the last started reducing while backward was still producing gradients.
+  EXPECT_EQ(ddp.buckets_started_early(), ddp.bucket_names().size() - 1);
+  std::set<std::string> names;
+  for (auto& b : ddp.bucket_names())
+    for (auto& n : b) names.insert(n);
+  EXPECT_EQ(names.size(), 6u);
+  // The first bucket holds the last layer's gradients, which backward produces first.
+  EXPECT_EQ(ddp.bucket_names().front().front().substr(0, 3), "fc3");
+}
+
+TYPED_TEST(Ddp, NoSyncAccumulationEqualsTheLargeBatchStep) {
+  using T = TypeParam;
+  const int w = pg().world_size(), r = pg().rank();
+  const int micro = 3, rows = 4;  // each rank: 3 micro-batches of 4 rows
+  manual_seed(11);
+  auto x = randn<T>({w * micro * rows, 5});
+  auto y = randn<T>({w * micro * rows, 3});
+  manual_seed(2);
+  Mlp<T> reference(5, 8, 3);
+  manual_seed(2);
+  DistributedDataParallel<Mlp<T>> ddp(Mlp<T>(5, 8, 3));
+  ddp.zero_grad();
+  for (int m = 0; m < micro; ++m) {
+    const auto start = (r * micro + m) * rows;
+    auto step = [&] {
+      auto loss = nn::functional::mse_loss(ddp(x.narrow(0, start, rows)), y.narrow(0, start, rows)) *
+                  full<T>({}, T(1) / T(micro));
+      loss.backward();
+    };
+    if (m + 1 < micro) {
+      auto guard = ddp.no_sync();
+      step();
+    } else {
+      step();
+    }
+  }
+  auto ref_loss = nn::functional::mse_loss(reference.forward(x), y);
+  ref_loss.backward();
+  auto ps = ddp.parameters(), rs = reference.parameters();
+  for (std::size_t i = 0; i < ps.size(); ++i) {
+    auto g = ps[i].template as<T>().grad().to_vector(), want = rs[i].template as<T>().grad().to_vector();
+    for (std::size_t k = 0; k < g.size(); ++k) ASSERT_NEAR(g[k], want[k], tol<T>()) << "parameter " << i;
+  }
+}
+
+TEST(Ddp, UnusedParameterIsNamed) {
+  manual_seed(5);
+  DistributedDataParallel<WithUnused<double>> ddp(WithUnused<double>{});
+  auto loss = sum(ddp(randn<double>({3, 4})));
+  try {
+    loss.backward();
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("'unused.weight'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("'unused.bias'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("find_unused_parameters"), std::string::npos) << msg;
+  }
+}
+
+TEST(Ddp, FindUnusedParametersReducesTheRest) {
+  const int w = pg().world_size(), r = pg().rank();
+  manual_seed(5);
+  auto x = randn<double>({2 * w, 4});
+  manual_seed(6);
+  WithUnused<double> reference;
+  manual_seed(6);
+  DistributedDataParallel<WithUnused<double>> ddp(WithUnused<double>{}, {.find_unused_parameters = true});
+  for (int step = 0; step < 2; ++step) {  // the second step uses the rebuilt buckets
+    ddp.zero_grad();
+    reference.zero_grad();
+    sum(ddp(x.narrow(0, 2 * r, 2))).backward();
+    (sum(reference.forward(x)) * full<double>({}, 1.0 / w)).backward();
+    auto& m = ddp.module();
+    EXPECT_FALSE(m.unused->weight.grad().defined());  // no rank used it: untouched
+    auto g = m.fc1->weight.grad().to_vector(), want = reference.fc1->weight.grad().to_vector();
+    for (std::size_t k = 0; k < g.size(); ++k) ASSERT_NEAR(g[k], want[k], 1e-10);
+  }
+}
+
+TEST(Ddp, MismatchedModelsAreRefused) {
+  if (pg().world_size() == 1) GTEST_SKIP() << "needs two ranks";
+  const int r = pg().rank();
+  try {
+    DistributedDataParallel<Mlp<float>> ddp(Mlp<float>(5, r == 1 ? 9 : 8, 3));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("'fc1.weight'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[8, 5]"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[9, 5]"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank 1"), std::string::npos) << msg;
+  }
+  pg().barrier();  // the group is still usable
+}
+
+TEST(Ddp, RankZeroSavesThePlainModuleFile) {
+  manual_seed(4);
+  DistributedDataParallel<Mlp<float>> ddp(Mlp<float>(5, 8, 3));
+  const auto dir = std::filesystem::temp_directory_path() / ("chorus_ddp_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  if (pg().rank() == 0) {
+    save(ddp, (dir / "ddp.safetensors").string());
+    save(ddp.module(), (dir / "plain.safetensors").string());
+    auto read = [](const std::filesystem::path& p) {
+      std::ifstream f(p, std::ios::binary);
+      return std::string(std::istreambuf_iterator<char>(f), {});
+    };
+    const auto a = read(dir / "ddp.safetensors"), b = read(dir / "plain.safetensors");
+    EXPECT_EQ(a, b);
+    EXPECT_NE(a.find("\"fc1.weight\""), std::string::npos);
+    Mlp<float> fresh(5, 8, 3);
+    load(fresh, (dir / "ddp.safetensors").string());
+    EXPECT_EQ(values<float>(fresh.parameters()), values<float>(ddp.parameters()));
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Ddp, BuffersComeFromRankZero) {
+  struct WithBuffer : nn::Module {
+    nn::LinearT<double> fc;
+    Tensor<double> count;
+    WithBuffer(double c)
+        : fc(register_module("fc", nn::LinearT<double>(2, 2))), count(register_buffer("count", full<double>({1}, c))) {}
+    Tensor<double> forward(const Tensor<double>& x) { return fc(x); }
+  };
+  DistributedDataParallel<WithBuffer> ddp(WithBuffer(pg().rank() + 1.0));
+  EXPECT_EQ(ddp.module().count.to_vector()[0], 1.0);
+  ddp.module().count.fill_(10.0 + pg().rank());
+  (void)ddp(zeros<double>({1, 2}));  // broadcast_buffers: rank 0's again
+  EXPECT_EQ(ddp.module().count.to_vector()[0], 10.0);
+}
+
+// ---- DistributedSampler ----
+
+TEST(DistributedSampler, RanksCoverTheDatasetOncePerEpoch) {
+  const int w = pg().world_size(), r = pg().rank();
+  for (std::size_t n : {std::size_t(24), std::size_t(25), std::size_t(3)}) {
+    data::DistributedSampler sampler(n, w, r, {.shuffle = true, .seed = 42});
+    std::vector<std::int64_t> previous;
+    for (std::uint64_t epoch = 0; epoch < 3; ++epoch) {
+      sampler.set_epoch(epoch);
+      std::vector<std::int64_t> mine;
+      for (auto i : sampler.indices()) mine.push_back(static_cast<std::int64_t>(i));
+      ASSERT_EQ(mine.size(), sampler.size());
+      auto all = concat(gather_all(mine));
+      ASSERT_EQ(all.size(), sampler.total_size());
+      std::vector<int> count(n, 0);
+      for (auto i : all) ++count[static_cast<std::size_t>(i)];
+      int extra = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        ASSERT_GE(count[i], 1) << "index " << i << " missed in epoch " << epoch << " (n = " << n << ")";
+        extra += count[i] - 1;
+      }
+      EXPECT_EQ(static_cast<std::size_t>(extra), sampler.total_size() - n);  // only the padding repeats
+      if (epoch > 0 && n > 3) {
+        EXPECT_NE(all, previous) << "set_epoch must reshuffle";
+      }
+      previous = all;
+    }
+  }
+}
+
+TEST(DistributedSampler, WorksWithDataLoader) {
+  const int w = pg().world_size(), r = pg().rank();
+  const int n = 20;
+  std::vector<float> ids(n);
+  std::iota(ids.begin(), ids.end(), 0.0f);
+  data::TensorDataset<float, float> ds(from_vector(ids).view({n, 1}), from_vector(ids).view({n, 1}));
+  data::DistributedSampler sampler(ds.size(), w, r, {.seed = 1, .drop_last = true});
+  data::DataLoader loader(ds, {.batch_size = 2}, sampler);
+  std::vector<std::int64_t> seen;
+  for (auto b : loader)
+    for (auto v : b.data.to_vector()) seen.push_back(static_cast<std::int64_t>(v));
+  std::vector<std::int64_t> want;
+  for (auto i : sampler.indices()) want.push_back(static_cast<std::int64_t>(i));
+  EXPECT_EQ(seen, want);
+  auto all = concat(gather_all(seen));
+  std::set<std::int64_t> distinct(all.begin(), all.end());
+  EXPECT_EQ(distinct.size(), all.size());  // drop_last: no repeats
+  EXPECT_EQ(all.size(), static_cast<std::size_t>(n / w * w));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  auto& g = dist::init();
+  if (g.rank() != 0) {  // one report: rank 0's (the others fail the job through their exit code)
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  const int rc = RUN_ALL_TESTS();
+  std::printf("rank %d of %d: %s\n", g.rank(), g.world_size(), rc == 0 ? "passed" : "FAILED");
+  return rc;
+}
