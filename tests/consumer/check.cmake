@@ -1,10 +1,12 @@
 # Configures, builds and runs the consumer project.
-# MODE: find_package | find_package_cuda | add_subdirectory.
+# MODE: find_package | find_package_cuda | find_package_distributed | add_subdirectory.
 #   find_package       a C++-only consumer of the installed package: the package was installed by
 #                      a build that found nvcc (when the machine has one), yet the consumer's
 #                      configure must not enable CUDA nor see the installing build's toolkit paths.
 #   find_package_cuda  (machines with nvcc) the cuda component comes from the consumer's own
 #                      configure, and -DCHORUS_ENABLE_CUDA=OFF switches it off.
+#   find_package_distributed  (machines with MPI) the distributed component comes from the
+#                      consumer's own MPI; the consumer runs as a world of 1.
 #   add_subdirectory   chorus as a subproject, with -DCHORUS_ENABLE_CUDA=OFF honoured.
 file(REMOVE_RECURSE ${WORK_DIR})
 set(consumer ${SOURCE_DIR}/tests/consumer)
@@ -43,7 +45,20 @@ if(MODE MATCHES "^find_package")
       message(FATAL_ERROR "${f} hard-wires the installing build's CUDA (${CMAKE_MATCH_0})")
     endif()
   endforeach()
-  if(MODE STREQUAL "find_package")
+  if(MODE STREQUAL "find_package_distributed")
+    # chorus::distributed from this configure's MPI (nothing of the installing build's MPI baked in).
+    foreach(f IN LISTS pkg_files)
+      file(READ ${f} text)
+      if(text MATCHES "MPI::|CHORUS_WITH_MPI")
+        message(FATAL_ERROR "${f} hard-wires the installing build's MPI (${CMAKE_MATCH_0})")
+      endif()
+    endforeach()
+    run(${CMAKE_COMMAND} -S ${consumer} -B ${WORK_DIR}/build -G ${GENERATOR} -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix
+        -DCONSUMER_WANTS_DISTRIBUTED=ON)
+    expect_no_cuda_language(${WORK_DIR}/build)
+    run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
+    run(${WORK_DIR}/build/consumer_distributed)
+  elseif(MODE STREQUAL "find_package")
     run(${CMAKE_COMMAND} -S ${consumer} -B ${WORK_DIR}/build -G ${GENERATOR} -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix
         -DCONSUMER_EXPECT_CUDA_TARGET=OFF)
     expect_no_cuda_language(${WORK_DIR}/build)
