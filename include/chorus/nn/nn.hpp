@@ -4,3 +4,4 @@
 #include "init.hpp"
 #include "layers.hpp"
 #include "module.hpp"
+#include "utils.hpp"
