@@ -114,6 +114,7 @@ void usage(const char* argv0) {
 }  // namespace
 
 int main(int argc, char** argv) try {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // epoch lines reach a log as they happen
   std::vector<Device> devices;
   std::string data_dir, out_dir = "train_resnet_out";
   bool resume = false;
