@@ -360,8 +360,9 @@ TEST(DataLoaderWorkers, AWorkersExceptionSurfacesInTheConsumer) {
     }
     EXPECT_EQ(good, 5u) << w << " workers";  // batches 0..4 arrive, batch 5 holds example 23
     EXPECT_NE(message.find("example 23 is corrupt"), std::string::npos) << message;
-    if (w > 0)  // batch b is built by worker b mod W
+    if (w > 0) {  // batch b is built by worker b mod W
       EXPECT_NE(message.find("worker " + std::to_string(5 % w) + " failed on batch 5"), std::string::npos) << message;
+    }
   }
 }
 
