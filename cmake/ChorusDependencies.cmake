@@ -35,3 +35,25 @@ if(NOT DEFINED CHORUS_ENABLE_CUDA OR CHORUS_ENABLE_CUDA)
   endif()
 endif()
 message(STATUS "chorus: CUDA ${CHORUS_HAS_CUDA}")
+
+# oneDNN (Debian: libdnnl-dev) for CPU float32 convolutions; optional: without it chorus
+# uses im2col + OpenBLAS. Found by hand: Debian's dnnl-config.cmake insists on OpenCL
+# headers that a CPU build does not need. CHORUS_USE_ONEDNN=OFF switches it off.
+if(NOT DEFINED CHORUS_USE_ONEDNN OR CHORUS_USE_ONEDNN)
+  if(NOT TARGET chorus_onednn)
+    find_path(CHORUS_ONEDNN_INCLUDE_DIR oneapi/dnnl/dnnl.hpp)
+    find_library(CHORUS_ONEDNN_LIBRARY dnnl)
+    if(CHORUS_ONEDNN_INCLUDE_DIR AND CHORUS_ONEDNN_LIBRARY)
+      add_library(chorus_onednn INTERFACE IMPORTED)
+      set_target_properties(chorus_onednn PROPERTIES
+        INTERFACE_INCLUDE_DIRECTORIES "${CHORUS_ONEDNN_INCLUDE_DIR}"
+        INTERFACE_LINK_LIBRARIES "${CHORUS_ONEDNN_LIBRARY}"
+        INTERFACE_COMPILE_DEFINITIONS "CHORUS_HAS_ONEDNN=1")
+    endif()
+  endif()
+endif()
+if(TARGET chorus_onednn)
+  message(STATUS "chorus: oneDNN ${CHORUS_ONEDNN_LIBRARY}")
+else()
+  message(STATUS "chorus: oneDNN not found (apt-get install libdnnl-dev); CPU convolutions use im2col + OpenBLAS")
+endif()
