@@ -11,6 +11,16 @@
 // im2col + OpenBLAS (nn_kernels.hpp), as do shapes oneDNN would need negative padding for.
 // set_onednn_enabled(false) (or CHORUS_ONEDNN=0 in the environment) selects im2col for
 // float32 too — the benchmark compares the two.
+//
+// Note [oneDNN threads]
+// Debian's libdnnl runs its kernels on OpenMP teams. Each virtual CPU device is already a
+// thread of its own, and OpenMP teams that spin-wait on an oversubscribed machine are
+// slower than one thread (measured with benchmarks/conv_bench on the shared 2-core machine:
+// 2 threads were 5-50x slower than 1 on most ResNet-20 shapes). A thread calling oneDNN
+// therefore runs it on one thread, like chorus's own CPU kernels, unless
+// CHORUS_ONEDNN_THREADS asks for more (worth trying on an idle many-core machine with one
+// device).
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -28,6 +38,9 @@
 
 #if CHORUS_HAS_ONEDNN
 #include <oneapi/dnnl/dnnl.hpp>
+#if DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
+extern "C" void omp_set_num_threads(int);  // libgomp, which libdnnl links (CMake adds it)
+#endif
 #endif
 
 CHORUS_NAMESPACE_BEGIN
@@ -75,8 +88,20 @@ struct Context {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream{engine};
 };
+/// This thread's oneDNN engine and stream, with its OpenMP team size set (Note [oneDNN threads]).
 inline Context& context() {
   thread_local Context c;
+#if DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
+  thread_local int threads = 0;
+  static const int want = [] {
+    const char* e = std::getenv("CHORUS_ONEDNN_THREADS");
+    return std::max(1, e ? std::atoi(e) : 1);
+  }();
+  if (want != threads) {
+    omp_set_num_threads(want);
+    threads = want;
+  }
+#endif
   return c;
 }
 
