@@ -326,3 +326,34 @@ TEST(Layers, InitFunctions) {
   EXPECT_DOUBLE_EQ(nn::init::calculate_gain("tanh"), 5.0 / 3.0);
   EXPECT_TRUE(throws_with([] { nn::init::calculate_gain("swish"); }, {"swish"}));
 }
+
+TEST(Layers, OnednnConvolutionsEqualIm2col) {
+  if (!backend::cpu::onednn_available()) GTEST_SKIP() << "chorus was built without oneDNN (libdnnl-dev not found)";
+  struct Case {
+    Shape x, w;
+    Pair s, p, d;
+    std::int64_t groups;
+    bool bias;
+  };
+  for (const auto& c : {Case{{4, 16, 12, 10}, {32, 16, 3, 3}, {1, 1}, {1, 1}, {1, 1}, 1, false},
+                        Case{{2, 4, 9, 8}, {6, 2, 3, 2}, {2, 1}, {1, 0}, {1, 2}, 2, true},
+                        Case{{3, 8, 7, 7}, {8, 1, 3, 3}, {2, 2}, {1, 1}, {1, 1}, 8, true},
+                        Case{{3, 8, 8, 8}, {16, 8, 1, 1}, {2, 2}, {0, 0}, {1, 1}, 1, false},
+                        Case{{2, 3, 8, 7}, {4, 3, 3, 3}, {3, 2}, {0, 0}, {1, 1}, 1, true}}) {  // floor drops columns
+    SCOPED_TRACE(::testing::Message() << "x " << c.x << " w " << c.w);
+    std::vector<Tensor<float>> grads[2];
+    Tensor<float> outs[2];
+    for (int use : {0, 1}) {
+      backend::cpu::set_onednn_enabled(use == 1);
+      auto x = r<float>(c.x, 1).requires_grad_(true), w = r<float>(c.w, 2).requires_grad_(true);
+      auto b = c.bias ? r<float>({c.w[0]}, 3).requires_grad_(true) : Tensor<float>();
+      outs[use] = conv2d(x, w, b, c.s, c.p, c.d, c.groups);
+      (outs[use] * r<float>(outs[use].shape(), 4)).sum().backward();
+      grads[use] = {x.grad(), w.grad()};
+      if (c.bias) grads[use].push_back(b.grad());
+    }
+    backend::cpu::set_onednn_enabled(true);
+    EXPECT_TRUE(all_close(outs[1], outs[0], 1e-5, 1e-5));
+    for (std::size_t i = 0; i < grads[0].size(); ++i) EXPECT_TRUE(all_close(grads[1][i], grads[0][i], 1e-5, 1e-5)) << i;
+  }
+}

@@ -3,6 +3,7 @@
 // tensors). ops/nn.hpp calls these.
 #include "backend.hpp"
 #include "cpu/nn_kernels.hpp"
+#include "cpu/onednn.hpp"
 #if CHORUS_CUDA
 #include "cuda/nn_kernels.cuh"
 #endif

@@ -99,9 +99,39 @@ struct ConvGeometry {
   backend::Window2d g;
   std::int64_t N, O, groups;
   bool direct;  // 1x1, stride 1, no padding: the image is its own column matrix
+  bool onednn = false;  // float32 on the CPU through oneDNN (Note [oneDNN convolutions])
+  backend::cpu::OnednnConv onednn_conv() const { return {g, N, O, groups, has_bias}; }
+  bool has_bias = false;
   std::int64_t cols() const { return g.C * g.kh * g.kw; }
   std::int64_t L() const { return g.OH * g.OW; }
 };
+
+/// The im2col + GEMM forward (Note [convolution by im2col]); xc, wc contiguous.
+template <class T>
+void conv2d_im2col(const Tensor<T>& xc, const Tensor<T>& wc, const Tensor<T>& bias, const ConvGeometry& geo,
+                   const Tensor<T>& out) {
+  const auto& g = geo.g;
+  const Device dev = xc.device();
+  const std::int64_t O = geo.O;
+  const std::int64_t L = geo.L(), K = geo.cols(), G = geo.groups, Og = O / G, Kg = K / G, img = g.C * g.H * g.W;
+  Tensor<T> col = geo.direct ? Tensor<T>() : Tensor<T>::empty(Shape{K, L}, dev);
+  for (std::int64_t n = 0; n < geo.N; ++n) {
+    const T* cn = xc.data() + n * img;
+    if (!geo.direct) {
+      backend::im2col(cn, g, col.data(), dev);
+      cn = col.data();
+    }
+    for (std::int64_t q = 0; q < G; ++q)  // Y_q [Og, L] = W_q [Og, Kg] @ col_q [Kg, L]
+      backend::gemm(false, false, Og, L, Kg, T(1), wc.data() + q * Og * Kg, Kg, cn + q * Kg * L, L, T(0),
+                    out.data() + (n * geo.O + q * Og) * L, L, dev);
+  }
+  if (bias.defined() && out.numel() > 0) {  // out += bias[c], read through strides [0, 1, 0]
+    auto bc = contiguous_data(bias.detach());
+    const Shape s3{geo.N, geo.O, L};
+    backend::binary_broadcast(view_as_shape(out, s3), contiguous_strides(s3), bc, Strides{0, 1, 0},
+                              view_as_shape(out, s3), backend::fn::Add{});
+  }
+}
 
 template <class T>
 class Conv2dBackward final : public autograd::Node<T> {
@@ -121,6 +151,23 @@ class Conv2dBackward final : public autograd::Node<T> {
       backend::channel_sums(gy.data(), geo_.N, geo_.O, L, static_cast<const T*>(nullptr), gb.data(), dev);
     }
     const bool want_x = e[0].valid(), want_w = e[1].valid();
+#if CHORUS_HAS_ONEDNN
+    if constexpr (std::is_same_v<T, float>) {
+      if (geo_.onednn) {
+        if (want_x) {
+          gx = Tensor<T>::empty(x_.shape(), dev);
+          backend::cpu::onednn::conv_backward_data(geo_.onednn_conv(), gy.data(), w_.data(), gx.data());
+        }
+        if (want_w) {
+          gw = Tensor<T>::empty(w_.shape(), dev);
+          backend::cpu::onednn::conv_backward_weights(geo_.onednn_conv(), x_.data(), gy.data(), gw.data(),
+                                                      gb.defined() ? gb.data() : nullptr);
+        }
+        if (bias_) return {gx, gw, gb};
+        return {gx, gw};
+      }
+    }
+#endif
     if (want_x) gx = zeros<T>(x_.shape(), dev);
     if (want_w) gw = zeros<T>(w_.shape(), dev);
     Tensor<T> col = geo_.direct ? Tensor<T>() : Tensor<T>::empty(Shape{K, L}, dev);
@@ -345,28 +392,22 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
                padding[1], "]) is smaller than the dilated kernel of weight ", weight.shape());
   geo.N = N, geo.O = O, geo.groups = groups;
   geo.direct = g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0;
+  geo.has_bias = bias.defined();
   const Device dev = x.device();
   auto xc = contiguous_data(x.detach());
   auto wc = contiguous_data(weight.detach());
   auto out = Tensor<T>::empty(Shape{N, O, g.OH, g.OW}, dev);
-  const std::int64_t L = geo.L(), K = geo.cols(), G = groups, Og = O / G, Kg = K / G, img = C * g.H * g.W;
-  Tensor<T> col = geo.direct ? Tensor<T>() : Tensor<T>::empty(Shape{K, L}, dev);
-  for (std::int64_t n = 0; n < N; ++n) {
-    const T* cn = xc.data() + n * img;
-    if (!geo.direct) {
-      backend::im2col(cn, g, col.data(), dev);
-      cn = col.data();
+#if CHORUS_HAS_ONEDNN
+  if constexpr (std::is_same_v<T, float>) {
+    geo.onednn = dev.is_cpu() && backend::cpu::onednn_enabled() && geo.onednn_conv().supported();
+    if (geo.onednn) {
+      auto bc = bias.defined() ? contiguous_data(bias.detach()) : Tensor<T>();
+      backend::cpu::onednn::conv_forward(geo.onednn_conv(), xc.data(), wc.data(), bc.defined() ? bc.data() : nullptr,
+                                         out.data());
     }
-    for (std::int64_t q = 0; q < G; ++q)  // Y_q [Og, L] = W_q [Og, Kg] @ col_q [Kg, L]
-      backend::gemm(false, false, Og, L, Kg, T(1), wc.data() + q * Og * Kg, Kg, cn + q * Kg * L, L, T(0),
-                    out.data() + (n * O + q * Og) * L, L, dev);
   }
-  if (bias.defined() && out.numel() > 0) {  // out += bias[c], read through strides [0, 1, 0]
-    auto bc = contiguous_data(bias.detach());
-    const Shape s3{N, O, L};
-    backend::binary_broadcast(view_as_shape(out, s3), contiguous_strides(s3), bc, Strides{0, 1, 0},
-                              view_as_shape(out, s3), backend::fn::Add{});
-  }
+#endif
+  if (!geo.onednn) conv2d_im2col(xc, wc, bias, geo, out);
   if (autograd::needs_grad(x, weight, bias)) {
     auto node = autograd::make_node<Conv2dBackward<T>, T>({&x, &weight, bias.defined() ? &bias : nullptr}, xc, wc,
                                                           bias.defined(), geo);
