@@ -271,6 +271,12 @@ TEST(LRScheduler, OneCycleLinearThreePhaseOnAdam) {
     s.step();
   }
   EXPECT_NEAR(m.opt.momentum(0), 0.95, 1e-15);  // beta1 at step 7 (third phase): max momentum
+  // A warm-up phase of no steps (0.25 * 4 - 1 = 0): the peak at once, then the anneal; never NaN.
+  OneParam<optim::SGD> short_cycle(optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+  optim::OneCycleLR sc(short_cycle.opt, {.max_lr = 1.0, .total_steps = 4, .pct_start = 0.25});
+  EXPECT_EQ(short_cycle.opt.lr(0), 1.0);
+  sc.step();
+  EXPECT_NEAR(short_cycle.opt.lr(0), 0.04 / 1e4 + (1.0 - 0.04 / 1e4) / 2 * (std::cos(M_PI / 3) + 1), 1e-15);
   OneParam<optim::SGD> plain(optim::SGDOptions{.lr = 0.1});
   optim::OneCycleLR ok(plain.opt, {.max_lr = 1.0, .total_steps = 5});  // SGD has a momentum, even if 0
   EXPECT_TRUE(throws_with([&] { optim::OneCycleLR(plain.opt, {.total_steps = 0}); }, {"total_steps"}));

@@ -237,7 +237,10 @@ class OneCycleLR final : public LRScheduler {
     for (std::size_t i = 0; i < phases_.size(); ++i) {
       const auto& ph = phases_[i];
       if (step <= ph.end_step || i + 1 == phases_.size()) {
-        const double pct = (step - start_step) / (ph.end_step - start_step);
+        // A phase of no steps (e.g. pct_start * total_steps = 1) is already at its end;
+        // PyTorch divides by zero there.
+        const double span = ph.end_step - start_step;
+        const double pct = span > 0 ? (step - start_step) / span : 1.0;
         const double a = levels[ph.from], b = levels[ph.to];
         return o_.cos_anneal ? b + (a - b) / 2 * (std::cos(std::numbers::pi * pct) + 1) : (b - a) * pct + a;
       }
