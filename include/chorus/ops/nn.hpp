@@ -428,7 +428,7 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
   }
 #endif
 #if CHORUS_CUDA && CHORUS_HAS_CUDNN
-  geo.cudnn = dev.is_cuda() && N > 0;
+  geo.cudnn = dev.is_cuda() && N > 0 && backend::cuda::cudnn::enabled();
   if (geo.cudnn) {
     backend::cuda::cudnn::conv_forward(g, N, O, groups, xc.data(), wc.data(), out.data(), dev);
     if (bias.defined()) conv2d_add_bias(bias, geo, out);

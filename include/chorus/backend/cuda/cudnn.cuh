@@ -11,6 +11,7 @@
 // uses FMA math (no TF32) unless chorus::cuda::set_allow_tf32(true), as matrix products do.
 #include <cudnn.h>
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -32,6 +33,16 @@ CHORUS_NAMESPACE_BEGIN
 namespace backend::cuda::cudnn {
 
 inline constexpr std::size_t kMaxWorkspace = std::size_t{256} << 20;
+
+namespace detail {
+inline std::atomic<bool>& enabled_flag() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+}  // namespace detail
+/// Whether CUDA convolutions use cuDNN (default) or the im2col + cuBLAS kernels (tests compare them).
+inline bool enabled() { return detail::enabled_flag().load(); }
+inline void set_enabled(bool on) { detail::enabled_flag().store(on); }
 
 /// The cuDNN handle of one stream (made on first use, kept for the process).
 inline cudnnHandle_t handle_for(Device d, cudaStream_t stream) {
