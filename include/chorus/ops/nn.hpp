@@ -547,7 +547,6 @@ Tensor<T> batch_norm(const Tensor<T>& x, const Tensor<T>& running_mean, const Te
     backend::copy(mean, running_mean);
     backend::unary(running_var, invstd, backend::fn::AddScalar{eps});
     backend::unary(invstd, invstd, backend::fn::PowScalar{-0.5});
-    backend::bn_apply(xc.data(), N, C, S, mean.data(), invstd.data(), wp, bp, out.data(), dev);
     if (autograd::needs_grad(x, weight, bias)) {
       // y = x·(w σ⁻¹) + (b - μ w σ⁻¹): record it with the differentiable ops (an affine map).
       Shape bshape = Shape::filled(x.dim(), 1);
@@ -557,6 +556,7 @@ Tensor<T> batch_norm(const Tensor<T>& x, const Tensor<T>& running_mean, const Te
       if (bias.defined()) shift = add(shift, bias);
       return add(mul(x, scale.reshape(bshape)), shift.reshape(bshape));
     }
+    backend::bn_apply(xc.data(), N, C, S, mean.data(), invstd.data(), wp, bp, out.data(), dev);
     return out;
   }
   std::int64_t count = N * S;
