@@ -63,6 +63,13 @@ TYPED_TEST(CudaLayers, Convolution) {
   REQUIRE_GPU();
   using T = TypeParam;
   using V = std::vector<Tensor<T>>;
+#if CHORUS_HAS_CUDNN
+  for (bool use_cudnn : {true, false}) {  // cuDNN, then the im2col + cuBLAS kernels
+    SCOPED_TRACE(use_cudnn ? "cuDNN" : "im2col");
+    backend::cuda::cudnn::set_enabled(use_cudnn);
+#else
+  {
+#endif
   check_op<T>("conv2d 3x3 pad 1", [](const V& x) { return conv2d(x[0], x[1], x[2], {1, 1}, {1, 1}); },
               {r<T>({4, 3, 9, 8}, 1), r<T>({5, 3, 3, 3}, 2), r<T>({5}, 3)});
   check_op<T>("conv2d strided dilated grouped",
@@ -71,6 +78,12 @@ TYPED_TEST(CudaLayers, Convolution) {
   check_op<T>("conv2d 1x1", [](const V& x) { return conv2d(x[0], x[1]); }, {r<T>({3, 8, 5, 5}, 7), r<T>({4, 8, 1, 1}, 8)});
   check_op<T>("conv2d 1x1 stride 2", [](const V& x) { return conv2d(x[0], x[1], Tensor<T>(), {2, 2}); },
               {r<T>({3, 8, 6, 6}, 9), r<T>({4, 8, 1, 1}, 10)});
+  check_op<T>("conv2d depthwise", [](const V& x) { return conv2d(x[0], x[1], x[2], {1, 1}, {1, 1}, {1, 1}, 4); },
+              {r<T>({2, 4, 7, 7}, 11), r<T>({4, 1, 3, 3}, 12), r<T>({4}, 13)});
+  }
+#if CHORUS_HAS_CUDNN
+  backend::cuda::cudnn::set_enabled(true);
+#endif
 }
 
 TYPED_TEST(CudaLayers, Pooling) {

@@ -6,6 +6,9 @@
 #include "cpu/onednn.hpp"
 #if CHORUS_CUDA
 #include "cuda/nn_kernels.cuh"
+#if CHORUS_HAS_CUDNN
+#include "cuda/cudnn.cuh"
+#endif
 #endif
 
 CHORUS_NAMESPACE_BEGIN

@@ -100,11 +100,22 @@ struct ConvGeometry {
   std::int64_t N, O, groups;
   bool direct;  // 1x1, stride 1, no padding: the image is its own column matrix
   bool onednn = false;  // float32 on the CPU through oneDNN (Note [oneDNN convolutions])
+  bool cudnn = false;   // on a GPU through cuDNN (Note [cuDNN convolutions])
   backend::cpu::OnednnConv onednn_conv() const { return {g, N, O, groups, has_bias}; }
   bool has_bias = false;
   std::int64_t cols() const { return g.C * g.kh * g.kw; }
   std::int64_t L() const { return g.OH * g.OW; }
 };
+
+/// out[n, c] += bias[c] (bias read through strides [0, 1, 0]).
+template <class T>
+void conv2d_add_bias(const Tensor<T>& bias, const ConvGeometry& geo, const Tensor<T>& out) {
+  if (out.numel() == 0) return;
+  auto bc = contiguous_data(bias.detach());
+  const Shape s3{geo.N, geo.O, geo.L()};
+  backend::binary_broadcast(view_as_shape(out, s3), contiguous_strides(s3), bc, Strides{0, 1, 0},
+                            view_as_shape(out, s3), backend::fn::Add{});
+}
 
 /// The im2col + GEMM forward (Note [convolution by im2col]); xc, wc contiguous.
 template <class T>
@@ -125,12 +136,7 @@ void conv2d_im2col(const Tensor<T>& xc, const Tensor<T>& wc, const Tensor<T>& bi
       backend::gemm(false, false, Og, L, Kg, T(1), wc.data() + q * Og * Kg, Kg, cn + q * Kg * L, L, T(0),
                     out.data() + (n * geo.O + q * Og) * L, L, dev);
   }
-  if (bias.defined() && out.numel() > 0) {  // out += bias[c], read through strides [0, 1, 0]
-    auto bc = contiguous_data(bias.detach());
-    const Shape s3{geo.N, geo.O, L};
-    backend::binary_broadcast(view_as_shape(out, s3), contiguous_strides(s3), bc, Strides{0, 1, 0},
-                              view_as_shape(out, s3), backend::fn::Add{});
-  }
+  if (bias.defined()) conv2d_add_bias(bias, geo, out);
 }
 
 template <class T>
@@ -151,7 +157,21 @@ class Conv2dBackward final : public autograd::Node<T> {
       backend::channel_sums(gy.data(), geo_.N, geo_.O, L, static_cast<const T*>(nullptr), gb.data(), dev);
     }
     const bool want_x = e[0].valid(), want_w = e[1].valid();
-#if CHORUS_HAS_ONEDNN
+#if CHORUS_CUDA && CHORUS_HAS_CUDNN
+    if (geo_.cudnn) {
+      if (want_x) {
+        gx = Tensor<T>::empty(x_.shape(), dev);
+        backend::cuda::cudnn::conv_backward_data(g, geo_.N, geo_.O, G, gy.data(), w_.data(), gx.data(), dev);
+      }
+      if (want_w) {
+        gw = Tensor<T>::empty(w_.shape(), dev);
+        backend::cuda::cudnn::conv_backward_filter(g, geo_.N, geo_.O, G, x_.data(), gy.data(), gw.data(), dev);
+      }
+      if (bias_) return {gx, gw, gb};
+      return {gx, gw};
+    }
+#endif
+#if CHORUS_ONEDNN_API
     if constexpr (std::is_same_v<T, float>) {
       if (geo_.onednn) {
         if (want_x) {
@@ -397,7 +417,7 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
   auto xc = contiguous_data(x.detach());
   auto wc = contiguous_data(weight.detach());
   auto out = Tensor<T>::empty(Shape{N, O, g.OH, g.OW}, dev);
-#if CHORUS_HAS_ONEDNN
+#if CHORUS_ONEDNN_API
   if constexpr (std::is_same_v<T, float>) {
     geo.onednn = dev.is_cpu() && backend::cpu::onednn_enabled() && geo.onednn_conv().supported();
     if (geo.onednn) {
@@ -407,7 +427,14 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
     }
   }
 #endif
-  if (!geo.onednn) conv2d_im2col(xc, wc, bias, geo, out);
+#if CHORUS_CUDA && CHORUS_HAS_CUDNN
+  geo.cudnn = dev.is_cuda() && N > 0 && backend::cuda::cudnn::enabled();
+  if (geo.cudnn) {
+    backend::cuda::cudnn::conv_forward(g, N, O, groups, xc.data(), wc.data(), out.data(), dev);
+    if (bias.defined()) conv2d_add_bias(bias, geo, out);
+  }
+#endif
+  if (!geo.onednn && !geo.cudnn) conv2d_im2col(xc, wc, bias, geo, out);
   if (autograd::needs_grad(x, weight, bias)) {
     auto node = autograd::make_node<Conv2dBackward<T>, T>({&x, &weight, bias.defined() ? &bias : nullptr}, xc, wc,
                                                           bias.defined(), geo);
@@ -520,7 +547,6 @@ Tensor<T> batch_norm(const Tensor<T>& x, const Tensor<T>& running_mean, const Te
     backend::copy(mean, running_mean);
     backend::unary(running_var, invstd, backend::fn::AddScalar{eps});
     backend::unary(invstd, invstd, backend::fn::PowScalar{-0.5});
-    backend::bn_apply(xc.data(), N, C, S, mean.data(), invstd.data(), wp, bp, out.data(), dev);
     if (autograd::needs_grad(x, weight, bias)) {
       // y = x·(w σ⁻¹) + (b - μ w σ⁻¹): record it with the differentiable ops (an affine map).
       Shape bshape = Shape::filled(x.dim(), 1);
@@ -530,6 +556,7 @@ Tensor<T> batch_norm(const Tensor<T>& x, const Tensor<T>& running_mean, const Te
       if (bias.defined()) shift = add(shift, bias);
       return add(mul(x, scale.reshape(bshape)), shift.reshape(bshape));
     }
+    backend::bn_apply(xc.data(), N, C, S, mean.data(), invstd.data(), wp, bp, out.data(), dev);
     return out;
   }
   std::int64_t count = N * S;

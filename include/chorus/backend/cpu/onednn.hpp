@@ -35,8 +35,15 @@
 #ifndef CHORUS_HAS_ONEDNN
 #define CHORUS_HAS_ONEDNN 0
 #endif
+// nvcc's front end stops with an internal error on oneDNN's C++ API (CUDA 13.0, g++ 12
+// headers): translation units compiled by nvcc use im2col for CPU convolutions.
+#if CHORUS_HAS_ONEDNN && !defined(__CUDACC__)
+#define CHORUS_ONEDNN_API 1
+#else
+#define CHORUS_ONEDNN_API 0
+#endif
 
-#if CHORUS_HAS_ONEDNN
+#if CHORUS_ONEDNN_API
 #include <oneapi/dnnl/dnnl.hpp>
 #if DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
 extern "C" void omp_set_num_threads(int);  // libgomp, which libdnnl links (CMake adds it)
@@ -57,7 +64,7 @@ inline std::atomic<int>& onednn_switch() {
 }  // namespace detail
 
 /// True when this build has oneDNN.
-constexpr bool onednn_available() { return CHORUS_HAS_ONEDNN != 0; }
+constexpr bool onednn_available() { return CHORUS_ONEDNN_API != 0; }
 /// Whether float32 CPU convolutions use oneDNN (default: yes, where available).
 inline bool onednn_enabled() { return onednn_available() && detail::onednn_switch().load() != 0; }
 inline void set_onednn_enabled(bool on) { detail::onednn_switch().store(on ? 1 : 0); }
@@ -78,7 +85,7 @@ struct OnednnConv {
   bool supported() const { return pad_r(0) >= 0 && pad_r(1) >= 0 && N > 0; }
 };
 
-#if CHORUS_HAS_ONEDNN
+#if CHORUS_ONEDNN_API
 namespace onednn {
 using dnnl::memory;
 using tag = memory::format_tag;
