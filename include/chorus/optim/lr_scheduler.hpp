@@ -280,8 +280,12 @@ class SequentialLR final : public LRScheduler {
   }
   std::string name() const override {
     std::string n = "SequentialLR(";
-    for (std::size_t i = 0; i < schedulers_.size(); ++i) n += (i ? "," : "") + schedulers_[i]->name();
-    return n + ")";
+    for (std::size_t i = 0; i < schedulers_.size(); ++i) {
+      if (i) n += ',';
+      n += schedulers_[i]->name();
+    }
+    n += ')';
+    return n;
   }
 
  private:
