@@ -124,7 +124,11 @@ TEST(LibTorchCrossCheck, ResNetBasicBlockWithBatchNorm) {
   }
 }
 #else
-TEST(LibTorchCrossCheck, ResNetBasicBlockWithBatchNorm) {
-  GTEST_SKIP() << "LibTorch was not found when this test was configured (apt-get install libtorch-dev, then reconfigure)";
-}
+#if CHORUS_LIBTORCH_SANITIZED
+#define CHORUS_LIBTORCH_SKIP "LibTorch is not built with sanitizers: this test runs in the unsanitized build"
+#else
+#define CHORUS_LIBTORCH_SKIP \
+  "LibTorch was not found when this test was configured (apt-get install libtorch-dev, then reconfigure)"
+#endif
+TEST(LibTorchCrossCheck, ResNetBasicBlockWithBatchNorm) { GTEST_SKIP() << CHORUS_LIBTORCH_SKIP; }
 #endif
