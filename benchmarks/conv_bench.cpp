@@ -13,6 +13,10 @@
 #include <string>
 #include <vector>
 
+#if CHORUS_HAS_ONEDNN
+#include <oneapi/dnnl/dnnl.hpp>
+#endif
+
 using namespace chorus;
 
 namespace {
@@ -82,6 +86,38 @@ int main(int argc, char** argv) {
     auto y = adaptive_avg_pool2d(a, {1, 1});
     y.backward(ones_like(y));
   });
-  std::printf("batch_norm f+b [%lld,16,32,32]: %.2f ms; adaptive_avg_pool2d f+b: %.2f ms\n", (long long)batch, bn, pool);
+  std::printf("batch_norm f+b [%lld,16,32,32]: chorus %.2f ms", (long long)batch, bn);
+#if CHORUS_HAS_ONEDNN
+  {  // the same training-mode batch norm, forward + backward, through oneDNN on NCHW (one thread, as conv)
+    using namespace dnnl;
+    engine eng(engine::kind::cpu, 0);
+    stream st(eng);
+    const memory::dims dims{batch, 16, 32, 32};
+    memory::desc md(dims, memory::data_type::f32, memory::format_tag::nchw);
+    const auto flags = normalization_flags::use_scale_shift;
+    batch_normalization_forward::primitive_desc fpd(
+        batch_normalization_forward::desc(prop_kind::forward_training, md, 1e-5f, flags), eng);
+    batch_normalization_backward::primitive_desc bpd(
+        batch_normalization_backward::desc(prop_kind::backward, md, md, 1e-5f, flags), eng, fpd);
+    auto y = Tensor<float>::empty(a.shape()), dx = Tensor<float>::empty(a.shape()), dy = ones_like(a);
+    auto xd = a.detach();
+    auto vec = [&](float* p) { return memory(memory::desc({16}, memory::data_type::f32, memory::format_tag::x), eng, p); };
+    auto mean = zeros<float>({16}), var = zeros<float>({16}), ss = ones<float>({2, 16}), dss = zeros<float>({2, 16});
+    memory src(md, eng, xd.data()), dst(md, eng, y.data()), ddst(md, eng, dy.data()), dsrc(md, eng, dx.data());
+    memory scale_shift(fpd.weights_desc(), eng, ss.data()), dscale_shift(bpd.diff_weights_desc(), eng, dss.data());
+    batch_normalization_forward fwd(fpd);
+    batch_normalization_backward bwd(bpd);
+    const double dnnl_bn = median_ms(reps, [&] {
+      fwd.execute(st, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}, {DNNL_ARG_MEAN, vec(mean.data())},
+                       {DNNL_ARG_VARIANCE, vec(var.data())}, {DNNL_ARG_SCALE_SHIFT, scale_shift}});
+      bwd.execute(st, {{DNNL_ARG_SRC, src}, {DNNL_ARG_MEAN, vec(mean.data())}, {DNNL_ARG_VARIANCE, vec(var.data())},
+                       {DNNL_ARG_DIFF_DST, ddst}, {DNNL_ARG_SCALE_SHIFT, scale_shift}, {DNNL_ARG_DIFF_SRC, dsrc},
+                       {DNNL_ARG_DIFF_SCALE_SHIFT, dscale_shift}});
+      st.wait();
+    });
+    std::printf(", oneDNN (nchw) %.2f ms (ratio %.2fx)", dnnl_bn, bn / dnnl_bn);
+  }
+#endif
+  std::printf("; adaptive_avg_pool2d f+b: %.2f ms\n", pool);
   return 0;
 }

@@ -4,6 +4,8 @@
 #include "resnet_block.hpp"
 #include "test_util.hpp"
 
+#include <functional>
+
 #if CHORUS_HAVE_LIBTORCH
 #include <torch/torch.h>
 #endif
@@ -123,8 +125,97 @@ TEST(LibTorchCrossCheck, ResNetBasicBlockWithBatchNorm) {
     EXPECT_TRUE(chorus::testing::all_close(cb.forward(x), from_torch(tb->forward(xt.detach())), kTol, kTol)) << "eval";
   }
 }
-#else
-TEST(LibTorchCrossCheck, ResNetBasicBlockWithBatchNorm) {
-  GTEST_SKIP() << "LibTorch was not found when this test was configured (apt-get install libtorch-dev, then reconfigure)";
+
+namespace {
+using CFn = std::function<Tensor<double>(const std::vector<Tensor<double>>&)>;
+using TFn = std::function<torch::Tensor(const std::vector<torch::Tensor>&)>;
+
+torch::Tensor to_torch(const Tensor<double>& t) {
+  auto v = t.to_vector();
+  std::vector<int64_t> dims(t.shape().begin(), t.shape().end());
+  return torch::from_blob(v.data(), dims, torch::kFloat64).clone();
 }
+
+/// The same op in chorus and LibTorch on the same float64 inputs: outputs and input gradients.
+void same_as_torch(const char* name, const CFn& f, const TFn& g, const std::vector<Tensor<double>>& inputs) {
+  SCOPED_TRACE(name);
+  std::vector<Tensor<double>> ci;
+  std::vector<torch::Tensor> ti;
+  for (auto& x : inputs) {
+    ci.push_back(x.detach().requires_grad_(true));
+    ti.push_back(to_torch(x).requires_grad_(true));
+  }
+  auto yc = f(ci);
+  auto yt = g(ti);
+  ASSERT_TRUE(chorus::testing::all_close(yc, from_torch(yt), kTol, kTol)) << name << " output";
+  Generator gen(5);
+  auto w = randn<double>(yc.shape(), Device::cpu(), 0, 1, gen);
+  (yc * w).sum().backward();
+  (yt * to_torch(w)).sum().backward();
+  for (std::size_t i = 0; i < ci.size(); ++i)
+    EXPECT_TRUE(chorus::testing::all_close(ci[i].grad(), from_torch(ti[i].grad()), kTol, kTol))
+        << name << " gradient of input " << i;
+}
+
+Tensor<double> rnd(const Shape& s, std::uint64_t seed, double lo = -1, double hi = 1) {
+  Generator g(seed);
+  return rand<double>(s, Device::cpu(), lo, hi, g);
+}
+}  // namespace
+
+TEST(LibTorchCrossCheck, EveryLayerOp) {
+  namespace TF = torch::nn::functional;
+  using CV = std::vector<Tensor<double>>;
+  using TV = std::vector<torch::Tensor>;
+  same_as_torch(
+      "conv2d strided dilated grouped", [](const CV& x) { return conv2d(x[0], x[1], x[2], {2, 1}, {1, 2}, {2, 1}, 2); },
+      [](const TV& x) { return torch::conv2d(x[0], x[1], x[2], {2, 1}, {1, 2}, {2, 1}, 2); },
+      {rnd({2, 4, 11, 9}, 1), rnd({6, 2, 3, 3}, 2), rnd({6}, 3)});
+  same_as_torch(
+      "max_pool2d", [](const CV& x) { return max_pool2d(x[0], {3, 2}, Pair{2, 1}, {1, 1}, {1, 2}, true); },
+      [](const TV& x) {
+        return TF::max_pool2d(x[0], TF::MaxPool2dFuncOptions({3, 2}).stride({2, 1}).padding(1).dilation({1, 2}).ceil_mode(true));
+      },
+      {rnd({2, 3, 9, 8}, 4)});
+  for (bool include_pad : {true, false})
+    same_as_torch(
+        "avg_pool2d", [=](const CV& x) { return avg_pool2d(x[0], {3, 3}, Pair{2, 2}, {1, 1}, true, include_pad); },
+        [=](const TV& x) {
+          return TF::avg_pool2d(
+              x[0], TF::AvgPool2dFuncOptions(3).stride(2).padding(1).ceil_mode(true).count_include_pad(include_pad));
+        },
+        {rnd({2, 3, 8, 9}, 5)});
+  same_as_torch(
+      "avg_pool2d divisor_override", [](const CV& x) { return avg_pool2d(x[0], {2, 2}, std::nullopt, {0, 0}, false, true, 3); },
+      [](const TV& x) { return TF::avg_pool2d(x[0], TF::AvgPool2dFuncOptions(2).divisor_override(3)); }, {rnd({1, 2, 6, 6}, 6)});
+  same_as_torch(
+      "adaptive_avg_pool2d", [](const CV& x) { return adaptive_avg_pool2d(x[0], {3, 4}); },
+      [](const TV& x) { return TF::adaptive_avg_pool2d(x[0], TF::AdaptiveAvgPool2dFuncOptions({3, 4})); },
+      {rnd({2, 3, 7, 5}, 7)});
+  same_as_torch(
+      "batch_norm 1d", [](const CV& x) { return batch_norm(x[0], Tensor<double>(), Tensor<double>(), x[1], x[2], true); },
+      [](const TV& x) { return torch::batch_norm(x[0], x[1], x[2], {}, {}, true, 0.1, 1e-5, false); },
+      {rnd({9, 4, 3}, 8), rnd({4}, 9), rnd({4}, 10)});
+  same_as_torch(
+      "layer_norm", [](const CV& x) { return layer_norm(x[0], Shape{3, 4}, x[1], x[2]); },
+      [](const TV& x) { return TF::layer_norm(x[0], TF::LayerNormFuncOptions({3, 4}).weight(x[1]).bias(x[2])); },
+      {rnd({2, 5, 3, 4}, 11), rnd({3, 4}, 12), rnd({3, 4}, 13)});
+  auto idx = from_vector<std::int64_t>({2, 0, 4, 2, 1, 4}, Shape{2, 3});
+  auto tidx = torch::tensor(std::vector<int64_t>{2, 0, 4, 2, 1, 4}).reshape({2, 3});
+  same_as_torch(
+      "embedding padding_idx", [&](const CV& x) { return embedding(idx, x[0], 2); },
+      [&](const TV& x) { return TF::embedding(tidx, x[0], TF::EmbeddingFuncOptions().padding_idx(2)); }, {rnd({5, 3}, 14)});
+  same_as_torch("gelu", [](const CV& x) { return gelu(x[0]); }, [](const TV& x) { return torch::gelu(x[0]); },
+                {rnd({40}, 15, -4, 4)});
+  same_as_torch("silu", [](const CV& x) { return silu(x[0]); }, [](const TV& x) { return torch::silu(x[0]); },
+                {rnd({40}, 16, -4, 4)});
+}
+#else
+#if CHORUS_LIBTORCH_SANITIZED
+#define CHORUS_LIBTORCH_SKIP "LibTorch is not built with sanitizers: this test runs in the unsanitized build"
+#else
+#define CHORUS_LIBTORCH_SKIP \
+  "LibTorch was not found when this test was configured (apt-get install libtorch-dev, then reconfigure)"
+#endif
+TEST(LibTorchCrossCheck, ResNetBasicBlockWithBatchNorm) { GTEST_SKIP() << CHORUS_LIBTORCH_SKIP; }
 #endif
