@@ -1,13 +1,14 @@
 // chorus benchmarks: the fixed workloads on one device and through DataParallel, side by side
 // with a peer (LibTorch on the CPU) run in the same invocation.
 //
-//   chorus_bench [--threads 1,2] [--devices 1,2] [--workloads tutorial,mlp-small,mlp-medium]
+//   chorus_bench [--threads 1,2] [--devices 1,2] [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar]
 //                [--repeats N] [--json FILE] [--peer LIBTORCH_BENCH]
 //
 // Workloads (see benchmarks/README.md): tutorial = Linear(5, 2) forward over 100 samples in
 // batches of 30, data on the host, time per epoch; mlp-small = 784-512-512-10 ReLU MLP,
 // batch 256, cross-entropy, SGD, time per step; mlp-medium = 4 x Linear(1024, 1024) with
-// ReLU, batch 512, MSE, SGD, time per step.
+// ReLU, batch 512, MSE, SGD, time per step; resnet20-cifar = ResNet-20 (examples/resnet.hpp),
+// batch 128 of 3x32x32, cross-entropy, SGD with momentum, time per step.
 #include <chorus/chorus.hpp>
 
 #include <cstdio>
@@ -20,6 +21,7 @@
 #include <sstream>
 #include <string>
 
+#include "../examples/resnet.hpp"
 #include "bench_util.hpp"
 
 using namespace chorus;
@@ -98,25 +100,38 @@ std::function<void()> make_workload(const std::string& workload, const std::vect
       opt->step();
     };
   }
+  if (workload == "resnet20-cifar") {
+    auto model = std::make_shared<Runner<examples::ResNet20<float>>>(devices);
+    auto opt = std::make_shared<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.01, .momentum = 0.9});
+    auto x = randn<float>({128, 3, 32, 32});
+    auto y = randint(0, 10, {128});
+    return [model, opt, x, y] {
+      auto loss = F::cross_entropy((*model)(x), y);
+      opt->zero_grad();
+      loss.backward();
+      opt->step();
+    };
+  }
   CHORUS_FAIL("unknown workload '", workload, "'");
 }
 
 double workload_flops(const std::string& w) {
   if (w == "mlp-small") return bench::mlp_step_flops(256, {{784, 512}, {512, 512}, {512, 10}});
   if (w == "mlp-medium") return bench::mlp_step_flops(512, {{1024, 1024}, {1024, 1024}, {1024, 1024}, {1024, 1024}});
+  if (w == "resnet20-cifar") return bench::resnet20_step_flops(128);
   return 0;
 }
 
 int repeats_for(const std::string& w, int requested) {
   if (requested > 0) return requested;
-  return w == "tutorial" ? 200 : w == "mlp-small" ? 30 : 15;
+  return w == "tutorial" ? 200 : w == "mlp-small" ? 30 : w == "resnet20-cifar" ? 5 : 15;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) try {
   std::vector<int> threads = {1, 2}, devices = {1, 2};
-  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium"};
+  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar"};
   int repeats = 0;
   std::string json_path = "chorus_bench.json", peer;
   for (int i = 1; i < argc; ++i) {
@@ -140,7 +155,8 @@ int main(int argc, char** argv) try {
     } else if (a == "--peer") {
       peer = next();
     } else {
-      std::cerr << "usage: chorus_bench [--threads 1,2] [--devices 1,2] [--workloads tutorial,mlp-small,mlp-medium]"
+      std::cerr << "usage: chorus_bench [--threads 1,2] [--devices 1,2]"
+                   " [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar]"
                    " [--repeats N] [--json FILE] [--peer LIBTORCH_BENCH]\n";
       return 2;
     }

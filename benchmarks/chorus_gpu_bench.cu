@@ -3,7 +3,7 @@
 // benchmarks/pytorch_gpu_bench.py runs the same workloads in PyTorch; scripts/gpu-check.sh
 // runs both and scripts/compare_benchmarks.py prints the ratios.
 //
-//   chorus_gpu_bench [--workloads tutorial,mlp-small,mlp-large] [--repeats N] [--json FILE]
+//   chorus_gpu_bench [--workloads tutorial,mlp-small,mlp-large,resnet20-cifar] [--repeats N] [--json FILE]
 #include <chorus/chorus.hpp>
 
 #include <cstdio>
@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "../examples/resnet.hpp"
 #include "bench_util.hpp"
 
 using namespace chorus;
@@ -80,10 +81,25 @@ struct Plain {
   Tensor<float> operator()(const Tensor<float>& x) { return m.forward(x); }
   std::vector<AnyTensor> parameters() const { return m.parameters(); }
 };
+/// resnet20-cifar: a ResNet-20 training step (batch 128, SGD with momentum) on one GPU, NCHW.
+template <class Run>
+void resnet20_workload(Run& run, int repeats) {
+  auto model = std::make_shared<Plain<examples::ResNet20<float>>>();
+  model->m.to(kGpu);
+  auto x = randn<float>({128, 3, 32, 32}, kGpu);
+  auto y = randint(0, 10, {128}, kGpu);
+  auto opt = std::make_shared<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.01, .momentum = 0.9});
+  run("resnet20-cifar", "1 GPU fp32", 1, bench::resnet20_step_flops(128), repeats ? repeats : 50, [model, opt, x, y] {
+    auto loss = F::cross_entropy((*model)(x), y);
+    opt->zero_grad();
+    loss.backward();
+    opt->step();
+  });
+}
 }  // namespace
 
 int main(int argc, char** argv) try {
-  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-large"};
+  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-large", "resnet20-cifar"};
   int repeats = 0;
   std::string json_path = "chorus_gpu_bench.json";
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -149,6 +165,8 @@ int main(int argc, char** argv) try {
       m.to(kGpu);
       auto dp = std::make_shared<DataParallel<Mlp>>(std::move(m), std::vector<Device>{kGpu, kGpu});
       run(w, "DataParallel {cuda:0, cuda:0} fp32", 2, flops, reps, train_step(dp, x, y, false));
+    } else if (w == "resnet20-cifar") {
+      resnet20_workload(run, repeats);
     } else {
       CHORUS_FAIL("unknown workload '", w, "'");
     }

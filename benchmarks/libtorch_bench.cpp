@@ -10,6 +10,55 @@
 #include "bench_util.hpp"
 
 namespace {
+// ResNet-20 as examples/resnet.hpp builds it (option-A shortcuts: subsample and zero-pad).
+struct BasicBlockImpl : torch::nn::Module {
+  torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
+  int64_t in_planes, planes, stride;
+  BasicBlockImpl(int64_t in, int64_t out, int64_t s) : in_planes(in), planes(out), stride(s) {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).stride(s).padding(1).bias(false)));
+    bn1 = register_module("bn1", torch::nn::BatchNorm2d(out));
+    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(out, out, 3).padding(1).bias(false)));
+    bn2 = register_module("bn2", torch::nn::BatchNorm2d(out));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto out = torch::relu(bn1(conv1(x)));
+    out = bn2(conv2(out));
+    torch::Tensor sc = x;
+    if (stride != 1 || in_planes != planes) {
+      const int64_t pad = (planes - in_planes) / 2;
+      sc = torch::nn::functional::pad(x.slice(2, 0, c10::nullopt, stride).slice(3, 0, c10::nullopt, stride),
+                                      torch::nn::functional::PadFuncOptions({0, 0, 0, 0, pad, pad}));
+    }
+    return torch::relu(out + sc);
+  }
+};
+TORCH_MODULE(BasicBlock);
+
+struct ResNet20Impl : torch::nn::Module {
+  torch::nn::Conv2d conv1{nullptr};
+  torch::nn::BatchNorm2d bn1{nullptr};
+  torch::nn::Sequential layer1, layer2, layer3;
+  torch::nn::Linear fc{nullptr};
+  ResNet20Impl() {
+    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 16, 3).padding(1).bias(false)));
+    bn1 = register_module("bn1", torch::nn::BatchNorm2d(16));
+    layer1 = register_module("layer1", stage(16, 16, 1));
+    layer2 = register_module("layer2", stage(16, 32, 2));
+    layer3 = register_module("layer3", stage(32, 64, 2));
+    fc = register_module("fc", torch::nn::Linear(64, 10));
+  }
+  static torch::nn::Sequential stage(int64_t in, int64_t out, int64_t s) {
+    return torch::nn::Sequential(BasicBlock(in, out, s), BasicBlock(out, out, 1), BasicBlock(out, out, 1));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto out = torch::relu(bn1(conv1(x)));
+    out = layer3->forward(layer2->forward(layer1->forward(out)));
+    return fc(torch::adaptive_avg_pool2d(out, {1, 1}).flatten(1));
+  }
+};
+TORCH_MODULE(ResNet20);
+
 std::function<void()> make_workload(const std::string& w) {
   if (w == "tutorial") {
     auto model = std::make_shared<torch::nn::Linear>(5, 2);
@@ -50,13 +99,25 @@ std::function<void()> make_workload(const std::string& w) {
       opt->step();
     };
   }
+  if (w == "resnet20-cifar") {
+    auto model = std::make_shared<ResNet20>();
+    auto opt = std::make_shared<torch::optim::SGD>((*model)->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
+    auto x = torch::randn({128, 3, 32, 32});
+    auto y = torch::randint(0, 10, {128}, torch::kLong);
+    return [model, opt, x, y] {
+      auto loss = torch::nn::functional::cross_entropy((*model)->forward(x), y);
+      opt->zero_grad();
+      loss.backward();
+      opt->step();
+    };
+  }
   throw std::runtime_error("unknown workload " + w);
 }
 }  // namespace
 
 int main(int argc, char** argv) try {
   int threads = 1, omp_threads = 0, repeats = 0;
-  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium"};
+  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar"};
   std::string json_path = "libtorch_bench.json";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
@@ -72,7 +133,8 @@ int main(int argc, char** argv) try {
   torch::manual_seed(0);
   nlohmann::json records = nlohmann::json::array();
   for (const auto& w : workloads) {
-    const int reps = repeats > 0 ? repeats : (w == "tutorial" ? 200 : w == "mlp-small" ? 30 : 15);
+    const int reps = repeats > 0 ? repeats
+                                 : (w == "tutorial" ? 200 : w == "mlp-small" ? 30 : w == "resnet20-cifar" ? 5 : 15);
     auto s = bench::measure(make_workload(w), std::max(2, reps / 10), reps);
     records.push_back({{"impl", "libtorch"}, {"workload", w}, {"config", std::to_string(threads) + " thread(s), " + std::to_string(omp_threads) + " intra-op"},
                        {"devices", 1}, {"threads", threads}, {"median_ms", s.median_ms}, {"min_ms", s.min_ms},

@@ -67,6 +67,61 @@ def graphed(model, x, y, loss):
     return g.replay
 
 
+class BasicBlock(nn.Module):
+    """ResNet-20's block as examples/resnet.hpp builds it (option-A shortcut: subsample, zero-pad)."""
+
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.pad = (cout - cin) // 2 if stride != 1 or cin != cout else None
+        self.stride = stride
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        sc = x if self.pad is None else F.pad(x[:, :, ::self.stride, ::self.stride],
+                                              (0, 0, 0, 0, self.pad, self.pad))
+        return F.relu(out + sc)
+
+
+class ResNet20(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        stage = lambda i, o, s: nn.Sequential(BasicBlock(i, o, s), BasicBlock(o, o, 1), BasicBlock(o, o, 1))
+        self.layer1, self.layer2, self.layer3 = stage(16, 16, 1), stage(16, 32, 2), stage(32, 64, 2)
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.layer3(self.layer2(self.layer1(out)))
+        return self.fc(F.adaptive_avg_pool2d(out, 1).flatten(1))
+
+
+def resnet20_bench(add, repeats):
+    """resnet20-cifar: batch 128, SGD with momentum, eager, NCHW and channels_last (cuDNN's
+    preferred NHWC layout; the input and the weights converted once, outside the step)."""
+    flops = 6.0 * 40551040 * 128  # as bench::resnet20_step_flops
+    for channels_last in (False, True):
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        model = ResNet20().cuda().to(memory_format=fmt)
+        x = torch.randn(128, 3, 32, 32, device="cuda").to(memory_format=fmt)
+        y = torch.randint(0, 10, (128,), device="cuda")
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step():
+            l = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            l.backward()
+            opt.step()
+        add("pytorch-eager", "resnet20-cifar", "1 GPU fp32" + (" channels_last" if channels_last else ""), 1,
+            measure(step, 10, repeats or 50), flops)
+
+
 def mlp_flops(batch, layers):
     f = 0.0
     for k, (i, o) in enumerate(layers):
@@ -130,6 +185,7 @@ def main():
         add("pytorch-cudagraph", "mlp-large", name, 1, measure(graphed(mlp(4096, 4096, 4096, 4), x, y, F.mse_loss), 3, reps),
             flops)
     torch.backends.cuda.matmul.allow_tf32 = False
+    resnet20_bench(add, args.repeats)
     write()
     print(f"wrote {args.json}")
 

@@ -33,6 +33,9 @@ if(NOT DEFINED CHORUS_ENABLE_CUDA OR CHORUS_ENABLE_CUDA)
     find_package(CUDAToolkit REQUIRED)
     find_library(CHORUS_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib64)
     find_path(CHORUS_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/local/cuda/include)
+    # cuDNN 9 (shipped with the toolkit here): optional, for convolutions.
+    find_library(CHORUS_CUDNN_LIBRARY cudnn HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/local/cuda/lib64)
+    message(STATUS "chorus: cuDNN ${CHORUS_CUDNN_LIBRARY}")
     if(CHORUS_NCCL_LIBRARY AND CHORUS_NCCL_INCLUDE_DIR)
       set(CHORUS_HAS_CUDA ON)
     else()
@@ -55,3 +58,7 @@ if(NOT DEFINED CHORUS_ENABLE_MPI OR CHORUS_ENABLE_MPI)
   endif()
 endif()
 message(STATUS "chorus: MPI ${CHORUS_HAS_MPI}")
+
+# oneDNN for CPU convolutions (optional): found in ChorusOneDNN.cmake, which the installed
+# package runs again in the consumer's configure.
+include(${CMAKE_CURRENT_LIST_DIR}/ChorusOneDNN.cmake)

@@ -31,6 +31,8 @@ TARGETS = [
     ("mlp-large", "1 GPU fp32", "pytorch-cudagraph", "1 GPU fp32", None),
     ("mlp-large", "1 GPU tf32", "pytorch-cudagraph", "1 GPU tf32", None),
     ("mlp-large", "DataParallel {cuda:0, cuda:0} fp32", "chorus", "1 GPU fp32", 1.15),
+    ("resnet20-cifar", "1 GPU fp32", "pytorch-eager", "1 GPU fp32", 1.0),
+    ("resnet20-cifar", "1 GPU fp32", "pytorch-eager", "1 GPU fp32 channels_last", None),
 ]
 
 

@@ -6,6 +6,7 @@ set -euo pipefail
 
 packages=(cmake make g++ libopenblas-dev libgtest-dev nlohmann-json3-dev)
 packages+=(openmpi-bin libopenmpi-dev)  # chorus::distributed (optional for the library, used by the tests)
+packages+=(libdnnl-dev)  # oneDNN: CPU float32 convolutions (optional for the library; CI uses it)
 if ! python3 -m pip --version >/dev/null 2>&1; then
   packages+=(python3 python3-pip)  # for the safetensors interoperability test
 fi

@@ -101,3 +101,303 @@ TEST(DataLoader, BatchSizeIsAnInt64) {
   EXPECT_TRUE(throws_with([] { data::DataLoader(RandomDataset(5, 10), {.batch_size = -3}); },
                           {"batch_size must be positive", "-3"}));
 }
+
+// ---- Readers: files written here byte by byte in each format ------------------------------
+
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+namespace {
+namespace fs = std::filesystem;
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    path = fs::temp_directory_path() /
+           ("chorus_data_" + std::to_string(::getpid()) + "_" + std::to_string(reinterpret_cast<std::uintptr_t>(this)));
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+void write_file(const std::string& path, const std::vector<std::uint8_t>& bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+// A CIFAR-10 record: label, then pixel k of the record is (seed + k) mod 256.
+std::vector<std::uint8_t> cifar_record(std::uint8_t label, int seed) {
+  std::vector<std::uint8_t> r{label};
+  for (int k = 0; k < 3072; ++k) r.push_back(static_cast<std::uint8_t>((seed + k) % 256));
+  return r;
+}
+
+std::vector<std::uint8_t> idx_header(std::uint8_t type, std::vector<std::uint32_t> dims) {
+  std::vector<std::uint8_t> h{0, 0, type, static_cast<std::uint8_t>(dims.size())};
+  for (auto d : dims)
+    for (int s = 24; s >= 0; s -= 8) h.push_back(static_cast<std::uint8_t>(d >> s));
+  return h;
+}
+}  // namespace
+
+TEST(Cifar10, ReadsTheBinaryFormat) {
+  TempDir dir;
+  fs::create_directories(dir.path / "cifar-10-batches-bin");
+  for (int f = 1; f <= 5; ++f) {
+    auto bytes = cifar_record(static_cast<std::uint8_t>(f), f);
+    auto second = cifar_record(static_cast<std::uint8_t>(9 - f), 100 + f);
+    bytes.insert(bytes.end(), second.begin(), second.end());
+    write_file((dir.path / "cifar-10-batches-bin" / ("data_batch_" + std::to_string(f) + ".bin")).string(), bytes);
+  }
+  write_file((dir.path / "cifar-10-batches-bin" / "test_batch.bin").string(), cifar_record(0, 7));
+  auto train = data::read_cifar10(dir.path.string(), true);
+  ASSERT_EQ(train.size(), 10u);
+  EXPECT_EQ(train.labels, (std::vector<std::int64_t>{1, 8, 2, 7, 3, 6, 4, 5, 5, 4}));
+  EXPECT_EQ(train.channels, 3);
+  EXPECT_EQ(train.pixels[3072 * 3 + 0], 100 + 2);  // file 2, record 2, first red pixel
+  auto test = data::read_cifar10((dir.path / "cifar-10-batches-bin").string(), false);
+  ASSERT_EQ(test.size(), 1u);
+  data::ImageDataset ds(test);
+  auto ex = ds.get(0);
+  EXPECT_EQ(ex.data.shape(), (Shape{3, 32, 32}));
+  EXPECT_EQ(ex.target.item(), 0);
+  auto v = ex.data.to_vector();
+  EXPECT_FLOAT_EQ(v[0], 7 / 255.0f);                       // red (0, 0)
+  EXPECT_FLOAT_EQ(v[1024 + 33], ((7 + 1024 + 33) % 256) / 255.0f);  // green (1, 1)
+  // The writer produces the same bytes as the hand-written file.
+  data::write_cifar10_file(dir.file("copy.bin"), test);
+  EXPECT_EQ(data::detail::read_bytes(dir.file("copy.bin"), "t"), cifar_record(0, 7));
+}
+
+TEST(Cifar10, BadFilesAreRefused) {
+  TempDir dir;
+  data::ImageSet set;
+  auto rec = cifar_record(3, 0);
+  rec.pop_back();
+  write_file(dir.file("short.bin"), rec);
+  EXPECT_TRUE(throws_with([&] { data::read_cifar10_file(dir.file("short.bin"), set); },
+                          {"short.bin", "3072 bytes", "3073-byte record"}));
+  write_file(dir.file("label.bin"), cifar_record(10, 0));
+  EXPECT_TRUE(throws_with([&] { data::read_cifar10_file(dir.file("label.bin"), set); },
+                          {"label.bin", "record 0", "label 10"}));
+  EXPECT_TRUE(throws_with([&] { data::read_cifar10(dir.path.string(), false); }, {"test_batch.bin", "does not exist"}));
+  EXPECT_TRUE(throws_with([&] { data::read_cifar10_file(dir.file("missing.bin"), set); }, {"cannot open", "missing"}));
+}
+
+TEST(Mnist, ReadsTheIdxFormat) {
+  TempDir dir;
+  auto images = idx_header(0x08, {3, 4, 5});
+  for (int k = 0; k < 60; ++k) images.push_back(static_cast<std::uint8_t>(k * 4));
+  auto labels = idx_header(0x08, {3});
+  labels.insert(labels.end(), {7, 0, 9});
+  write_file(dir.file("train-images-idx3-ubyte"), images);
+  write_file(dir.file("train-labels-idx1-ubyte"), labels);
+  auto set = data::read_mnist(dir.path.string(), true);
+  EXPECT_EQ(set.size(), 3u);
+  EXPECT_EQ(set.labels, (std::vector<std::int64_t>{7, 0, 9}));
+  EXPECT_EQ(set.height, 4);
+  EXPECT_EQ(set.width, 5);
+  auto batch = data::ImageDataset(set).get_batch({2, 0});
+  EXPECT_EQ(batch.data.shape(), (Shape{2, 1, 4, 5}));
+  EXPECT_FLOAT_EQ(batch.data.to_vector()[1], 41 * 4 / 255.0f);
+  EXPECT_EQ(batch.target.to_vector(), (std::vector<std::int64_t>{9, 7}));
+}
+
+TEST(Mnist, BadFilesAreRefused) {
+  TempDir dir;
+  auto f = dir.file("x");
+  auto good_labels = idx_header(0x08, {2});
+  good_labels.insert(good_labels.end(), {1, 2});
+  write_file(dir.file("labels"), good_labels);
+  write_file(f, {0, 1, 8, 1, 0, 0, 0, 1, 5});
+  EXPECT_TRUE(throws_with([&] { data::read_idx(f); }, {"not an IDX file", "0, 1"}));
+  auto floats = idx_header(0x0D, {1});
+  floats.insert(floats.end(), {0, 0, 0, 0});
+  write_file(f, floats);
+  EXPECT_TRUE(throws_with([&] { data::read_idx(f); }, {"element type 0xd", "unsigned bytes"}));
+  auto shortdata = idx_header(0x08, {2, 2, 2});
+  shortdata.insert(shortdata.end(), {1, 2, 3});
+  write_file(f, shortdata);
+  EXPECT_TRUE(throws_with([&] { data::read_idx(f); }, {"3 bytes of data", "[2, 2, 2]", "need 8"}));
+  write_file(f, {0, 0, 8, 3, 0, 0});
+  EXPECT_TRUE(throws_with([&] { data::read_idx(f); }, {"truncated", "needs 16"}));
+  auto three = idx_header(0x08, {3, 1, 1});
+  three.insert(three.end(), {1, 2, 3});
+  write_file(f, three);
+  EXPECT_TRUE(throws_with([&] { data::read_mnist(f, dir.file("labels")); }, {"3 images", "2 labels"}));
+  auto bad_label = idx_header(0x08, {3});
+  bad_label.insert(bad_label.end(), {1, 12, 3});
+  write_file(dir.file("labels"), bad_label);
+  EXPECT_TRUE(throws_with([&] { data::read_mnist(f, dir.file("labels")); }, {"label 1 is 12"}));
+}
+
+// ---- Transforms --------------------------------------------------------------------------------
+
+namespace {
+data::Image ramp(std::int64_t c, std::int64_t h, std::int64_t w) {
+  data::Image img{c, h, w, std::vector<float>(static_cast<std::size_t>(c * h * w))};
+  for (std::size_t k = 0; k < img.pixels.size(); ++k) img.pixels[k] = static_cast<float>(k + 1);
+  return img;
+}
+}  // namespace
+
+TEST(Transforms, Normalize) {
+  data::TransformRng rng(0);
+  auto out = data::transforms::Normalize({1, 2}, {2, 4})(ramp(2, 1, 2), rng);
+  EXPECT_EQ(out.pixels, (std::vector<float>{0, 0.5, 0.25, 0.5}));
+  EXPECT_TRUE(throws_with([&] { data::transforms::Normalize({1}, {2})(ramp(2, 1, 2), rng); }, {"2 channels"}));
+  EXPECT_TRUE(throws_with([&] { data::transforms::Normalize({1}, {0}); }, {"standard deviation of 0"}));
+}
+
+TEST(Transforms, RandomCropWithPaddingCoversEveryOffset) {
+  const auto img = ramp(2, 4, 4);
+  data::transforms::RandomCrop crop(4, 1);
+  std::set<std::pair<int, int>> offsets;
+  for (std::uint64_t seed = 0; seed < 200; ++seed) {
+    data::TransformRng rng(seed);
+    auto out = crop(img, rng);
+    ASSERT_EQ(out.height, 4);
+    // Find the offset: the output is the padded image shifted by (dy, dx) in [-1, 1].
+    bool found = false;
+    for (int dy = -1; dy <= 1 && !found; ++dy)
+      for (int dx = -1; dx <= 1 && !found; ++dx) {
+        bool match = true;
+        for (int c = 0; c < 2; ++c)
+          for (int y = 0; y < 4; ++y)
+            for (int x = 0; x < 4; ++x) {
+              const int sy = y + dy, sx = x + dx;
+              const float want = (sy < 0 || sy >= 4 || sx < 0 || sx >= 4) ? 0.f : img.at(c, sy, sx);
+              match = match && out.at(c, y, x) == want;
+            }
+        if (match) {
+          offsets.insert({dy, dx});
+          found = true;
+        }
+      }
+    EXPECT_TRUE(found) << "seed " << seed;
+    data::TransformRng again(seed);
+    EXPECT_EQ(crop(img, again).pixels, out.pixels);  // seeded: reproducible
+  }
+  EXPECT_EQ(offsets.size(), 9u);
+}
+
+TEST(Transforms, HorizontalFlipAndCompose) {
+  const auto img = ramp(1, 2, 3);
+  data::TransformRng rng(1);
+  auto always = data::transforms::RandomHorizontalFlip{1.0}(img, rng);
+  EXPECT_EQ(always.pixels, (std::vector<float>{3, 2, 1, 6, 5, 4}));
+  EXPECT_EQ(data::transforms::RandomHorizontalFlip{0.0}(img, rng).pixels, img.pixels);
+  int flipped = 0;
+  for (int i = 0; i < 400; ++i) flipped += data::transforms::RandomHorizontalFlip{}(img, rng).pixels[0] == 3;
+  EXPECT_GT(flipped, 150);
+  EXPECT_LT(flipped, 250);
+  data::transforms::Compose both{{data::transforms::RandomHorizontalFlip{1.0}, data::transforms::Normalize({1}, {2})}};
+  EXPECT_EQ(both(img, rng).pixels, (std::vector<float>{1, 0.5, 0, 2.5, 2, 1.5}));
+}
+
+// ---- DataLoader workers -----------------------------------------------------------------------
+
+namespace {
+data::ImageSet random_images(std::size_t n) {
+  data::ImageSet set{3, 8, 8, {}, {}};
+  std::mt19937 gen(1);
+  for (std::size_t i = 0; i < n * 192; ++i) set.pixels.push_back(static_cast<std::uint8_t>(gen()));
+  for (std::size_t i = 0; i < n; ++i) set.labels.push_back(static_cast<std::int64_t>(i % 10));
+  return set;
+}
+data::ImageDataset augmented(std::size_t n) {
+  return data::ImageDataset(random_images(n),
+                            data::transforms::Compose{{data::transforms::RandomCrop(8, 2),
+                                                       data::transforms::RandomHorizontalFlip{},
+                                                       data::transforms::Normalize({0.5, 0.5, 0.5}, {0.2, 0.2, 0.2})}},
+                            42);
+}
+std::vector<std::vector<float>> epochs_of(std::size_t workers, int epochs, bool pin = false) {
+  data::DataLoader loader(augmented(50), {.batch_size = 7, .shuffle = true, .seed = 3, .num_workers = workers,
+                                          .pin_memory = pin});
+  std::vector<std::vector<float>> out;
+  for (int e = 0; e < epochs; ++e)
+    for (const auto& b : loader) {
+      out.push_back(b.data.to_vector());
+      auto t = b.target.to_vector();
+      out.back().insert(out.back().end(), t.begin(), t.end());
+    }
+  return out;
+}
+}  // namespace
+
+TEST(DataLoaderWorkers, SameBatchesForAnyNumberOfWorkers) {
+  auto serial = epochs_of(0, 2);
+  ASSERT_EQ(serial.size(), 16u);
+  EXPECT_NE(serial[0], serial[8]);  // epochs differ (order and augmentation)
+  for (std::size_t w : {1u, 2u, 3u, 8u}) EXPECT_EQ(epochs_of(w, 2), serial) << w << " workers";
+  EXPECT_EQ(epochs_of(2, 2, /*pin=*/true), serial);  // pinning changes where, not what
+  // Augmentation depends on the epoch, not only on the order: same example, other epoch, other pixels.
+  auto ds = augmented(5);
+  auto a = ds.image(3).pixels;
+  ds.set_epoch(1);
+  EXPECT_NE(ds.image(3).pixels, a);
+  ds.set_epoch(0);
+  EXPECT_EQ(ds.image(3).pixels, a);
+}
+
+namespace {
+struct Flaky {
+  std::size_t n = 40;
+  std::size_t bad = 23;
+  std::shared_ptr<std::atomic<int>> built = std::make_shared<std::atomic<int>>(0);
+  int delay_us = 0;
+  std::size_t size() const { return n; }
+  Tensor<float> get(std::size_t i) const {
+    if (delay_us) std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
+    ++*built;
+    CHORUS_CHECK(i != bad, "example ", i, " is corrupt");
+    return full<float>({2}, static_cast<float>(i));
+  }
+};
+}  // namespace
+
+TEST(DataLoaderWorkers, AWorkersExceptionSurfacesInTheConsumer) {
+  for (std::size_t w : {0u, 1u, 3u}) {
+    data::DataLoader loader(Flaky{}, {.batch_size = 4, .num_workers = w});
+    std::size_t good = 0;
+    std::string message;
+    try {
+      for (const auto& b : loader) {
+        EXPECT_EQ(b.to_vector()[0], static_cast<float>(4 * good));
+        ++good;
+      }
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    EXPECT_EQ(good, 5u) << w << " workers";  // batches 0..4 arrive, batch 5 holds example 23
+    EXPECT_NE(message.find("example 23 is corrupt"), std::string::npos) << message;
+    if (w > 0) {  // batch b is built by worker b mod W
+      EXPECT_NE(message.find("worker " + std::to_string(5 % w) + " failed on batch 5"), std::string::npos) << message;
+    }
+  }
+}
+
+TEST(DataLoaderWorkers, EndingAnEpochEarlyDoesNotHangAndBoundsPrefetch) {
+  Flaky slow{.n = 400, .bad = 1000};
+  slow.delay_us = 2000;
+  auto built = slow.built;
+  {
+    data::DataLoader loader(slow, {.batch_size = 4, .num_workers = 3, .prefetch_factor = 2});
+    for (const auto& b : loader) {
+      EXPECT_EQ(b.size(0), 4);
+      break;  // the iterator dies here: the workers stop after their current batch
+    }
+    // At most (3 workers x 2 ahead + 1 consumed + 3 in flight) batches of 4 were built, not 100.
+    EXPECT_LE(built->load(), 4 * 10);
+    auto it = loader.begin();  // a new epoch mid-way through another ends the old one
+    EXPECT_EQ((*it).size(0), 4);
+    auto it2 = loader.begin();
+    EXPECT_TRUE(throws_with([&] { ++it; *it; }, {"ended by a newer begin()"}));
+    (void)it2;
+  }  // the loader and its running epoch are destroyed mid-epoch
+  SUCCEED();
+}

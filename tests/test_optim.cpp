@@ -137,3 +137,236 @@ TEST(Adam, StateHoldsStepAndMoments) {
   EXPECT_TRUE(throws_with([&] { opt.load_state({{{"exp_avg", AnyTensor(zeros<float>({2}))}}}); }, {"exp_avg", "[2]"}));
   EXPECT_TRUE(throws_with([&] { opt.load_state({{{"bogus", AnyTensor(zeros<float>({3}))}}}); }, {"bogus"}));
 }
+
+// ---- Parameter groups ------------------------------------------------------------------
+
+TEST(ParamGroups, EachGroupUsesItsOwnOptions) {
+  auto w = from_vector<double>({1.0, 2.0}, Shape{1, 2}).requires_grad_();
+  auto b = from_vector<double>({0.5}).requires_grad_();
+  auto groups = optim::weight_decay_groups<optim::SGDOptions>({w, b}, {.lr = 0.1, .momentum = 0.9, .weight_decay = 0.5});
+  ASSERT_EQ(groups.size(), 2u);
+  ASSERT_EQ(groups[0].params.size(), 1u);  // the matrix decays
+  ASSERT_EQ(groups[1].params.size(), 1u);  // the bias does not
+  EXPECT_EQ(groups[1].options.weight_decay, 0.0);
+  groups[1].options.lr = 0.01;
+  optim::SGD opt(groups);
+  EXPECT_EQ(opt.num_groups(), 2u);
+  EXPECT_EQ(opt.group_of(1), 1u);
+  w.set_grad(from_vector<double>({1.0, -1.0}, Shape{1, 2}));
+  b.set_grad(from_vector<double>({2.0}));
+  opt.step();
+  EXPECT_NEAR(w.to_vector()[0], 1.0 - 0.1 * (1.0 + 0.5 * 1.0), 1e-15);
+  EXPECT_NEAR(w.to_vector()[1], 2.0 - 0.1 * (-1.0 + 0.5 * 2.0), 1e-15);
+  EXPECT_NEAR(b.item(), 0.5 - 0.01 * 2.0, 1e-15);
+  EXPECT_TRUE(throws_with([&] { optim::SGD({{{w}, {.lr = 0.1}}, {{w}, {.lr = 0.2}}}); }, {"more than once"}));
+  EXPECT_TRUE(throws_with([&] { optim::SGD({{{w}, {.lr = 0.1}}, {{b}, {.lr = -1}}}); }, {"learning rate", "group 1"}));
+}
+
+TEST(ParamGroups, AdamWDecaysOnlyItsDecayGroup) {
+  auto w = from_vector<double>({1.0}, Shape{1, 1}).requires_grad_();
+  auto b = from_vector<double>({1.0}).requires_grad_();
+  optim::AdamW opt(optim::weight_decay_groups<optim::AdamWOptions>({w, b}, {.lr = 0.1, .weight_decay = 0.1}));
+  w.set_grad(from_vector<double>({0.5}, Shape{1, 1}));
+  b.set_grad(from_vector<double>({0.5}));
+  opt.step();
+  auto with = adam_reference(1.0, {0.5}, 0.1, 0.9, 0.999, 1e-8, 0.1, true, false);
+  auto without = adam_reference(1.0, {0.5}, 0.1, 0.9, 0.999, 1e-8, 0.0, true, false);
+  EXPECT_NEAR(w.item(), with[0], 1e-15);
+  EXPECT_NEAR(b.item(), without[0], 1e-15);
+  EXPECT_NE(with[0], without[0]);
+  EXPECT_EQ(opt.momentum(0), 0.9);  // beta1
+}
+
+// ---- Learning-rate schedulers (PyTorch's closed forms and recurrences, by hand) ---------
+
+namespace {
+template <class Opt>
+struct OneParam {
+  Tensor<double> p = from_vector<double>({1.0}).requires_grad_();
+  Opt opt;
+  template <class Options>
+  explicit OneParam(Options o) : opt(std::vector<AnyTensor>{p}, o) {}
+};
+}  // namespace
+
+TEST(LRScheduler, StepLR) {
+  OneParam<optim::SGD> m(optim::SGDOptions{.lr = 0.1});
+  optim::StepLR s(m.opt, 3, 0.5);
+  for (int e = 0; e < 10; ++e) {
+    EXPECT_EQ(s.last_epoch(), e);
+    EXPECT_DOUBLE_EQ(m.opt.lr(0), 0.1 * std::pow(0.5, e / 3)) << "epoch " << e;
+    s.step();
+  }
+  EXPECT_TRUE(throws_with([&] { optim::StepLR(m.opt, 0); }, {"step_size", "0"}));
+}
+
+TEST(LRScheduler, MultiStepLR) {
+  OneParam<optim::Adam> m(optim::AdamOptions{.lr = 0.1});
+  optim::MultiStepLR s(m.opt, {2, 5}, 0.1);
+  const double want[] = {0.1, 0.1, 0.01, 0.01, 0.01, 0.001, 0.001};
+  for (double w : want) {
+    EXPECT_NEAR(m.opt.lr(0), w, 1e-17);
+    s.step();
+  }
+  EXPECT_TRUE(throws_with([&] { optim::MultiStepLR(m.opt, {5, 2}); }, {"increasing"}));
+}
+
+TEST(LRScheduler, CosineAnnealingFollowsPyTorchsRecurrence) {
+  OneParam<optim::SGD> m(optim::SGDOptions{.lr = 0.5});
+  const double eta_min = 0.01, T = 10;
+  optim::CosineAnnealingLR s(m.opt, 10, eta_min);
+  EXPECT_DOUBLE_EQ(m.opt.lr(0), 0.5);
+  double lr = 0.5;
+  for (int t = 1; t <= 10; ++t) {
+    s.step();
+    // torch's chainable form: lr_t = eta_min + (lr_{t-1} - eta_min) * (1 + cos(pi t / T)) / (1 + cos(pi (t-1) / T)).
+    lr = eta_min + (lr - eta_min) * (1 + std::cos(M_PI * t / T)) / (1 + std::cos(M_PI * (t - 1) / T));
+    EXPECT_NEAR(m.opt.lr(0), lr, 1e-12) << "epoch " << t;
+  }
+  EXPECT_NEAR(m.opt.lr(0), eta_min, 1e-15);
+}
+
+TEST(LRScheduler, LinearWarmupFollowsPyTorchsRecurrence) {
+  OneParam<optim::AdamW> m(optim::AdamWOptions{.lr = 0.2});
+  const double start = 0.25, end = 1.0;
+  const int total = 4;
+  optim::LinearLR s(m.opt, start, end, total);
+  double lr = 0.2 * start;
+  EXPECT_NEAR(m.opt.lr(0), lr, 1e-15);
+  for (int t = 1; t <= 7; ++t) {
+    s.step();
+    if (t <= total) lr *= 1 + (end - start) / (total * start + (t - 1) * (end - start));
+    EXPECT_NEAR(m.opt.lr(0), lr, 1e-15) << "epoch " << t;
+  }
+  EXPECT_NEAR(m.opt.lr(0), 0.2, 1e-15);
+  EXPECT_TRUE(throws_with([&] { optim::LinearLR(m.opt, 0.0); }, {"start_factor"}));
+}
+
+TEST(LRScheduler, OneCycleCosineAndMomentum) {
+  OneParam<optim::SGD> m(optim::SGDOptions{.lr = 0.001, .momentum = 0.9});
+  optim::OneCycleLR s(m.opt, {.max_lr = 1.0, .total_steps = 10});
+  // initial = 1/25, min = initial/1e4; phase ends at steps 0.3*10-1 = 2 and 9.
+  const double init = 0.04, mn = 0.04 / 1e4;
+  auto cos_anneal = [](double a, double b, double pct) { return b + (a - b) / 2 * (std::cos(M_PI * pct) + 1); };
+  for (int t = 0; t <= 10; ++t) {
+    const double lr = t <= 2 ? cos_anneal(init, 1.0, t / 2.0) : cos_anneal(1.0, mn, (t - 2) / 7.0);
+    const double mom = t <= 2 ? cos_anneal(0.95, 0.85, t / 2.0) : cos_anneal(0.85, 0.95, (t - 2) / 7.0);
+    EXPECT_NEAR(m.opt.lr(0), lr, 1e-15) << "step " << t;
+    EXPECT_NEAR(m.opt.momentum(0), mom, 1e-15) << "step " << t;
+    if (t < 10) s.step();
+  }
+  EXPECT_NEAR(s.get_last_lr()[0], cos_anneal(1.0, mn, 8 / 7.0), 1e-15);
+  EXPECT_TRUE(throws_with([&] { s.step(); }, {"OneCycleLR", "11", "total_steps = 10"}));
+  EXPECT_EQ(s.last_epoch(), 10);  // the refused step changed nothing
+}
+
+TEST(LRScheduler, OneCycleLinearThreePhaseOnAdam) {
+  OneParam<optim::Adam> m(optim::AdamOptions{});
+  optim::OneCycleLR s(m.opt, {.max_lr = 1.0, .total_steps = 10, .cos_anneal = false, .three_phase = true});
+  // Phases end at 2, 4 and 9: initial -> max -> initial -> min, linearly.
+  const double init = 0.04, mn = 0.04 / 1e4;
+  const double want[] = {init, 0.52, 1.0, 0.52, init, init + (mn - init) * 0.2, init + (mn - init) * 0.4};
+  for (double w : want) {
+    EXPECT_NEAR(m.opt.lr(0), w, 1e-15);
+    s.step();
+  }
+  EXPECT_NEAR(m.opt.momentum(0), 0.95, 1e-15);  // beta1 at step 7 (third phase): max momentum
+  // A warm-up phase of no steps (0.25 * 4 - 1 = 0): the peak at once, then the anneal; never NaN.
+  OneParam<optim::SGD> short_cycle(optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+  optim::OneCycleLR sc(short_cycle.opt, {.max_lr = 1.0, .total_steps = 4, .pct_start = 0.25});
+  EXPECT_EQ(short_cycle.opt.lr(0), 1.0);
+  sc.step();
+  EXPECT_NEAR(short_cycle.opt.lr(0), 0.04 / 1e4 + (1.0 - 0.04 / 1e4) / 2 * (std::cos(M_PI / 3) + 1), 1e-15);
+  OneParam<optim::SGD> plain(optim::SGDOptions{.lr = 0.1});
+  optim::OneCycleLR ok(plain.opt, {.max_lr = 1.0, .total_steps = 5});  // SGD has a momentum, even if 0
+  EXPECT_TRUE(throws_with([&] { optim::OneCycleLR(plain.opt, {.total_steps = 0}); }, {"total_steps"}));
+}
+
+TEST(LRScheduler, SequentialWarmupThenCosine) {
+  OneParam<optim::SGD> m(optim::SGDOptions{.lr = 0.4});
+  auto warm = std::make_shared<optim::LinearLR>(m.opt, 0.1, 1.0, 3);
+  auto cosine = std::make_shared<optim::CosineAnnealingLR>(m.opt, 5);
+  optim::SequentialLR s(m.opt, {warm, cosine}, {3});
+  const double want[] = {0.04, 0.04 + 0.36 / 3, 0.04 + 0.72 / 3, 0.4, 0.2 * (1 + std::cos(M_PI / 5)),
+                         0.2 * (1 + std::cos(2 * M_PI / 5))};
+  for (double w : want) {
+    EXPECT_NEAR(m.opt.lr(0), w, 1e-15);
+    s.step();
+  }
+}
+
+TEST(LRScheduler, SchedulesEveryGroupFromItsOwnBaseAndTheStepUsesIt) {
+  auto a = from_vector<double>({1.0}).requires_grad_();
+  auto b = from_vector<double>({1.0}).requires_grad_();
+  optim::SGD opt({{{a}, {.lr = 0.1}}, {{b}, {.lr = 1.0}}});
+  optim::StepLR s(opt, 1, 0.5);
+  s.step();
+  EXPECT_EQ(s.get_last_lr(), (std::vector<double>{0.05, 0.5}));
+  a.set_grad(from_vector<double>({1.0}));
+  b.set_grad(from_vector<double>({1.0}));
+  opt.step();
+  EXPECT_DOUBLE_EQ(a.item(), 0.95);
+  EXPECT_DOUBLE_EQ(b.item(), 0.5);
+}
+
+// ---- Gradient clipping --------------------------------------------------------------------
+
+template <class T>
+class ClipGrad : public ::testing::Test {};
+TYPED_TEST_SUITE(ClipGrad, chorus::testing::FloatTypes);
+
+TYPED_TEST(ClipGrad, NormOfAllGradientsTogether) {
+  using T = TypeParam;
+  auto a = zeros<T>({2}).requires_grad_();
+  auto b = zeros<T>({1, 1}).requires_grad_();
+  auto c = zeros<T>({3}).requires_grad_();  // no gradient: ignored
+  std::vector<AnyTensor> ps{a, b, c};
+  auto set = [&] {
+    a.set_grad(from_vector<T>({3, -4}));
+    b.set_grad(from_vector<T>({12}, Shape{1, 1}));
+  };
+  set();
+  EXPECT_NEAR(nn::utils::grad_norm(ps), 13.0, 1e-12);
+  EXPECT_NEAR(nn::utils::grad_norm(ps, 1.0), 19.0, 1e-12);
+  EXPECT_NEAR(nn::utils::grad_norm(ps, 3.0), std::cbrt(27.0 + 64.0 + 1728.0), 1e-12);
+  EXPECT_NEAR(nn::utils::grad_norm(ps, INFINITY), 12.0, 1e-12);
+  // Below the limit: unchanged.
+  EXPECT_NEAR(nn::utils::clip_grad_norm_(ps, 20.0), 13.0, 1e-12);
+  EXPECT_TRUE(values_are(a.grad(), {3, -4}, 0));
+  // Above: scaled by max_norm / (norm + 1e-6).
+  const double coef = 6.5 / (13.0 + 1e-6);
+  EXPECT_NEAR(nn::utils::clip_grad_norm_(ps, 6.5), 13.0, 1e-12);
+  EXPECT_TRUE(values_are(a.grad(), {T(3 * coef), T(-4 * coef)}, chorus::testing::tol<T>()));
+  EXPECT_TRUE(values_are(b.grad(), {T(12 * coef)}, chorus::testing::tol<T>()));
+  set();
+  const double coef_inf = 3.0 / (12.0 + 1e-6);
+  EXPECT_NEAR(nn::utils::clip_grad_norm_(ps, 3.0, INFINITY), 12.0, 1e-12);
+  EXPECT_TRUE(values_are(a.grad(), {T(3 * coef_inf), T(-4 * coef_inf)}, chorus::testing::tol<T>()));
+  EXPECT_FALSE(c.grad().defined());
+  EXPECT_TRUE(throws_with([&] { nn::utils::clip_grad_norm_(ps, 1.0, -2.0); }, {"norm_type", "-2"}));
+  EXPECT_TRUE(throws_with([&] { nn::utils::clip_grad_norm_(ps, -1.0); }, {"max_norm", "-1"}));
+}
+
+TYPED_TEST(ClipGrad, NonFiniteNorm) {
+  using T = TypeParam;
+  auto a = zeros<T>({2}).requires_grad_();
+  std::vector<AnyTensor> ps{a};
+  a.set_grad(from_vector<T>({1, std::numeric_limits<T>::quiet_NaN()}));
+  EXPECT_TRUE(throws_with([&] { nn::utils::clip_grad_norm_(ps, 1.0, 2.0, true); }, {"non-finite", "nan"}));
+  EXPECT_EQ(a.grad().to_vector()[0], T(1));  // unchanged by the refusal
+  a.set_grad(from_vector<T>({1, std::numeric_limits<T>::infinity()}));
+  EXPECT_TRUE(throws_with([&] { nn::utils::clip_grad_norm_(ps, 1.0, INFINITY, true); }, {"non-finite", "inf"}));
+  // Without error_if_nonfinite: PyTorch scales by the coefficient (0 for an infinite norm).
+  EXPECT_TRUE(std::isinf(nn::utils::clip_grad_norm_(ps, 1.0)));
+  EXPECT_EQ(a.grad().to_vector()[0], T(0));
+  EXPECT_TRUE(std::isnan(a.grad().to_vector()[1]));  // inf * 0
+}
+
+TYPED_TEST(ClipGrad, Value) {
+  using T = TypeParam;
+  auto a = zeros<T>({4}).requires_grad_();
+  a.set_grad(from_vector<T>({-3, 0.5, 2, -0.25}));
+  nn::utils::clip_grad_value_({a}, 1.0);
+  EXPECT_TRUE(values_are(a.grad(), {-1, 0.5, 1, -0.25}, 0));
+  EXPECT_TRUE(throws_with([&] { nn::utils::clip_grad_value_({a}, -1.0); }, {"clip_value"}));
+}

@@ -265,3 +265,64 @@ TEST(Safetensors, BadFilesAreRefusedAndLeaveTheModuleUnchanged) {
                  {"metadata 'a' is not a string"});
   EXPECT_TRUE(throws_with([&] { load(m, dir.file("missing.safetensors")); }, {"cannot open"}));
 }
+
+TEST(Safetensors, GroupsAndSchedulerResumeExactly) {
+  TempDir dir;
+  auto make = [](Mlp& m) {
+    return std::make_unique<optim::SGD>(optim::weight_decay_groups<optim::SGDOptions>(
+        m.parameters(), {.lr = 0.1, .momentum = 0.9, .weight_decay = 1e-3}));
+  };
+  std::vector<Tensor<double>> xs, ys;
+  manual_seed(3);
+  for (int i = 0; i < 10; ++i) {
+    xs.push_back(randn<double>({5, 4}));
+    ys.push_back(randn<double>({5, 1}));
+  }
+  auto run = [&](Mlp& m, optim::SGD& opt, optim::LRScheduler& s, int from, int to) {
+    for (int i = from; i < to; ++i) {
+      auto loss = nn::functional::mse_loss(m.forward(xs[i]), ys[i]);
+      opt.zero_grad();
+      loss.backward();
+      opt.step();
+      s.step();
+    }
+  };
+  manual_seed(4);
+  Mlp straight;
+  Mlp first = nn::clone(straight, Device::cpu(0));
+  auto opt_s = make(straight);
+  optim::OneCycleLR sched_s(*opt_s, {.max_lr = 0.2, .total_steps = 10});
+  run(straight, *opt_s, sched_s, 0, 10);
+
+  auto opt_f = make(first);
+  optim::OneCycleLR sched_f(*opt_f, {.max_lr = 0.2, .total_steps = 10});
+  run(first, *opt_f, sched_f, 0, 6);
+  save(first, dir.file("model.safetensors"));
+  save(*opt_f, dir.file("optim.safetensors"), &sched_f);
+
+  manual_seed(99);
+  Mlp resumed;
+  auto opt_r = make(resumed);
+  optim::OneCycleLR sched_r(*opt_r, {.max_lr = 0.2, .total_steps = 10});
+  load(resumed, dir.file("model.safetensors"));
+  load(*opt_r, dir.file("optim.safetensors"), &sched_r);
+  EXPECT_EQ(sched_r.last_epoch(), 6);
+  EXPECT_EQ(sched_r.get_last_lr(), sched_f.get_last_lr());
+  EXPECT_EQ(opt_r->momentum(1), opt_f->momentum(1));
+  run(resumed, *opt_r, sched_r, 6, 10);
+  auto p = straight.named_parameters(), q = resumed.named_parameters();
+  for (std::size_t i = 0; i < p.size(); ++i)
+    EXPECT_EQ(p[i].tensor.as<double>().to_vector(), q[i].tensor.as<double>().to_vector()) << p[i].name;
+
+  // Without a scheduler, the lrs still come back; a scheduler of another kind, or none in the file, is refused.
+  optim::SGD plain(resumed.parameters(), {.lr = 1.0, .momentum = 0.5});
+  auto opt_lr = make(resumed);
+  opt_lr->set_lr(0, 7.0);
+  load(*opt_lr, dir.file("optim.safetensors"));
+  EXPECT_EQ(opt_lr->lr(0), opt_f->lr(0));
+  optim::StepLR other(*opt_lr, 2);
+  EXPECT_TRUE(throws_with([&] { load(*opt_lr, dir.file("optim.safetensors"), &other); }, {"OneCycleLR", "not StepLR"}));
+  save(*opt_f, dir.file("nosched.safetensors"));
+  EXPECT_TRUE(throws_with([&] { load(*opt_lr, dir.file("nosched.safetensors"), &other); }, {"no learning-rate scheduler"}));
+  EXPECT_TRUE(throws_with([&] { load(plain, dir.file("optim.safetensors")); }, {"2 parameter groups", "has 1"}));
+}

@@ -16,6 +16,11 @@ class StorageImpl {
       : device_(device), nbytes_(nbytes), alloc_(&allocator_of(device)) {
     data_ = alloc_->allocate(nbytes);
   }
+  /// Memory of `device` from another allocator (page-locked host memory for the DataLoader);
+  /// the allocator must outlive the storage.
+  StorageImpl(Device device, std::size_t nbytes, Allocator& alloc) : device_(device), nbytes_(nbytes), alloc_(&alloc) {
+    data_ = alloc_->allocate(nbytes);
+  }
   ~StorageImpl() { alloc_->deallocate(data_, nbytes_); }
   StorageImpl(const StorageImpl&) = delete;
   StorageImpl& operator=(const StorageImpl&) = delete;
@@ -49,6 +54,9 @@ using Storage = std::shared_ptr<StorageImpl>;
 
 inline Storage make_storage(Device device, std::size_t nbytes) {
   return std::make_shared<StorageImpl>(device, nbytes);
+}
+inline Storage make_storage(Device device, std::size_t nbytes, Allocator& alloc) {
+  return std::make_shared<StorageImpl>(device, nbytes, alloc);
 }
 
 /// Copies `nbytes` between two allocations, on any pair of devices. CPU↔CPU is a memcpy (a real

@@ -23,6 +23,7 @@
 #include <atomic>
 #include <chrono>
 #include <bit>
+#include <charconv>
 #include <cerrno>
 #include <charconv>
 #include <memory>
@@ -36,6 +37,7 @@
 #include <vector>
 
 #include "../nn/module.hpp"
+#include "../optim/lr_scheduler.hpp"
 #include "../optim/optimizer.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -481,19 +483,55 @@ void load(M& module, const std::string& path, const io::LoadOptions& options = {
   io::load_into(nn::module_of(module), f, "'" + path + "'", options);
 }
 
-/// Saves an optimizer's state: tensor "<i>.<key>" is entry `key` of parameter i's state.
-inline void save(const optim::Optimizer& opt, const std::string& path) {
+namespace io::detail {
+/// Shortest round-trip text of a double (checkpoint metadata holds strings only).
+inline std::string number(double v) {
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
+}
+inline double parse_number(const std::string& s, const std::string& what) {
+  double v = 0;
+  auto r = std::from_chars(s.data(), s.data() + s.size(), v);
+  CHORUS_CHECK(r.ec == std::errc() && r.ptr == s.data() + s.size() && !s.empty(), "load: ", what, " is '", s,
+               "', not a number");
+  return v;
+}
+}  // namespace io::detail
+
+/// Saves an optimizer's state: tensor "<i>.<key>" is entry `key` of parameter i's state; the
+/// metadata holds each parameter group's lr (and momentum) and, given a learning-rate
+/// scheduler, its state (see Note [closed-form schedules]).
+inline void save(const optim::Optimizer& opt, const std::string& path, const optim::LRScheduler* scheduler = nullptr) {
   std::vector<nn::Module::NamedTensor> tensors;
   for (std::size_t i = 0; i < opt.state().size(); ++i)
     for (const auto& [k, v] : opt.state()[i]) tensors.push_back({std::to_string(i) + "." + k, v});
   io::Metadata meta{{"format", "chorus.optimizer"},
                     {"optimizer", opt.name()},
-                    {"parameters", std::to_string(opt.parameters().size())}};
+                    {"parameters", std::to_string(opt.parameters().size())},
+                    {"groups", std::to_string(opt.num_groups())}};
+  for (std::size_t g = 0; g < opt.num_groups(); ++g) {
+    meta["group." + std::to_string(g) + ".lr"] = io::detail::number(opt.lr(g));
+    if (opt.has_momentum()) meta["group." + std::to_string(g) + ".momentum"] = io::detail::number(opt.momentum(g));
+  }
+  if (scheduler) {
+    CHORUS_CHECK(&scheduler->optimizer() == &opt, "save: the scheduler drives another optimizer");
+    meta["scheduler"] = scheduler->name();
+    meta["scheduler.last_epoch"] = std::to_string(scheduler->last_epoch());
+    std::string bases;
+    for (double b : scheduler->base_lrs()) {
+      if (!bases.empty()) bases += ',';
+      bases += io::detail::number(b);
+    }
+    meta["scheduler.base_lrs"] = bases;
+  }
   io::detail::write_atomically(path, io::detail::serialise(tensors, meta));
 }
 
-/// Loads optimizer state saved by save(optimizer): same optimizer type, same parameters.
-inline void load(optim::Optimizer& opt, const std::string& path) {
+/// Loads optimizer state saved by save(optimizer): same optimizer type, same parameters and
+/// groups; restores each group's lr (and momentum) and, given a scheduler, the scheduler's
+/// state (the file must hold one of the same kind). Nothing changes when anything mismatches.
+inline void load(optim::Optimizer& opt, const std::string& path, optim::LRScheduler* scheduler = nullptr) {
   auto f = io::read(path);
   auto get = [&](const char* k) {
     auto it = f.metadata.find(k);
@@ -504,6 +542,39 @@ inline void load(optim::Optimizer& opt, const std::string& path) {
                opt.name());
   CHORUS_CHECK(get("parameters") == std::to_string(opt.parameters().size()), "load: '", path, "' holds state for ",
                get("parameters"), " parameters, the optimizer has ", opt.parameters().size());
+  // Group hyperparameters (files from before parameter groups have none: lrs stay as they are).
+  std::vector<double> lrs, momenta;
+  if (f.metadata.count("groups")) {
+    CHORUS_CHECK(get("groups") == std::to_string(opt.num_groups()), "load: '", path, "' holds ", get("groups"),
+                 " parameter groups, the optimizer has ", opt.num_groups());
+    for (std::size_t g = 0; g < opt.num_groups(); ++g) {
+      const std::string key = "group." + std::to_string(g) + ".";
+      lrs.push_back(io::detail::parse_number(get((key + "lr").c_str()), "'" + path + "': " + key + "lr"));
+      CHORUS_CHECK(lrs.back() >= 0, "load: '", path, "': ", key, "lr is negative (", lrs.back(), ")");
+      if (opt.has_momentum())
+        momenta.push_back(io::detail::parse_number(get((key + "momentum").c_str()), "'" + path + "': " + key + "momentum"));
+    }
+  }
+  std::int64_t sched_epoch = 0;
+  std::vector<double> sched_bases;
+  if (scheduler) {
+    CHORUS_CHECK(f.metadata.count("scheduler"), "load: '", path, "' holds no learning-rate scheduler state (wanted ",
+                 scheduler->name(), ")");
+    CHORUS_CHECK(get("scheduler") == scheduler->name(), "load: '", path, "' holds ", get("scheduler"),
+                 " scheduler state, not ", scheduler->name());
+    sched_epoch = static_cast<std::int64_t>(
+        io::detail::parse_number(get("scheduler.last_epoch"), "'" + path + "': scheduler.last_epoch"));
+    const std::string bases = get("scheduler.base_lrs");
+    for (std::size_t pos = 0; pos <= bases.size();) {
+      auto comma = bases.find(',', pos);
+      if (comma == std::string::npos) comma = bases.size();
+      sched_bases.push_back(
+          io::detail::parse_number(bases.substr(pos, comma - pos), "'" + path + "': scheduler.base_lrs"));
+      pos = comma + 1;
+    }
+    CHORUS_CHECK(sched_bases.size() == opt.num_groups(), "load: '", path, "' holds ", sched_bases.size(),
+                 " scheduler base lrs for ", opt.num_groups(), " parameter groups");
+  }
   std::vector<optim::Optimizer::State> state(opt.parameters().size());
   for (const auto& [name, r] : f.tensors) {
     const auto dot = name.find('.');
@@ -525,6 +596,9 @@ inline void load(optim::Optimizer& opt, const std::string& path) {
     state[i][name.substr(dot + 1)] = t;
   }
   opt.load_state(std::move(state));
+  for (std::size_t g = 0; g < lrs.size(); ++g) opt.set_lr(g, lrs[g]);
+  for (std::size_t g = 0; g < momenta.size(); ++g) opt.set_momentum(g, momenta[g]);
+  if (scheduler) scheduler->load_state(sched_epoch, std::move(sched_bases));
 }
 
 CHORUS_NAMESPACE_END

@@ -4,7 +4,16 @@
 
 CHORUS_NAMESPACE_BEGIN
 namespace nn::functional {
+using chorus::adaptive_avg_pool2d;
+using chorus::avg_pool2d;
+using chorus::batch_norm;
+using chorus::conv2d;
 using chorus::dropout;
+using chorus::dropout2d;
+using chorus::embedding;
+using chorus::layer_norm;
+using chorus::max_pool2d;
+using chorus::silu;
 using chorus::gelu;
 using chorus::linear;
 using chorus::log_softmax;

@@ -1,6 +1,7 @@
 #pragma once
 // Parameter initialisation (in place, not recorded), as torch.nn.init.
 #include <cmath>
+#include <string>
 
 #include "../ops/ops.hpp"
 
@@ -49,6 +50,63 @@ Tensor<T>& xavier_uniform_(Tensor<T>& t, double gain = 1.0, Generator& gen = def
   auto [fi, fo] = fans(t);
   const double bound = gain * std::sqrt(6.0 / static_cast<double>(std::max<std::int64_t>(fi + fo, 1)));
   return uniform_(t, -bound, bound, gen);
+}
+
+/// Recommended gain for a nonlinearity, as torch.nn.init.calculate_gain ("linear", "conv2d",
+/// "sigmoid", "tanh", "relu", "leaky_relu" with `param` the negative slope, "selu").
+inline double calculate_gain(const std::string& nonlinearity, double param = 0.01) {
+  if (nonlinearity == "linear" || nonlinearity == "conv1d" || nonlinearity == "conv2d" ||
+      nonlinearity == "conv3d" || nonlinearity == "sigmoid")
+    return 1.0;
+  if (nonlinearity == "tanh") return 5.0 / 3.0;
+  if (nonlinearity == "relu") return std::sqrt(2.0);
+  if (nonlinearity == "leaky_relu") return std::sqrt(2.0 / (1.0 + param * param));
+  if (nonlinearity == "selu") return 0.75;
+  CHORUS_FAIL("calculate_gain: unsupported nonlinearity '", nonlinearity, "'");
+}
+
+enum class FanMode { FanIn, FanOut };
+
+namespace detail {
+template <class T>
+double kaiming_std(const Tensor<T>& t, double a, FanMode mode, const std::string& nonlinearity) {
+  auto [fi, fo] = fans(t);
+  const auto fan = mode == FanMode::FanIn ? fi : fo;
+  const double gain = calculate_gain(nonlinearity, a);
+  return fan > 0 ? gain / std::sqrt(static_cast<double>(fan)) : 0.0;
+}
+}  // namespace detail
+
+/// He (Kaiming) uniform with an explicit fan mode and nonlinearity (as PyTorch's full signature).
+template <class T>
+Tensor<T>& kaiming_uniform_(Tensor<T>& t, double a, FanMode mode, const std::string& nonlinearity = "leaky_relu",
+                            Generator& gen = default_generator()) {
+  const double bound = std::sqrt(3.0) * detail::kaiming_std(t, a, mode, nonlinearity);
+  return uniform_(t, -bound, bound, gen);
+}
+
+/// He (Kaiming) normal: N(0, gain²/fan), as torch.nn.init.kaiming_normal_.
+template <class T>
+Tensor<T>& kaiming_normal_(Tensor<T>& t, double a = 0.0, FanMode mode = FanMode::FanIn,
+                           const std::string& nonlinearity = "leaky_relu", Generator& gen = default_generator()) {
+  return normal_(t, 0.0, detail::kaiming_std(t, a, mode, nonlinearity), gen);
+}
+
+/// Glorot (Xavier) normal: N(0, gain²·2/(fan_in + fan_out)), as torch.nn.init.xavier_normal_.
+template <class T>
+Tensor<T>& xavier_normal_(Tensor<T>& t, double gain = 1.0, Generator& gen = default_generator()) {
+  auto [fi, fo] = fans(t);
+  const double stddev = gain * std::sqrt(2.0 / static_cast<double>(std::max<std::int64_t>(fi + fo, 1)));
+  return normal_(t, 0.0, stddev, gen);
+}
+
+template <class T>
+Tensor<T>& zeros_(Tensor<T>& t) {
+  return constant_(t, T(0));
+}
+template <class T>
+Tensor<T>& ones_(Tensor<T>& t) {
+  return constant_(t, T(1));
 }
 
 }  // namespace nn::init

@@ -2,6 +2,7 @@
 // Layers: Linear, the activations, Dropout and Sequential.
 #include <cmath>
 
+#include "../ops/nn.hpp"
 #include "init.hpp"
 #include "module.hpp"
 
@@ -64,6 +65,7 @@ CHORUS_ACTIVATION_MODULE(ReLU, relu);
 CHORUS_ACTIVATION_MODULE(GELU, gelu);
 CHORUS_ACTIVATION_MODULE(Tanh, tanh);
 CHORUS_ACTIVATION_MODULE(Sigmoid, sigmoid);
+CHORUS_ACTIVATION_MODULE(SiLU, silu);
 #undef CHORUS_ACTIVATION_MODULE
 
 /// Zeroes inputs with probability p while training (scaled by 1/(1-p)); identity in eval().
@@ -80,6 +82,34 @@ class DropoutImpl : public Module {
   double p;
 };
 using Dropout = ModuleHolder<DropoutImpl>;
+
+/// Zeroes whole channels (dim 1) with probability p while training, as torch.nn.Dropout2d.
+class Dropout2dImpl : public Module {
+ public:
+  explicit Dropout2dImpl(double p = 0.5) : p(p) {
+    CHORUS_CHECK(p >= 0.0 && p <= 1.0, "Dropout2d: probability must be in [0, 1], got ", p);
+  }
+  template <class T>
+  Tensor<T> forward(const Tensor<T>& x) const {
+    return chorus::dropout2d(x, p, is_training());
+  }
+  std::string name() const override { return "Dropout2d(p=" + std::to_string(p) + ")"; }
+  double p;
+};
+using Dropout2d = ModuleHolder<Dropout2dImpl>;
+
+/// Flattens dims [start_dim, end_dim] into one (default: all but the batch dim), as torch.nn.Flatten.
+class FlattenImpl : public Module {
+ public:
+  explicit FlattenImpl(std::int64_t start_dim = 1, std::int64_t end_dim = -1) : start_dim(start_dim), end_dim(end_dim) {}
+  template <class T>
+  Tensor<T> forward(const Tensor<T>& x) const {
+    return x.flatten(start_dim, end_dim);
+  }
+  std::string name() const override { return "Flatten"; }
+  std::int64_t start_dim, end_dim;
+};
+using Flatten = ModuleHolder<FlattenImpl>;
 
 /// Runs its submodules in order. Build it from holders: Sequential(Linear(4, 8), ReLU(), …).
 template <class T = float>

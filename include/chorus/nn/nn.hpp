@@ -1,6 +1,10 @@
 #pragma once
 // Modules, layers, losses and initialisation.
+#include "conv.hpp"
+#include "embedding.hpp"
 #include "functional.hpp"
 #include "init.hpp"
 #include "layers.hpp"
 #include "module.hpp"
+#include "normalization.hpp"
+#include "utils.hpp"

@@ -5,6 +5,7 @@
 #include "factory.hpp"
 #include "linalg.hpp"
 #include "loss.hpp"
+#include "nn.hpp"
 #include "print.hpp"
 #include "reduce.hpp"
 #include "view.hpp"

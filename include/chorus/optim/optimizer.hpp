@@ -11,9 +11,27 @@
 CHORUS_NAMESPACE_BEGIN
 namespace optim {
 
+/// A parameter group: parameters that share options (PyTorch's param_groups), e.g. norms and
+/// biases without weight decay. Optimizers take one options struct or a list of groups.
+template <class Options>
+struct ParamGroup {
+  std::vector<AnyTensor> params;
+  Options options;
+};
+
 class Optimizer {
  public:
-  explicit Optimizer(std::vector<AnyTensor> params) : params_(std::move(params)) {
+  explicit Optimizer(std::vector<AnyTensor> params) : Optimizer(std::vector<std::vector<AnyTensor>>{std::move(params)}) {}
+
+  /// Parameters in groups; parameter i (in the flattened order) belongs to group group_of(i).
+  explicit Optimizer(std::vector<std::vector<AnyTensor>> groups) {
+    CHORUS_CHECK(!groups.empty(), "optimizer: no parameter groups");
+    for (std::size_t g = 0; g < groups.size(); ++g)
+      for (auto& p : groups[g]) {
+        params_.push_back(std::move(p));
+        group_of_.push_back(g);
+      }
+    num_groups_ = groups.size();
     // As PyTorch: an empty list is almost always a mistake (parameters() of the wrong module,
     // or taken before the layers were registered).
     CHORUS_CHECK(!params_.empty(), "optimizer got an empty parameter list");
@@ -48,6 +66,23 @@ class Optimizer {
   }
 
   const std::vector<AnyTensor>& parameters() const { return params_; }
+
+  /// Parameter groups: how many, which group parameter i belongs to.
+  std::size_t num_groups() const { return num_groups_; }
+  std::size_t group_of(std::size_t i) const { return group_of_.at(i); }
+
+  /// The learning rate of a group (what learning-rate schedulers read and set).
+  virtual double lr(std::size_t group) const = 0;
+  virtual void set_lr(std::size_t group, double lr) = 0;
+  /// The momentum of a group (SGD's momentum, Adam's beta1), for schedulers that cycle it;
+  /// has_momentum() is false for an optimizer without one.
+  virtual bool has_momentum() const { return false; }
+  virtual double momentum(std::size_t group) const {
+    CHORUS_FAIL(name(), " has no momentum (group ", group, ")");
+  }
+  virtual void set_momentum(std::size_t group, double m) {
+    CHORUS_FAIL(name(), " has no momentum to set to ", m, " (group ", group, ")");
+  }
 
   /// Per-parameter state: for parameter i, named tensors (momentum_buffer, exp_avg, …).
   /// Scalars such as Adam's step are one-element float64 tensors, so all state is tensors.
@@ -85,7 +120,7 @@ class Optimizer {
     }
   }
 
-  /// Calls f(param, grad, state) with typed tensors for each parameter that has a gradient.
+  /// Calls f(param, grad, state, group) with typed tensors for each parameter that has a gradient.
   template <class F>
   void for_each_with_grad(F&& f) {
     NoGradGuard g;
@@ -101,7 +136,7 @@ class Optimizer {
                        grad.shape(), ", the parameter has shape ", p.shape());
           CHORUS_CHECK(grad.device() == p.device(), "optimizer: gradient of parameter ", i, " is on ", grad.device(),
                        ", the parameter on ", p.device());
-          f(p, grad, state_[i]);
+          f(p, grad, state_[i], group_of_[i]);
           p.bump_version();  // an in-place update (Note [version counter])
         }
       });
@@ -122,8 +157,55 @@ class Optimizer {
   static void set_step_count(State& s, double step) { s["step"] = AnyTensor(scalar_tensor<double>(step)); }
 
   std::vector<AnyTensor> params_;
+  std::vector<std::size_t> group_of_;
+  std::size_t num_groups_ = 0;
   std::vector<State> state_;
 };
+
+namespace detail {
+/// An optimizer with one options struct per parameter group (Options has an `lr`).
+template <class Options>
+class GroupedOptimizer : public Optimizer {
+ public:
+  /// The options of a group (group 0 is the only one of an optimizer built from one list).
+  Options& options(std::size_t group = 0) { return options_.at(group); }
+  const Options& options(std::size_t group = 0) const { return options_.at(group); }
+
+  double lr(std::size_t group) const override { return options(group).lr; }
+  void set_lr(std::size_t group, double lr) override {
+    CHORUS_CHECK(lr >= 0.0, name(), ": invalid learning rate ", lr, " for group ", group);
+    options(group).lr = lr;
+  }
+
+ protected:
+  explicit GroupedOptimizer(std::vector<ParamGroup<Options>> groups)
+      : Optimizer(params_of(groups)), options_(options_of(groups)) {}
+
+ private:
+  static std::vector<std::vector<AnyTensor>> params_of(const std::vector<ParamGroup<Options>>& groups) {
+    std::vector<std::vector<AnyTensor>> out;
+    for (const auto& g : groups) out.push_back(g.params);
+    return out;
+  }
+  static std::vector<Options> options_of(const std::vector<ParamGroup<Options>>& groups) {
+    std::vector<Options> out;
+    for (const auto& g : groups) out.push_back(g.options);
+    return out;
+  }
+  std::vector<Options> options_;
+};
+}  // namespace detail
+
+/// Splits parameters into two groups the way ResNet and transformer recipes do: tensors of
+/// one dimension (biases, norm weights) get no weight decay; the rest get `options`.
+/// Either group may be empty.
+template <class Options>
+std::vector<ParamGroup<Options>> weight_decay_groups(const std::vector<AnyTensor>& params, Options options) {
+  ParamGroup<Options> decay{{}, options}, no_decay{{}, options};
+  no_decay.options.weight_decay = 0.0;
+  for (const auto& p : params) (p.shape().size() <= 1 ? no_decay : decay).params.push_back(p);
+  return {decay, no_decay};
+}
 
 }  // namespace optim
 CHORUS_NAMESPACE_END

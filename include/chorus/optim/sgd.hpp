@@ -17,19 +17,31 @@ struct SGDOptions {
   bool maximize = false;
 };
 
-class SGD final : public Optimizer {
+class SGD final : public detail::GroupedOptimizer<SGDOptions> {
  public:
-  SGD(std::vector<AnyTensor> params, SGDOptions options) : Optimizer(std::move(params)), options(options) {
-    CHORUS_CHECK(options.lr >= 0.0, "SGD: invalid learning rate ", options.lr);
-    CHORUS_CHECK(options.momentum >= 0.0, "SGD: invalid momentum ", options.momentum);
-    CHORUS_CHECK(options.weight_decay >= 0.0, "SGD: invalid weight_decay ", options.weight_decay);
-    CHORUS_CHECK(!options.nesterov || (options.momentum > 0.0 && options.dampening == 0.0),
-                 "SGD: Nesterov momentum requires a momentum and zero dampening");
+  SGD(std::vector<AnyTensor> params, SGDOptions options) : SGD(std::vector<ParamGroup<SGDOptions>>{{std::move(params), options}}) {}
+  explicit SGD(std::vector<ParamGroup<SGDOptions>> groups) : GroupedOptimizer(std::move(groups)) {
+    for (std::size_t i = 0; i < num_groups(); ++i) {
+      const auto& options = this->options(i);
+      CHORUS_CHECK(options.lr >= 0.0, "SGD: invalid learning rate ", options.lr, " (group ", i, ")");
+      CHORUS_CHECK(options.momentum >= 0.0, "SGD: invalid momentum ", options.momentum, " (group ", i, ")");
+      CHORUS_CHECK(options.weight_decay >= 0.0, "SGD: invalid weight_decay ", options.weight_decay, " (group ", i, ")");
+      CHORUS_CHECK(!options.nesterov || (options.momentum > 0.0 && options.dampening == 0.0),
+                   "SGD: Nesterov momentum requires a momentum and zero dampening (group ", i, ")");
+    }
+  }
+
+  bool has_momentum() const override { return true; }
+  double momentum(std::size_t group) const override { return options(group).momentum; }
+  void set_momentum(std::size_t group, double m) override {
+    CHORUS_CHECK(m >= 0.0, "SGD: invalid momentum ", m, " for group ", group);
+    options(group).momentum = m;
   }
 
   void step() override {
-    for_each_with_grad([&](auto& p, auto& g, State& s) {
+    for_each_with_grad([&](auto& p, auto& g, State& s, std::size_t group) {
       using T = typename std::decay_t<decltype(p)>::value_type;
+      const SGDOptions& options = this->options(group);
       if (options.momentum != 0.0) {
         const bool first = s.find("momentum_buffer") == s.end();
         Tensor<T> buf = state_tensor(s, "momentum_buffer", p);
@@ -44,8 +56,6 @@ class SGD final : public Optimizer {
 
   std::vector<std::string> state_keys() const override { return {"momentum_buffer"}; }
   std::string name() const override { return "SGD"; }
-
-  SGDOptions options;
 };
 
 }  // namespace optim

@@ -32,6 +32,7 @@
 #include "gather.hpp"
 #include "parallel_apply.hpp"
 #include "replicate.hpp"
+#include "stats_reducer.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 
@@ -144,9 +145,13 @@ class DataParallel {
     }
     keep_workers_hot(plan.used());
     auto modules = replicator_->prepare(plan.used());
+    if (has_buffers_) wait_for_broadcasts();
     std::vector<Stream*> streams(streams_.begin(), streams_.begin() + static_cast<std::ptrdiff_t>(plan.used()));
     streams[0] = &current_stream(devices_[0]);
+    // SyncBatchNorm layers sum their statistics over the replicas of this call (Note [statistics reducer]).
+    auto stats = std::make_shared<parallel::ReplicaStatsGroup>(static_cast<int>(plan.used()));
     auto outs = parallel::parallel_apply(streams, [&](std::size_t r) -> R {
+      StatsReducerScope sync(stats->member(static_cast<int>(r)));
       return parallel::detail::call_forward(*modules[r], scatter(args, plan, r)...);
     });
     return gather_outputs(outs);
@@ -224,6 +229,7 @@ class DataParallel {
     }
     comm_ = parallel::detail::make_communicator(devices_, streams_);
     replicator_ = std::make_unique<parallel::Replicator<M>>(module_, devices_, comm_, bucket_bytes_);
+    has_buffers_ = !nn::module_of(module_).named_buffers().empty();
   }
 
   /// Marks the DataParallel busy for a scope; a second thread entering meanwhile gets an error
@@ -310,6 +316,24 @@ class DataParallel {
     return gather_outputs(outs);
   }
 
+  // Note [buffers written in forward]
+  // The broadcast that refreshes replica r runs on replica r's stream and reads the primary's
+  // flat buffers, while replica 0 (the primary itself) starts its forward on the caller's
+  // stream — and a forward may write its buffers in place (BatchNorm's running statistics).
+  // When the module has buffers, replica 0 therefore starts after every broadcast has read
+  // the primary: CPU streams are drained; CUDA streams are joined by events.
+  void wait_for_broadcasts() {
+    for (std::size_t r = 1; r < devices_.size(); ++r) {
+      if (devices_[r].is_cuda()) {
+        Event done;
+        done.record(*streams_[r]);
+        done.block(current_stream(devices_[0]));
+      } else {
+        streams_[r]->synchronize();
+      }
+    }
+  }
+
   // ---- scattering ----
   template <class... Args>
   std::int64_t batch_size(const Args&... args) const {
@@ -389,6 +413,7 @@ class DataParallel {
   std::vector<Stream*> streams_;
   std::shared_ptr<parallel::Communicator> comm_;
   std::unique_ptr<parallel::Replicator<M>> replicator_;
+  bool has_buffers_ = false;  // Note [buffers written in forward]
 };
 
 namespace parallel::detail {

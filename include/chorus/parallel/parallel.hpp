@@ -6,3 +6,4 @@
 #include "gather.hpp"
 #include "parallel_apply.hpp"
 #include "replicate.hpp"
+#include "stats_reducer.hpp"

@@ -1,0 +1,80 @@
+#pragma once
+// Device dispatch of the convolution, pooling and normalisation kernels (NCHW, contiguous
+// tensors). ops/nn.hpp calls these.
+#include "backend.hpp"
+#include "cpu/nn_kernels.hpp"
+#include "cpu/onednn.hpp"
+#if CHORUS_CUDA
+#include "cuda/nn_kernels.cuh"
+#if CHORUS_HAS_CUDNN
+#include "cuda/cudnn.cuh"
+#endif
+#endif
+
+CHORUS_NAMESPACE_BEGIN
+namespace backend {
+
+/// col = im2col of one image at x (see cpu::im2col).
+template <class T>
+void im2col(const T* x, const Window2d& g, T* col, Device d) {
+  CHORUS_DISPATCH(d, cpu::im2col(x, g, col), cuda::im2col(x, g, col, d));
+}
+/// x += col2im(col).
+template <class T>
+void col2im(const T* col, const Window2d& g, T* x, Device d) {
+  CHORUS_DISPATCH(d, cpu::col2im(col, g, x), cuda::col2im(col, g, x, d));
+}
+template <class T>
+void max_pool2d(const T* x, std::int64_t planes, const Window2d& g, T* out, std::int64_t* idx, Device d) {
+  CHORUS_DISPATCH(d, cpu::max_pool2d(x, planes, g, out, idx), cuda::max_pool2d(x, planes, g, out, idx, d));
+}
+template <class T>
+void max_pool2d_backward(const T* gy, const std::int64_t* idx, std::int64_t planes, const Window2d& g, T* gx,
+                         Device d) {
+  CHORUS_DISPATCH(d, cpu::max_pool2d_backward(gy, idx, planes, g, gx),
+                  cuda::max_pool2d_backward(gy, idx, planes, g, gx, d));
+}
+template <class T>
+void avg_pool2d(const T* x, std::int64_t planes, const Window2d& g, bool inc, std::int64_t div, T* out, Device d) {
+  CHORUS_DISPATCH(d, cpu::avg_pool2d(x, planes, g, inc, div, out), cuda::avg_pool2d(x, planes, g, inc, div, out, d));
+}
+template <class T>
+void avg_pool2d_backward(const T* gy, std::int64_t planes, const Window2d& g, bool inc, std::int64_t div, T* gx,
+                         Device d) {
+  CHORUS_DISPATCH(d, cpu::avg_pool2d_backward(gy, planes, g, inc, div, gx),
+                  cuda::avg_pool2d_backward(gy, planes, g, inc, div, gx, d));
+}
+template <class T>
+void adaptive_avg_pool2d(const T* x, std::int64_t planes, const Window2d& g, T* out, Device d) {
+  CHORUS_DISPATCH(d, cpu::adaptive_avg_pool2d(x, planes, g, out), cuda::adaptive_avg_pool2d(x, planes, g, out, d));
+}
+template <class T>
+void adaptive_avg_pool2d_backward(const T* gy, std::int64_t planes, const Window2d& g, T* gx, Device d) {
+  CHORUS_DISPATCH(d, cpu::adaptive_avg_pool2d_backward(gy, planes, g, gx),
+                  cuda::adaptive_avg_pool2d_backward(gy, planes, g, gx, d));
+}
+template <class T>
+void channel_sums(const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const T* mean, T* out, Device d) {
+  CHORUS_DISPATCH(d, cpu::channel_sums(x, N, C, S, mean, out), cuda::channel_sums(x, N, C, S, mean, out, d));
+}
+template <class T>
+void bn_apply(const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const T* mean, const T* invstd, const T* w,
+              const T* b, T* y, Device d) {
+  CHORUS_DISPATCH(d, cpu::bn_apply(x, N, C, S, mean, invstd, w, b, y),
+                  cuda::bn_apply(x, N, C, S, mean, invstd, w, b, y, d));
+}
+template <class T>
+void bn_backward_reduce(const T* gy, const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const T* mean,
+                        T* sums, Device d) {
+  CHORUS_DISPATCH(d, cpu::bn_backward_reduce(gy, x, N, C, S, mean, sums),
+                  cuda::bn_backward_reduce(gy, x, N, C, S, mean, sums, d));
+}
+template <class T>
+void bn_backward_input(const T* gy, const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const T* mean,
+                       const T* invstd, const T* w, const T* sums, double count, T* gx, Device d) {
+  CHORUS_DISPATCH(d, cpu::bn_backward_input(gy, x, N, C, S, mean, invstd, w, sums, count, gx),
+                  cuda::bn_backward_input(gy, x, N, C, S, mean, invstd, w, sums, count, gx, d));
+}
+
+}  // namespace backend
+CHORUS_NAMESPACE_END

@@ -1,0 +1,160 @@
+#pragma once
+// BatchNorm1d/2d, SyncBatchNorm and LayerNorm.
+#include <optional>
+
+#include "../ops/nn.hpp"
+#include "init.hpp"
+#include "module.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace nn {
+
+struct BatchNormOptions {
+  double eps = 1e-5;
+  /// Weight of the new batch statistic in the running estimate; nullopt: a cumulative
+  /// average (1 / num_batches_tracked), as PyTorch's momentum=None.
+  std::optional<double> momentum = 0.1;
+  bool affine = true;
+  bool track_running_stats = true;
+  Device device = Device::cpu();
+};
+
+namespace detail {
+/// Which input ranks a batch-norm layer accepts: 1d [N, C] or [N, C, L], 2d [N, C, H, W],
+/// 0 for SyncBatchNorm (any [N, C, *]).
+template <int Dim>
+void check_bn_input(const char* layer, std::int64_t C, const Shape& s) {
+  const int d = s.size();
+  const bool ok = Dim == 1 ? (d == 2 || d == 3) : Dim == 2 ? d == 4 : d >= 2;
+  CHORUS_CHECK(ok, layer, ": expected ",
+               Dim == 1 ? "a 2-D or 3-D input [N, C(, L)]" : Dim == 2 ? "a 4-D input [N, C, H, W]" : "an input [N, C, *]",
+               ", got shape ", s);
+  CHORUS_CHECK(s[1] == C, layer, ": input of shape ", s, " has ", s[1], " channels, expected ", C);
+}
+}  // namespace detail
+
+/// Batch normalisation over dim 1, as torch.nn.BatchNorm{1,2}d: parameters `weight` (ones)
+/// and `bias` (zeros) when affine; buffers `running_mean` (zeros), `running_var` (ones) and
+/// `num_batches_tracked` (int64 scalar) when tracking running statistics. Training
+/// normalises with batch statistics and updates the running ones; eval() uses the running
+/// ones. Sync = true (SyncBatchNorm) takes the statistics over every participant of the
+/// thread's StatsReducer (Note [statistics reducer]); under DataParallel without Sync each
+/// replica normalises its own chunk and replica 0's running statistics are the primary's
+/// (the others' updates are discarded at the next replication), as nn.DataParallel does.
+template <class T, int Dim, bool Sync = false>
+class BatchNormImpl : public Module {
+ public:
+  explicit BatchNormImpl(std::int64_t num_features, BatchNormOptions options = {})
+      : num_features(num_features), options(options) {
+    CHORUS_CHECK(num_features > 0, layer_name(), ": num_features must be positive, got ", num_features);
+    CHORUS_CHECK(options.eps > 0, layer_name(), ": eps must be positive, got ", options.eps);
+    CHORUS_CHECK(!options.momentum || (*options.momentum >= 0 && *options.momentum <= 1), layer_name(),
+                 ": momentum must be in [0, 1], got ", options.momentum.value_or(0));
+    const Device d = options.device;
+    if (options.affine) {
+      weight = register_parameter("weight", Tensor<T>::empty(Shape{num_features}, d));
+      bias = register_parameter("bias", Tensor<T>::empty(Shape{num_features}, d));
+    }
+    if (options.track_running_stats) {
+      running_mean = register_buffer("running_mean", Tensor<T>::empty(Shape{num_features}, d));
+      running_var = register_buffer("running_var", Tensor<T>::empty(Shape{num_features}, d));
+      num_batches_tracked = register_buffer("num_batches_tracked", zeros<std::int64_t>(Shape{}, d));
+    }
+    reset_parameters();
+  }
+
+  void reset_running_stats() {
+    if (!options.track_running_stats) return;
+    NoGradGuard g;
+    running_mean.fill_(T(0));
+    running_var.fill_(T(1));
+    num_batches_tracked.fill_(0);
+  }
+  void reset_parameters() {
+    reset_running_stats();
+    if (options.affine) {
+      init::ones_(weight);
+      init::zeros_(bias);
+    }
+  }
+
+  Tensor<T> forward(const Tensor<T>& x) const {
+    detail::check_bn_input<Sync ? 0 : Dim>(layer_name(), num_features, x.shape());
+    const bool training = is_training();
+    double momentum = options.momentum.value_or(0.0);
+    if (training && options.track_running_stats) {
+      NoGradGuard g;
+      backend::unary(num_batches_tracked, num_batches_tracked, backend::fn::AddScalar{1.0});
+      if (!options.momentum) momentum = 1.0 / static_cast<double>(num_batches_tracked.item());
+    }
+    std::shared_ptr<StatsReducer> reducer;
+    if constexpr (Sync) {
+      if (training) reducer = current_stats_reducer();
+    }
+    return batch_norm(x, running_mean, running_var, weight, bias, training, momentum, options.eps, std::move(reducer));
+  }
+  std::string name() const override { return std::string(layer_name()) + "(" + std::to_string(num_features) + ")"; }
+
+  std::int64_t num_features;
+  BatchNormOptions options;
+  Tensor<T> weight, bias, running_mean, running_var;
+  Tensor<std::int64_t> num_batches_tracked;
+
+ private:
+  static constexpr const char* layer_name() { return Sync ? "SyncBatchNorm" : Dim == 1 ? "BatchNorm1d" : "BatchNorm2d"; }
+};
+
+template <class T = float>
+using BatchNorm1dImpl = BatchNormImpl<T, 1>;
+template <class T = float>
+using BatchNorm2dImpl = BatchNormImpl<T, 2>;
+template <class T = float>
+using SyncBatchNormImpl = BatchNormImpl<T, 0, true>;
+
+template <class T = float>
+using BatchNorm1dT = ModuleHolder<BatchNormImpl<T, 1>>;
+template <class T = float>
+using BatchNorm2dT = ModuleHolder<BatchNormImpl<T, 2>>;
+/// Batch norm whose statistics cover every replica of a DataParallel (and, through the same
+/// StatsReducer, every process of a distributed job); alone it is a plain batch norm.
+template <class T = float>
+using SyncBatchNormT = ModuleHolder<BatchNormImpl<T, 0, true>>;
+using BatchNorm1d = BatchNorm1dT<float>;
+using BatchNorm2d = BatchNorm2dT<float>;
+using SyncBatchNorm = SyncBatchNormT<float>;
+
+struct LayerNormOptions {
+  double eps = 1e-5;
+  bool elementwise_affine = true;
+  Device device = Device::cpu();
+};
+
+/// Layer normalisation over the trailing `normalized_shape`, as torch.nn.LayerNorm
+/// (parameters `weight` = ones, `bias` = zeros of that shape).
+template <class T = float>
+class LayerNormImpl : public Module {
+ public:
+  explicit LayerNormImpl(Shape normalized_shape, LayerNormOptions options = {})
+      : normalized_shape(normalized_shape), options(options) {
+    CHORUS_CHECK(normalized_shape.size() > 0 && numel_of(normalized_shape) > 0,
+                 "LayerNorm: normalized_shape must be non-empty, got ", normalized_shape);
+    CHORUS_CHECK(options.eps > 0, "LayerNorm: eps must be positive, got ", options.eps);
+    if (options.elementwise_affine) {
+      weight = register_parameter("weight", ones<T>(normalized_shape, options.device));
+      bias = register_parameter("bias", zeros<T>(normalized_shape, options.device));
+    }
+  }
+  explicit LayerNormImpl(std::int64_t dim, LayerNormOptions options = {}) : LayerNormImpl(Shape{dim}, options) {}
+  Tensor<T> forward(const Tensor<T>& x) const { return layer_norm(x, normalized_shape, weight, bias, options.eps); }
+  std::string name() const override { return "LayerNorm"; }
+
+  Shape normalized_shape;
+  LayerNormOptions options;
+  Tensor<T> weight, bias;
+};
+template <class T = float>
+using LayerNormT = ModuleHolder<LayerNormImpl<T>>;
+using LayerNorm = LayerNormT<float>;
+
+}  // namespace nn
+CHORUS_NAMESPACE_END

@@ -1,0 +1,664 @@
+#pragma once
+// Differentiable operations of the convolutional and normalisation layers, on NCHW tensors:
+// conv2d, max/avg/adaptive-avg pooling, batch_norm (optionally synchronised through a
+// StatsReducer), layer_norm, embedding, silu, dropout2d.
+#include <array>
+#include <memory>
+#include <optional>
+
+#include "../backend/nn.hpp"
+#include "elementwise.hpp"
+#include "reduce.hpp"
+#include "view.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+
+/// Sums per-channel statistics across the participants of one normalisation (the replicas
+/// of a DataParallel, or the processes of a distributed job).
+///
+/// Note [statistics reducer]
+/// SyncBatchNorm needs one collective: an in-place sum, called by every participant in the
+/// same order (twice in forward, once in backward). Whoever runs the participants provides
+/// it: DataParallel installs one per replica for the duration of a forward
+/// (parallel/data_parallel.hpp), a process group can do the same around a
+/// DistributedDataParallel forward. The batch-norm backward keeps the reducer it saw in
+/// forward, so the backward reduction joins the same participants. Every participant must
+/// call each reduction; one that does not (a replica that skips the layer) makes the
+/// others fail after a timeout rather than hang.
+class StatsReducer {
+ public:
+  virtual ~StatsReducer() = default;
+  /// Replaces `t` (contiguous, same shape everywhere) by its sum over the participants.
+  virtual void all_reduce_sum(Tensor<float>& t) = 0;
+  virtual void all_reduce_sum(Tensor<double>& t) = 0;
+  /// The sum of a host count over the participants.
+  virtual std::int64_t all_reduce_sum(std::int64_t count) = 0;
+  /// Number of participants.
+  virtual int size() const = 0;
+};
+
+namespace ops::detail {
+inline std::shared_ptr<StatsReducer>& current_reducer_slot() {
+  thread_local std::shared_ptr<StatsReducer> slot;
+  return slot;
+}
+}  // namespace ops::detail
+
+/// The reducer installed on this thread (null outside a synchronised forward).
+inline const std::shared_ptr<StatsReducer>& current_stats_reducer() { return ops::detail::current_reducer_slot(); }
+
+/// Installs `reducer` as this thread's statistics reducer until the scope ends.
+class StatsReducerScope {
+ public:
+  explicit StatsReducerScope(std::shared_ptr<StatsReducer> reducer)
+      : previous_(std::exchange(ops::detail::current_reducer_slot(), std::move(reducer))) {}
+  ~StatsReducerScope() { ops::detail::current_reducer_slot() = std::move(previous_); }
+  StatsReducerScope(const StatsReducerScope&) = delete;
+  StatsReducerScope& operator=(const StatsReducerScope&) = delete;
+
+ private:
+  std::shared_ptr<StatsReducer> previous_;
+};
+
+using Pair = std::array<std::int64_t, 2>;
+
+namespace ops::detail {
+
+inline std::int64_t window_out(std::int64_t in, std::int64_t k, std::int64_t s, std::int64_t p, std::int64_t d,
+                               bool ceil_mode) {
+  const std::int64_t span = in + 2 * p - d * (k - 1) - 1;
+  if (span < 0) return 0;
+  std::int64_t out = (ceil_mode ? (span + s - 1) / s : span / s) + 1;
+  if (ceil_mode && (out - 1) * s >= in + p) --out;  // the last window must start inside the input or left padding
+  return out;
+}
+
+template <class T>
+void check_4d(const char* op, const Tensor<T>& x) {
+  check_defined(op, x);
+  CHORUS_CHECK(x.dim() == 4, op, ": expected a 4-D input [N, C, H, W], got shape ", x.shape());
+}
+
+inline void check_window(const char* op, Pair k, Pair s, Pair p, Pair d) {
+  for (int i = 0; i < 2; ++i) {
+    CHORUS_CHECK(k[i] > 0, op, ": kernel size must be positive, got [", k[0], ", ", k[1], "]");
+    CHORUS_CHECK(s[i] > 0, op, ": stride must be positive, got [", s[0], ", ", s[1], "]");
+    CHORUS_CHECK(p[i] >= 0, op, ": padding must be non-negative, got [", p[0], ", ", p[1], "]");
+    CHORUS_CHECK(d[i] > 0, op, ": dilation must be positive, got [", d[0], ", ", d[1], "]");
+  }
+}
+
+// ---- convolution ----
+
+/// Note [convolution by im2col]
+/// Each image is unfolded into columns [C*kh*kw, OH*OW] and multiplied per group by the
+/// weight [O/g, C/g*kh*kw] (one GEMM per image and group; 1x1 convolutions with stride 1
+/// and no padding use the image itself). The backward reuses the same unfolding: dW from
+/// dY @ col^T, dX by folding W^T @ dY back (col2im).
+struct ConvGeometry {
+  backend::Window2d g;
+  std::int64_t N, O, groups;
+  bool direct;  // 1x1, stride 1, no padding: the image is its own column matrix
+  bool onednn = false;  // float32 on the CPU through oneDNN (Note [oneDNN convolutions])
+  bool cudnn = false;   // on a GPU through cuDNN (Note [cuDNN convolutions])
+  backend::cpu::OnednnConv onednn_conv() const { return {g, N, O, groups, has_bias}; }
+  bool has_bias = false;
+  std::int64_t cols() const { return g.C * g.kh * g.kw; }
+  std::int64_t L() const { return g.OH * g.OW; }
+};
+
+/// out[n, c] += bias[c] (bias read through strides [0, 1, 0]).
+template <class T>
+void conv2d_add_bias(const Tensor<T>& bias, const ConvGeometry& geo, const Tensor<T>& out) {
+  if (out.numel() == 0) return;
+  auto bc = contiguous_data(bias.detach());
+  const Shape s3{geo.N, geo.O, geo.L()};
+  backend::binary_broadcast(view_as_shape(out, s3), contiguous_strides(s3), bc, Strides{0, 1, 0},
+                            view_as_shape(out, s3), backend::fn::Add{});
+}
+
+/// The im2col + GEMM forward (Note [convolution by im2col]); xc, wc contiguous.
+template <class T>
+void conv2d_im2col(const Tensor<T>& xc, const Tensor<T>& wc, const Tensor<T>& bias, const ConvGeometry& geo,
+                   const Tensor<T>& out) {
+  const auto& g = geo.g;
+  const Device dev = xc.device();
+  const std::int64_t O = geo.O;
+  const std::int64_t L = geo.L(), K = geo.cols(), G = geo.groups, Og = O / G, Kg = K / G, img = g.C * g.H * g.W;
+  Tensor<T> col = geo.direct ? Tensor<T>() : Tensor<T>::empty(Shape{K, L}, dev);
+  for (std::int64_t n = 0; n < geo.N; ++n) {
+    const T* cn = xc.data() + n * img;
+    if (!geo.direct) {
+      backend::im2col(cn, g, col.data(), dev);
+      cn = col.data();
+    }
+    for (std::int64_t q = 0; q < G; ++q)  // Y_q [Og, L] = W_q [Og, Kg] @ col_q [Kg, L]
+      backend::gemm(false, false, Og, L, Kg, T(1), wc.data() + q * Og * Kg, Kg, cn + q * Kg * L, L, T(0),
+                    out.data() + (n * geo.O + q * Og) * L, L, dev);
+  }
+  if (bias.defined()) conv2d_add_bias(bias, geo, out);
+}
+
+template <class T>
+class Conv2dBackward final : public autograd::Node<T> {
+ public:
+  Conv2dBackward(Tensor<T> x, Tensor<T> w, bool has_bias, ConvGeometry geo)
+      : x_(std::move(x)), w_(std::move(w)), bias_(has_bias), geo_(geo) {}
+  std::string name() const override { return "Conv2dBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
+    const auto gy = contiguous_data(grads[0]);
+    const auto& e = this->next_edges();
+    const Device dev = gy.device();
+    const auto& g = geo_.g;
+    const std::int64_t L = geo_.L(), K = geo_.cols(), G = geo_.groups, Og = geo_.O / G, Kg = K / G;
+    Tensor<T> gx, gw, gb;
+    if (bias_ && e[2].valid()) {
+      gb = Tensor<T>::empty(Shape{geo_.O}, dev);
+      backend::channel_sums(gy.data(), geo_.N, geo_.O, L, static_cast<const T*>(nullptr), gb.data(), dev);
+    }
+    const bool want_x = e[0].valid(), want_w = e[1].valid();
+#if CHORUS_CUDA && CHORUS_HAS_CUDNN
+    if (geo_.cudnn) {
+      if (want_x) {
+        gx = Tensor<T>::empty(x_.shape(), dev);
+        backend::cuda::cudnn::conv_backward_data(g, geo_.N, geo_.O, G, gy.data(), w_.data(), gx.data(), dev);
+      }
+      if (want_w) {
+        gw = Tensor<T>::empty(w_.shape(), dev);
+        backend::cuda::cudnn::conv_backward_filter(g, geo_.N, geo_.O, G, x_.data(), gy.data(), gw.data(), dev);
+      }
+      if (bias_) return {gx, gw, gb};
+      return {gx, gw};
+    }
+#endif
+#if CHORUS_ONEDNN_API
+    if constexpr (std::is_same_v<T, float>) {
+      if (geo_.onednn) {
+        if (want_x) {
+          gx = Tensor<T>::empty(x_.shape(), dev);
+          backend::cpu::onednn::conv_backward_data(geo_.onednn_conv(), gy.data(), w_.data(), gx.data());
+        }
+        if (want_w) {
+          gw = Tensor<T>::empty(w_.shape(), dev);
+          backend::cpu::onednn::conv_backward_weights(geo_.onednn_conv(), x_.data(), gy.data(), gw.data(),
+                                                      gb.defined() ? gb.data() : nullptr);
+        }
+        if (bias_) return {gx, gw, gb};
+        return {gx, gw};
+      }
+    }
+#endif
+    if (want_x) gx = zeros<T>(x_.shape(), dev);
+    if (want_w) gw = zeros<T>(w_.shape(), dev);
+    Tensor<T> col = geo_.direct ? Tensor<T>() : Tensor<T>::empty(Shape{K, L}, dev);
+    const std::int64_t img = g.C * g.H * g.W;
+    for (std::int64_t n = 0; n < geo_.N; ++n) {
+      const T* gyn = gy.data() + n * geo_.O * L;
+      if (want_w) {
+        const T* cn = x_.data() + n * img;
+        if (!geo_.direct) {
+          backend::im2col(cn, g, col.data(), dev);
+          cn = col.data();
+        }
+        for (std::int64_t q = 0; q < G; ++q)  // gW_q += gY_q [Og, L] @ col_q^T [L, Kg]
+          backend::gemm(false, true, Og, Kg, L, T(1), gyn + q * Og * L, L, cn + q * Kg * L, L, T(1),
+                        gw.data() + q * Og * Kg, Kg, dev);
+      }
+      if (want_x) {
+        T* dst = geo_.direct ? gx.data() + n * img : col.data();
+        for (std::int64_t q = 0; q < G; ++q)  // dcol_q = W_q^T [Kg, Og] @ gY_q [Og, L]
+          backend::gemm(true, false, Kg, L, Og, T(1), w_.data() + q * Og * Kg, Kg, gyn + q * Og * L, L, T(0),
+                        dst + q * Kg * L, L, dev);
+        if (!geo_.direct) backend::col2im(col.data(), g, gx.data() + n * img, dev);
+      }
+    }
+    if (bias_) return {gx, gw, gb};
+    return {gx, gw};
+  }
+  void release_saved() override {
+    x_ = Tensor<T>();
+    w_ = Tensor<T>();
+  }
+
+ private:
+  Tensor<T> x_, w_;
+  bool bias_;
+  ConvGeometry geo_;
+};
+
+// ---- pooling ----
+
+template <class T>
+class MaxPool2dBackward final : public autograd::Node<T> {
+ public:
+  MaxPool2dBackward(Tensor<std::int64_t> idx, Shape in, backend::Window2d g)
+      : idx_(std::move(idx)), in_(std::move(in)), g_(g) {}
+  std::string name() const override { return "MaxPool2dBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
+    auto gy = contiguous_data(grads[0]);
+    auto gx = zeros<T>(in_, gy.device());
+    backend::max_pool2d_backward(gy.data(), idx_.data(), in_[0] * in_[1], g_, gx.data(), gy.device());
+    return {gx};
+  }
+  void release_saved() override { idx_ = Tensor<std::int64_t>(); }
+
+ private:
+  Tensor<std::int64_t> idx_;
+  Shape in_;
+  backend::Window2d g_;
+};
+
+template <class T>
+class AvgPool2dBackward final : public autograd::Node<T> {
+ public:
+  AvgPool2dBackward(Shape in, backend::Window2d g, bool adaptive, bool include_pad, std::int64_t div)
+      : in_(std::move(in)), g_(g), adaptive_(adaptive), include_pad_(include_pad), div_(div) {}
+  std::string name() const override { return adaptive_ ? "AdaptiveAvgPool2dBackward" : "AvgPool2dBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
+    auto gy = contiguous_data(grads[0]);
+    auto gx = zeros<T>(in_, gy.device());
+    const std::int64_t planes = in_[0] * in_[1];
+    if (adaptive_) {
+      backend::adaptive_avg_pool2d_backward(gy.data(), planes, g_, gx.data(), gy.device());
+    } else {
+      backend::avg_pool2d_backward(gy.data(), planes, g_, include_pad_, div_, gx.data(), gy.device());
+    }
+    return {gx};
+  }
+
+ private:
+  Shape in_;
+  backend::Window2d g_;
+  bool adaptive_, include_pad_;
+  std::int64_t div_;
+};
+
+template <class T>
+backend::Window2d pool_geometry(const char* op, const Tensor<T>& x, Pair k, Pair s, Pair p, Pair d, bool ceil_mode) {
+  check_4d(op, x);
+  check_window(op, k, s, p, d);
+  for (int i = 0; i < 2; ++i)
+    CHORUS_CHECK(p[i] <= k[i] / 2, op, ": padding should be at most half the kernel size, got padding [", p[0], ", ",
+                 p[1], "] for kernel [", k[0], ", ", k[1], "]");
+  backend::Window2d g;
+  g.C = x.shape()[1];
+  g.H = x.shape()[2];
+  g.W = x.shape()[3];
+  g.kh = k[0], g.kw = k[1], g.sh = s[0], g.sw = s[1], g.ph = p[0], g.pw = p[1], g.dh = d[0], g.dw = d[1];
+  g.OH = window_out(g.H, k[0], s[0], p[0], d[0], ceil_mode);
+  g.OW = window_out(g.W, k[1], s[1], p[1], d[1], ceil_mode);
+  CHORUS_CHECK(g.OH > 0 && g.OW > 0, op, ": input of shape ", x.shape(), " is too small for kernel [", k[0], ", ",
+               k[1], "] (output would be ", g.OH, "x", g.OW, ")");
+  return g;
+}
+
+// ---- batch normalisation ----
+
+/// Note [batch norm backward]
+/// With x̂ = (x - μ)·σ⁻¹ over the normalised set of `count` values per channel,
+/// dx = w·σ⁻¹·(dy - mean(dy) - x̂·mean(dy·x̂)). The two means are the only coupling between
+/// the values of a channel, so SyncBatchNorm all-reduces Σdy and Σdy·(x-μ) (one [2C]
+/// reduction) and everything else stays local. dw and db are the local sums: the
+/// replicas' (or processes') parameter gradients are summed by DataParallel (or DDP).
+template <class T>
+class BatchNormBackward final : public autograd::Node<T> {
+ public:
+  BatchNormBackward(Tensor<T> x, Tensor<T> w, Tensor<T> mean, Tensor<T> invstd, double count, bool has_w, bool has_b,
+                    std::shared_ptr<StatsReducer> reducer)
+      : x_(std::move(x)), w_(std::move(w)), mean_(std::move(mean)), invstd_(std::move(invstd)), count_(count),
+        has_w_(has_w), has_b_(has_b), reducer_(std::move(reducer)) {}
+  std::string name() const override { return "BatchNormBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
+    auto gy = contiguous_data(grads[0]);
+    const Device dev = gy.device();
+    const std::int64_t N = x_.shape()[0], C = x_.shape()[1], S = x_.numel() / std::max<std::int64_t>(N * C, 1);
+    auto sums = Tensor<T>::empty(Shape{2 * C}, dev);
+    backend::bn_backward_reduce(gy.data(), x_.data(), N, C, S, mean_.data(), sums.data(), dev);
+    const auto& e = this->next_edges();
+    Tensor<T> gx, gw, gb;
+    int slot = 1;
+    if (has_w_ && e[slot].valid()) {  // dw = Σ dy·x̂ (local)
+      gw = Tensor<T>::empty(Shape{C}, dev);
+      backend::binary_same(view_as_shape(sums, Shape{2 * C}).narrow(0, C, C), invstd_, gw, backend::fn::Mul{});
+    }
+    slot += has_w_;
+    if (has_b_ && e[slot].valid()) {  // db = Σ dy (local)
+      gb = Tensor<T>::empty(Shape{C}, dev);
+      backend::copy(gb, sums.narrow(0, 0, C));
+    }
+    if (e[0].valid()) {
+      if (reducer_) reducer_->all_reduce_sum(sums);
+      gx = Tensor<T>::empty(x_.shape(), dev);
+      backend::bn_backward_input(gy.data(), x_.data(), N, C, S, mean_.data(), invstd_.data(),
+                                 has_w_ ? w_.data() : static_cast<const T*>(nullptr), sums.data(), count_, gx.data(),
+                                 dev);
+    } else if (reducer_) {
+      reducer_->all_reduce_sum(sums);  // the others wait for this participant's share
+    }
+    typename autograd::Node<T>::TensorList out{gx};
+    if (has_w_) out.push_back(gw);
+    if (has_b_) out.push_back(gb);
+    return out;
+  }
+  void release_saved() override {
+    x_ = Tensor<T>();
+    w_ = Tensor<T>();
+    mean_ = Tensor<T>();
+    invstd_ = Tensor<T>();
+  }
+
+ private:
+  Tensor<T> x_, w_, mean_, invstd_;
+  double count_;
+  bool has_w_, has_b_;
+  std::shared_ptr<StatsReducer> reducer_;
+};
+
+template <class T>
+class EmbeddingBackward final : public autograd::Node<T> {
+ public:
+  EmbeddingBackward(Shape weight, Tensor<std::int64_t> idx, std::int64_t padding_idx)
+      : weight_(std::move(weight)), idx_(std::move(idx)), padding_idx_(padding_idx) {}
+  std::string name() const override { return "EmbeddingBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
+    auto gy = contiguous_data(grads[0]);
+    auto gw = zeros<T>(weight_, gy.device());
+    backend::index_add(gy, 1, weight_[0], weight_[1], idx_, gw);
+    if (padding_idx_ >= 0) gw.narrow(0, padding_idx_, 1).zero_();  // the padding row never learns
+    return {gw};
+  }
+  void release_saved() override { idx_ = Tensor<std::int64_t>(); }
+
+ private:
+  Shape weight_;
+  Tensor<std::int64_t> idx_;
+  std::int64_t padding_idx_;
+};
+
+}  // namespace ops::detail
+
+/// 2-D convolution (cross-correlation, as torch.nn.functional.conv2d): x [N, C, H, W],
+/// weight [O, C/groups, kh, kw], bias [O] or undefined; NCHW output [N, O, OH, OW].
+template <class T>
+Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& bias = Tensor<T>(), Pair stride = {1, 1},
+                 Pair padding = {0, 0}, Pair dilation = {1, 1}, std::int64_t groups = 1) {
+  static_assert(is_floating_v<T>, "conv2d: floating-point tensors only");
+  using namespace ops::detail;
+  check_4d("conv2d", x);
+  check_defined("conv2d", weight, "weight");
+  check_same_device("conv2d", x, weight);
+  CHORUS_CHECK(weight.dim() == 4, "conv2d: weight must be 4-D [out, in/groups, kh, kw], got shape ", weight.shape());
+  check_window("conv2d", {weight.shape()[2], weight.shape()[3]}, stride, padding, dilation);
+  CHORUS_CHECK(groups > 0, "conv2d: groups must be positive, got ", groups);
+  const std::int64_t N = x.shape()[0], C = x.shape()[1], O = weight.shape()[0];
+  CHORUS_CHECK(weight.shape()[1] * groups == C, "conv2d: input of shape ", x.shape(), " has ", C,
+               " channels, but weight of shape ", weight.shape(), " with groups=", groups, " expects ",
+               weight.shape()[1] * groups);
+  CHORUS_CHECK(C % groups == 0 && O % groups == 0, "conv2d: ", C, " input and ", O,
+               " output channels must both be divisible by groups=", groups);
+  if (bias.defined()) {
+    check_same_device("conv2d", x, bias);
+    CHORUS_CHECK(bias.dim() == 1 && bias.shape()[0] == O, "conv2d: bias of shape ", bias.shape(),
+                 " does not match ", O, " output channels");
+  }
+  ConvGeometry geo;
+  auto& g = geo.g;
+  g.C = C, g.H = x.shape()[2], g.W = x.shape()[3];
+  g.kh = weight.shape()[2], g.kw = weight.shape()[3];
+  g.sh = stride[0], g.sw = stride[1], g.ph = padding[0], g.pw = padding[1], g.dh = dilation[0], g.dw = dilation[1];
+  g.OH = window_out(g.H, g.kh, g.sh, g.ph, g.dh, false);
+  g.OW = window_out(g.W, g.kw, g.sw, g.pw, g.dw, false);
+  CHORUS_CHECK(g.OH > 0 && g.OW > 0, "conv2d: input of shape ", x.shape(), " (padding [", padding[0], ", ",
+               padding[1], "]) is smaller than the dilated kernel of weight ", weight.shape());
+  geo.N = N, geo.O = O, geo.groups = groups;
+  geo.direct = g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0;
+  geo.has_bias = bias.defined();
+  const Device dev = x.device();
+  auto xc = contiguous_data(x.detach());
+  auto wc = contiguous_data(weight.detach());
+  auto out = Tensor<T>::empty(Shape{N, O, g.OH, g.OW}, dev);
+#if CHORUS_ONEDNN_API
+  if constexpr (std::is_same_v<T, float>) {
+    geo.onednn = dev.is_cpu() && backend::cpu::onednn_enabled() && geo.onednn_conv().supported();
+    if (geo.onednn) {
+      auto bc = bias.defined() ? contiguous_data(bias.detach()) : Tensor<T>();
+      backend::cpu::onednn::conv_forward(geo.onednn_conv(), xc.data(), wc.data(), bc.defined() ? bc.data() : nullptr,
+                                         out.data());
+    }
+  }
+#endif
+#if CHORUS_CUDA && CHORUS_HAS_CUDNN
+  geo.cudnn = dev.is_cuda() && N > 0 && backend::cuda::cudnn::enabled();
+  if (geo.cudnn) {
+    backend::cuda::cudnn::conv_forward(g, N, O, groups, xc.data(), wc.data(), out.data(), dev);
+    if (bias.defined()) conv2d_add_bias(bias, geo, out);
+  }
+#endif
+  if (!geo.onednn && !geo.cudnn) conv2d_im2col(xc, wc, bias, geo, out);
+  if (autograd::needs_grad(x, weight, bias)) {
+    auto node = autograd::make_node<Conv2dBackward<T>, T>({&x, &weight, bias.defined() ? &bias : nullptr}, xc, wc,
+                                                          bias.defined(), geo);
+    if (!bias.defined()) node->mutable_next_edges().pop_back();
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+/// Max pooling (as torch.nn.functional.max_pool2d); stride defaults to the kernel size.
+template <class T>
+Tensor<T> max_pool2d(const Tensor<T>& x, Pair kernel, std::optional<Pair> stride = std::nullopt, Pair padding = {0, 0},
+                     Pair dilation = {1, 1}, bool ceil_mode = false) {
+  static_assert(is_floating_v<T>, "max_pool2d: floating-point tensors only");
+  auto g = ops::detail::pool_geometry("max_pool2d", x, kernel, stride.value_or(kernel), padding, dilation, ceil_mode);
+  auto xc = ops::detail::contiguous_data(x.detach());
+  const std::int64_t N = x.shape()[0];
+  auto out = Tensor<T>::empty(Shape{N, g.C, g.OH, g.OW}, x.device());
+  auto idx = Tensor<std::int64_t>::empty(out.shape(), x.device());
+  backend::max_pool2d(xc.data(), N * g.C, g, out.data(), idx.data(), x.device());
+  if (autograd::needs_grad(x)) {
+    auto node = autograd::make_node<ops::detail::MaxPool2dBackward<T>, T>({&x}, idx, x.shape(), g);
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+/// Average pooling (as torch.nn.functional.avg_pool2d); divisor_override 0 = none.
+template <class T>
+Tensor<T> avg_pool2d(const Tensor<T>& x, Pair kernel, std::optional<Pair> stride = std::nullopt, Pair padding = {0, 0},
+                     bool ceil_mode = false, bool count_include_pad = true, std::int64_t divisor_override = 0) {
+  static_assert(is_floating_v<T>, "avg_pool2d: floating-point tensors only");
+  CHORUS_CHECK(divisor_override >= 0, "avg_pool2d: divisor_override must be positive (or 0 for none), got ",
+               divisor_override);
+  auto g = ops::detail::pool_geometry("avg_pool2d", x, kernel, stride.value_or(kernel), padding, {1, 1}, ceil_mode);
+  auto xc = ops::detail::contiguous_data(x.detach());
+  const std::int64_t N = x.shape()[0];
+  auto out = Tensor<T>::empty(Shape{N, g.C, g.OH, g.OW}, x.device());
+  backend::avg_pool2d(xc.data(), N * g.C, g, count_include_pad, divisor_override, out.data(), x.device());
+  if (autograd::needs_grad(x)) {
+    auto node = autograd::make_node<ops::detail::AvgPool2dBackward<T>, T>({&x}, x.shape(), g, false,
+                                                                          count_include_pad, divisor_override);
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+/// Adaptive average pooling to `output_size` (as torch.nn.functional.adaptive_avg_pool2d).
+template <class T>
+Tensor<T> adaptive_avg_pool2d(const Tensor<T>& x, Pair output_size) {
+  static_assert(is_floating_v<T>, "adaptive_avg_pool2d: floating-point tensors only");
+  ops::detail::check_4d("adaptive_avg_pool2d", x);
+  CHORUS_CHECK(output_size[0] > 0 && output_size[1] > 0, "adaptive_avg_pool2d: output size must be positive, got [",
+               output_size[0], ", ", output_size[1], "]");
+  CHORUS_CHECK(x.shape()[2] > 0 && x.shape()[3] > 0, "adaptive_avg_pool2d: empty spatial size in input of shape ",
+               x.shape());
+  backend::Window2d g;
+  g.C = x.shape()[1], g.H = x.shape()[2], g.W = x.shape()[3], g.OH = output_size[0], g.OW = output_size[1];
+  auto xc = ops::detail::contiguous_data(x.detach());
+  const std::int64_t N = x.shape()[0];
+  auto out = Tensor<T>::empty(Shape{N, g.C, g.OH, g.OW}, x.device());
+  backend::adaptive_avg_pool2d(xc.data(), N * g.C, g, out.data(), x.device());
+  if (autograd::needs_grad(x)) {
+    auto node = autograd::make_node<ops::detail::AvgPool2dBackward<T>, T>({&x}, x.shape(), g, true, true, 0);
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+/// Batch normalisation over dim 1 of x [N, C, *] (as torch.nn.functional.batch_norm).
+/// Training: normalises with the batch statistics — summed over the participants of
+/// `reducer` when one is given (Note [statistics reducer]) — and, when running_mean/var are
+/// defined, updates them in place: r = (1 - momentum)·r + momentum·stat (variance unbiased).
+/// Evaluation: normalises with running_mean/var.
+template <class T>
+Tensor<T> batch_norm(const Tensor<T>& x, const Tensor<T>& running_mean, const Tensor<T>& running_var,
+                     const Tensor<T>& weight = Tensor<T>(), const Tensor<T>& bias = Tensor<T>(), bool training = true,
+                     double momentum = 0.1, double eps = 1e-5, std::shared_ptr<StatsReducer> reducer = nullptr) {
+  static_assert(is_floating_v<T>, "batch_norm: floating-point tensors only");
+  using namespace ops::detail;
+  check_defined("batch_norm", x);
+  CHORUS_CHECK(x.dim() >= 2, "batch_norm: expected an input [N, C, *] with at least 2 dimensions, got shape ",
+               x.shape());
+  const std::int64_t N = x.shape()[0], C = x.shape()[1];
+  const std::int64_t S = N * C > 0 ? x.numel() / (N * C) : 0;
+  const Device dev = x.device();
+  auto check_vec = [&](const Tensor<T>& t, const char* what) {
+    if (!t.defined()) return;
+    check_same_device("batch_norm", x, t);
+    CHORUS_CHECK(t.dim() == 1 && t.shape()[0] == C, "batch_norm: ", what, " of shape ", t.shape(), " does not match ",
+                 C, " channels of input ", x.shape());
+    CHORUS_CHECK(t.is_contiguous(), "batch_norm: ", what, " must be contiguous");
+  };
+  check_vec(running_mean, "running_mean");
+  check_vec(running_var, "running_var");
+  check_vec(weight, "weight");
+  check_vec(bias, "bias");
+  CHORUS_CHECK(running_mean.defined() == running_var.defined(),
+               "batch_norm: give both running_mean and running_var, or neither");
+  CHORUS_CHECK(eps > 0, "batch_norm: eps must be positive, got ", eps);
+  const bool use_batch = training || !running_mean.defined();
+  auto wc = weight.defined() ? contiguous_data(weight.detach()) : Tensor<T>();
+  auto bc = bias.defined() ? contiguous_data(bias.detach()) : Tensor<T>();
+  const T* wp = weight.defined() ? wc.data() : nullptr;
+  const T* bp = bias.defined() ? bc.data() : nullptr;
+  auto xc = contiguous_data(x.detach());
+  auto out = Tensor<T>::empty(x.shape(), dev);
+  auto mean = Tensor<T>::empty(Shape{C}, dev), invstd = Tensor<T>::empty(Shape{C}, dev);
+  if (!use_batch) {  // evaluation: the running statistics are constants
+    backend::copy(mean, running_mean);
+    backend::unary(running_var, invstd, backend::fn::AddScalar{eps});
+    backend::unary(invstd, invstd, backend::fn::PowScalar{-0.5});
+    if (autograd::needs_grad(x, weight, bias)) {
+      // y = x·(w σ⁻¹) + (b - μ w σ⁻¹): record it with the differentiable ops (an affine map).
+      Shape bshape = Shape::filled(x.dim(), 1);
+      bshape[1] = C;
+      auto scale = weight.defined() ? mul(weight, invstd) : invstd;
+      auto shift = neg(mul(mean, scale));
+      if (bias.defined()) shift = add(shift, bias);
+      return add(mul(x, scale.reshape(bshape)), shift.reshape(bshape));
+    }
+    backend::bn_apply(xc.data(), N, C, S, mean.data(), invstd.data(), wp, bp, out.data(), dev);
+    return out;
+  }
+  std::int64_t count = N * S;
+  if (reducer) count = reducer->all_reduce_sum(count);
+  CHORUS_CHECK(count > 1, "batch_norm: expected more than 1 value per channel when training, got input of shape ",
+               x.shape(), reducer ? " (summed over the synchronised participants)" : "");
+  backend::channel_sums(xc.data(), N, C, S, static_cast<const T*>(nullptr), mean.data(), dev);
+  if (reducer) reducer->all_reduce_sum(mean);
+  backend::unary(mean, mean, backend::fn::MulScalar{1.0 / double(count)});
+  auto sq = Tensor<T>::empty(Shape{C}, dev);
+  backend::channel_sums(xc.data(), N, C, S, mean.data(), sq.data(), dev);
+  if (reducer) reducer->all_reduce_sum(sq);
+  backend::unary(sq, invstd, backend::fn::MulScalar{1.0 / double(count)});
+  backend::unary(invstd, invstd, backend::fn::AddScalar{eps});
+  backend::unary(invstd, invstd, backend::fn::PowScalar{-0.5});
+  backend::bn_apply(xc.data(), N, C, S, mean.data(), invstd.data(), wp, bp, out.data(), dev);
+  if (running_mean.defined()) {
+    NoGradGuard ng;
+    auto tmp = Tensor<T>::empty(Shape{C}, dev);
+    backend::unary(running_mean, running_mean, backend::fn::MulScalar{1.0 - momentum});
+    backend::unary(mean, tmp, backend::fn::MulScalar{momentum});
+    backend::binary_same(running_mean, tmp, running_mean, backend::fn::Add{});
+    backend::unary(running_var, running_var, backend::fn::MulScalar{1.0 - momentum});
+    backend::unary(sq, tmp, backend::fn::MulScalar{momentum / double(count - 1)});
+    backend::binary_same(running_var, tmp, running_var, backend::fn::Add{});
+  }
+  if (autograd::needs_grad(x, weight, bias)) {
+    auto node = autograd::make_node<BatchNormBackward<T>, T>(
+        {&x, weight.defined() ? &weight : nullptr, bias.defined() ? &bias : nullptr}, xc, wc, mean, invstd,
+        double(count), weight.defined(), bias.defined(), std::move(reducer));
+    auto& edges = node->mutable_next_edges();
+    if (!bias.defined()) edges.erase(edges.begin() + 2);
+    if (!weight.defined()) edges.erase(edges.begin() + 1);
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+/// Layer normalisation over the trailing dimensions `normalized_shape` (as
+/// torch.nn.functional.layer_norm; biased variance), composed of differentiable ops.
+template <class T>
+Tensor<T> layer_norm(const Tensor<T>& x, const Shape& normalized_shape, const Tensor<T>& weight = Tensor<T>(),
+                     const Tensor<T>& bias = Tensor<T>(), double eps = 1e-5) {
+  static_assert(is_floating_v<T>, "layer_norm: floating-point tensors only");
+  ops::detail::check_defined("layer_norm", x);
+  const int k = normalized_shape.size();
+  bool ok = k > 0 && x.dim() >= k;
+  for (int i = 0; ok && i < k; ++i) ok = x.shape()[x.dim() - k + i] == normalized_shape[i];
+  CHORUS_CHECK(ok, "layer_norm: input of shape ", x.shape(), " does not end in normalized_shape ", normalized_shape);
+  for (const auto* t : {&weight, &bias})
+    if (t->defined())
+      CHORUS_CHECK(t->shape() == normalized_shape, "layer_norm: weight/bias of shape ", t->shape(),
+                   " differs from normalized_shape ", normalized_shape);
+  const std::int64_t D = numel_of(normalized_shape);
+  CHORUS_CHECK(D > 0, "layer_norm: normalized_shape ", normalized_shape, " is empty");
+  auto x2 = x.reshape(Shape{x.numel() / D, D});
+  auto xc = sub(x2, mean(x2, 1, true));
+  auto y = mul(xc, pow(add(mean(mul(xc, xc), 1, true), eps), -0.5)).reshape(x.shape());
+  if (weight.defined()) y = mul(y, weight);
+  if (bias.defined()) y = add(y, bias);
+  return y;
+}
+
+/// Rows of `weight` [num, dim] picked by `indices` (any shape): output indices.shape + [dim].
+/// The row `padding_idx` (when >= 0) gets no gradient, as in torch.nn.functional.embedding.
+template <class T>
+Tensor<T> embedding(const Tensor<std::int64_t>& indices, const Tensor<T>& weight, std::int64_t padding_idx = -1) {
+  ops::detail::check_defined("embedding", indices, "indices");
+  ops::detail::check_defined("embedding", weight, "weight");
+  ops::detail::check_same_device("embedding", weight, indices);
+  CHORUS_CHECK(weight.dim() == 2, "embedding: weight must be 2-D [num_embeddings, dim], got shape ", weight.shape());
+  auto flat = ops::detail::contiguous_data(indices).reshape(Shape{indices.numel()});
+  auto rows = weight.detach().index_select(0, flat);  // validates the indices
+  Shape s = indices.shape();
+  s.push_back(weight.shape()[1]);
+  auto out = ops::detail::view_as_shape(rows, s);
+  if (autograd::needs_grad(weight)) {
+    auto node = autograd::make_node<ops::detail::EmbeddingBackward<T>, T>({&weight}, weight.shape(), flat, padding_idx);
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
+}
+
+/// x·sigmoid(x).
+template <class T>
+Tensor<T> silu(const Tensor<T>& x) {
+  return mul(x, sigmoid(x));
+}
+
+/// Zeroes whole channels (dim 1 of x [N, C, *]) with probability p while training, scaling
+/// the rest by 1/(1-p) (as torch.nn.functional.dropout2d on batched input).
+template <class T>
+Tensor<T> dropout2d(const Tensor<T>& x, double p, bool training, Generator& gen = default_generator()) {
+  CHORUS_CHECK(p >= 0.0 && p <= 1.0, "dropout2d: probability must be in [0, 1], got ", p);
+  ops::detail::check_defined("dropout2d", x);
+  CHORUS_CHECK(x.dim() >= 2, "dropout2d: expected an input [N, C, *], got shape ", x.shape());
+  if (!training || p == 0.0) return x;
+  Shape ms = Shape::filled(x.dim(), 1);
+  ms[0] = x.shape()[0];
+  ms[1] = x.shape()[1];
+  auto mask = dropout(ones<T>(ms, x.device()), p, true, gen);  // a constant: ones() needs no grad
+  return mul(x, mask);
+}
+
+CHORUS_NAMESPACE_END

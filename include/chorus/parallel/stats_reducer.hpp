@@ -1,0 +1,110 @@
+#pragma once
+// The statistics reducer of DataParallel's replicas (Note [statistics reducer], ops/nn.hpp):
+// SyncBatchNorm in replica r sums its per-channel statistics with the other replicas'.
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "../ops/nn.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace parallel {
+
+/// The replicas of one DataParallel forward as participants of a sum. Each reduction is two
+/// barriers: every replica posts its tensor and waits for the others, sums all of them in
+/// replica order on its own device (so every replica gets the same bits), waits until every
+/// replica has read every input, then overwrites its tensor. A replica that never arrives
+/// makes the others fail after `timeout` instead of hanging.
+class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup> {
+ public:
+  explicit ReplicaStatsGroup(int size, std::chrono::milliseconds timeout = std::chrono::minutes(5))
+      : size_(size), timeout_(timeout), slots_(static_cast<std::size_t>(size)), counts_(static_cast<std::size_t>(size)) {
+    CHORUS_CHECK(size > 0, "ReplicaStatsGroup: size must be positive, got ", size);
+  }
+
+  /// The reducer replica `rank` uses.
+  std::shared_ptr<StatsReducer> member(int rank);
+
+  template <class T>
+  void all_reduce(int rank, Tensor<T>& t) {
+    if (size_ == 1) return;
+    if (t.device().is_cuda()) current_stream(t.device()).synchronize();  // the values must be there for the others
+    slots_[rank] = &t;
+    barrier(rank, "post");
+    Tensor<T> acc;
+    for (int j = 0; j < size_; ++j) {
+      const auto& src = *static_cast<const Tensor<T>*>(slots_[j]);
+      CHORUS_CHECK(src.shape() == t.shape(), "SyncBatchNorm: replica ", j, " reduces a tensor of shape ", src.shape(),
+                   ", replica ", rank, " one of shape ", t.shape());
+      auto here = src.to(t.device());
+      acc = acc.defined() ? add(acc, here) : (j == rank ? here.clone() : here);
+    }
+    if (t.device().is_cuda()) current_stream(t.device()).synchronize();  // done reading the others' tensors
+    barrier(rank, "read");
+    backend::copy(t, acc);
+  }
+
+  std::int64_t all_reduce(int rank, std::int64_t v) {
+    if (size_ == 1) return v;
+    counts_[rank] = v;
+    barrier(rank, "post");
+    std::int64_t s = 0;
+    for (auto c : counts_) s += c;
+    barrier(rank, "read");
+    return s;
+  }
+
+  int size() const { return size_; }
+
+ private:
+  void barrier(int rank, const char* phase) {
+    std::unique_lock lk(m_);
+    const auto gen = generation_;
+    if (++arrived_ == size_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    if (!cv_.wait_for(lk, timeout_, [&] { return generation_ != gen; }))
+      CHORUS_FAIL("SyncBatchNorm: replica ", rank, " waited ", timeout_.count(), " ms (", phase, ") for ",
+                  size_ - arrived_, " of ", size_,
+                  " replicas to reach the same statistics reduction; every replica must run the same "
+                  "SyncBatchNorm layers in the same order");
+  }
+
+  int size_;
+  std::chrono::milliseconds timeout_;
+  std::vector<const void*> slots_;
+  std::vector<std::int64_t> counts_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  std::uint64_t generation_ = 0;
+};
+
+namespace detail {
+class ReplicaStatsReducer final : public StatsReducer {
+ public:
+  ReplicaStatsReducer(std::shared_ptr<ReplicaStatsGroup> group, int rank) : group_(std::move(group)), rank_(rank) {}
+  void all_reduce_sum(Tensor<float>& t) override { group_->all_reduce(rank_, t); }
+  void all_reduce_sum(Tensor<double>& t) override { group_->all_reduce(rank_, t); }
+  std::int64_t all_reduce_sum(std::int64_t count) override { return group_->all_reduce(rank_, count); }
+  int size() const override { return group_->size(); }
+
+ private:
+  std::shared_ptr<ReplicaStatsGroup> group_;
+  int rank_;
+};
+}  // namespace detail
+
+inline std::shared_ptr<StatsReducer> ReplicaStatsGroup::member(int rank) {
+  CHORUS_CHECK(rank >= 0 && rank < size_, "ReplicaStatsGroup: rank ", rank, " out of range for ", size_, " replicas");
+  return std::make_shared<detail::ReplicaStatsReducer>(shared_from_this(), rank);
+}
+
+}  // namespace parallel
+CHORUS_NAMESPACE_END

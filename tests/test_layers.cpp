@@ -1,0 +1,359 @@
+// Convolution, pooling, normalisation, embedding and the other CNN/transformer layers:
+// forward values against direct loops, gradients against float64 central differences,
+// PyTorch's initialisation, parameter/buffer names and running statistics.
+#include <cmath>
+
+#include "test_util.hpp"
+
+using namespace chorus;
+using chorus::testing::all_close;
+using chorus::testing::gradcheck;
+using chorus::testing::throws_with;
+using TL = std::vector<Tensor<double>>;
+
+namespace {
+template <class T = double>
+Tensor<T> r(const Shape& s, std::uint64_t seed, double lo = -1, double hi = 1) {
+  Generator g(seed);
+  return rand<T>(s, Device::cpu(), lo, hi, g);
+}
+
+/// Direct 7-loop convolution (the definition) for checking the im2col path.
+template <class T>
+Tensor<T> conv_reference(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>& b, Pair s, Pair p, Pair d,
+                         std::int64_t groups) {
+  const auto N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  const auto O = w.size(0), Cg = w.size(1), kh = w.size(2), kw = w.size(3);
+  const auto OH = (H + 2 * p[0] - d[0] * (kh - 1) - 1) / s[0] + 1, OW = (W + 2 * p[1] - d[1] * (kw - 1) - 1) / s[1] + 1;
+  auto xv = x.to_vector(), wv = w.to_vector();
+  std::vector<T> bv = b.defined() ? b.to_vector() : std::vector<T>(O, T(0));
+  std::vector<T> out(N * O * OH * OW);
+  const auto Og = O / groups;
+  for (std::int64_t n = 0; n < N; ++n)
+    for (std::int64_t o = 0; o < O; ++o)
+      for (std::int64_t oh = 0; oh < OH; ++oh)
+        for (std::int64_t ow = 0; ow < OW; ++ow) {
+          double acc = bv[o];
+          const auto g = o / Og;
+          for (std::int64_t c = 0; c < Cg; ++c)
+            for (std::int64_t i = 0; i < kh; ++i)
+              for (std::int64_t j = 0; j < kw; ++j) {
+                const auto h = oh * s[0] - p[0] + i * d[0], ww = ow * s[1] - p[1] + j * d[1];
+                if (h < 0 || h >= H || ww < 0 || ww >= W) continue;
+                acc += double(xv[((n * C + g * Cg + c) * H + h) * W + ww]) * double(wv[((o * Cg + c) * kh + i) * kw + j]);
+              }
+          out[((n * O + o) * OH + oh) * OW + ow] = static_cast<T>(acc);
+        }
+  return from_vector<T>(out, Shape{N, O, OH, OW});
+}
+}  // namespace
+
+template <class T>
+class LayersTyped : public ::testing::Test {};
+TYPED_TEST_SUITE(LayersTyped, chorus::testing::FloatTypes);
+
+TYPED_TEST(LayersTyped, Conv2dMatchesTheDefinition) {
+  using T = TypeParam;
+  struct Case {
+    Shape x, w;
+    Pair s, p, d;
+    std::int64_t groups;
+    bool bias;
+  };
+  for (const auto& c : {Case{{2, 3, 7, 6}, {4, 3, 3, 3}, {1, 1}, {1, 1}, {1, 1}, 1, true},
+                        Case{{2, 4, 9, 8}, {6, 2, 3, 2}, {2, 1}, {1, 0}, {1, 2}, 2, true},
+                        Case{{1, 4, 5, 5}, {4, 1, 3, 3}, {1, 1}, {2, 2}, {2, 2}, 4, false},  // depthwise
+                        Case{{3, 8, 4, 4}, {5, 8, 1, 1}, {1, 1}, {0, 0}, {1, 1}, 1, true},   // 1x1 direct path
+                        Case{{2, 3, 8, 8}, {2, 3, 1, 1}, {2, 2}, {0, 0}, {1, 1}, 1, false}}) {  // 1x1 stride 2
+    auto x = r<T>(c.x, 1), w = r<T>(c.w, 2), b = c.bias ? r<T>({c.w[0]}, 3) : Tensor<T>();
+    auto y = conv2d(x, w, b, c.s, c.p, c.d, c.groups);
+    EXPECT_TRUE(all_close(y, conv_reference(x, w, b, c.s, c.p, c.d, c.groups), std::is_same_v<T, float> ? 1e-5 : 1e-12,
+                          std::is_same_v<T, float> ? 1e-5 : 1e-12))
+        << "x " << c.x << " w " << c.w;
+  }
+}
+
+TEST(LayersGradcheck, Conv2d) {
+  auto f = [](Pair s, Pair p, Pair d, std::int64_t g) {
+    return [=](const TL& x) { return conv2d(x[0], x[1], x.size() > 2 ? x[2] : Tensor<double>(), s, p, d, g); };
+  };
+  EXPECT_TRUE(gradcheck(f({1, 1}, {1, 1}, {1, 1}, 1), {r({2, 3, 5, 4}, 1), r({2, 3, 3, 3}, 2), r({2}, 3)}));
+  EXPECT_TRUE(gradcheck(f({2, 1}, {1, 0}, {1, 2}, 2), {r({2, 4, 6, 7}, 4), r({4, 2, 2, 3}, 5), r({4}, 6)}));
+  EXPECT_TRUE(gradcheck(f({1, 1}, {0, 0}, {1, 1}, 1), {r({2, 3, 3, 3}, 7), r({4, 3, 1, 1}, 8)}));
+  EXPECT_TRUE(gradcheck(f({2, 2}, {2, 1}, {2, 1}, 3), {r({1, 3, 7, 6}, 9), r({3, 1, 3, 2}, 10), r({3}, 11)}));
+}
+
+TEST(LayersGradcheck, Pooling) {
+  // Distinct values so the max is unique (central differences are exact away from ties).
+  auto distinct = [](const Shape& s, std::uint64_t seed) {
+    auto v = r(s, seed).to_vector();
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = v[i] * 0.1 + 0.01 * double((i * 37) % v.size());
+    return from_vector<double>(v, s);
+  };
+  EXPECT_TRUE(gradcheck([](const TL& x) { return max_pool2d(x[0], {2, 2}); }, {distinct({2, 2, 5, 4}, 1)}));
+  EXPECT_TRUE(gradcheck([](const TL& x) { return max_pool2d(x[0], {3, 2}, Pair{2, 1}, {1, 1}, {1, 2}, true); },
+                        {distinct({1, 3, 7, 6}, 2)}));
+  EXPECT_TRUE(gradcheck([](const TL& x) { return avg_pool2d(x[0], {2, 2}); }, {r({2, 2, 5, 4}, 3)}));
+  EXPECT_TRUE(gradcheck([](const TL& x) { return avg_pool2d(x[0], {3, 3}, Pair{2, 2}, {1, 1}, true, false); },
+                        {r({1, 2, 6, 7}, 4)}));
+  EXPECT_TRUE(gradcheck([](const TL& x) { return avg_pool2d(x[0], {3, 2}, Pair{2, 1}, {1, 1}, false, true, 5); },
+                        {r({1, 2, 6, 5}, 5)}));
+  EXPECT_TRUE(gradcheck([](const TL& x) { return adaptive_avg_pool2d(x[0], {1, 1}); }, {r({2, 3, 4, 5}, 6)}));
+  EXPECT_TRUE(gradcheck([](const TL& x) { return adaptive_avg_pool2d(x[0], {3, 2}); }, {r({2, 2, 5, 7}, 7)}));
+}
+
+TEST(Layers, PoolingValues) {
+  auto x = arange<double>(16).reshape({1, 1, 4, 4});
+  EXPECT_TRUE(chorus::testing::values_are(max_pool2d(x, {2, 2}), {5, 7, 13, 15}));
+  EXPECT_TRUE(chorus::testing::values_are(avg_pool2d(x, {2, 2}), {2.5, 4.5, 10.5, 12.5}));
+  // Padding counted (PyTorch's default): the corner window holds x[0,0] only, divided by 4.
+  EXPECT_TRUE(chorus::testing::values_are(avg_pool2d(x, {2, 2}, Pair{2, 2}, {1, 1}).narrow(2, 0, 1).narrow(3, 0, 1),
+                                          {0.0}));
+  EXPECT_TRUE(chorus::testing::values_are(
+      avg_pool2d(x, {2, 2}, Pair{2, 2}, {1, 1}, false, true).narrow(2, 0, 1).narrow(3, 1, 1), {(1 + 2) / 4.0}));
+  EXPECT_TRUE(chorus::testing::values_are(
+      avg_pool2d(x, {2, 2}, Pair{2, 2}, {1, 1}, false, false).narrow(2, 0, 1).narrow(3, 1, 1), {(1 + 2) / 2.0}));
+  // ceil_mode: 5 -> 3 windows of 2 (the last one partial); adaptive 4 -> 3: [0,2) [1,3) [2,4).
+  EXPECT_EQ(max_pool2d(arange<double>(25).reshape({1, 1, 5, 5}), {2, 2}, std::nullopt, {0, 0}, {1, 1}, true).shape(),
+            (Shape{1, 1, 3, 3}));
+  EXPECT_TRUE(chorus::testing::values_are(adaptive_avg_pool2d(x, {1, 3}).reshape({3}), {6.5, 7.5, 8.5}));
+  EXPECT_TRUE(throws_with([&] { max_pool2d(x, {2, 2}, std::nullopt, {2, 2}); }, {"max_pool2d", "half the kernel"}));
+  EXPECT_TRUE(throws_with([&] { avg_pool2d(x.reshape({4, 4}), {2, 2}); }, {"avg_pool2d", "4-D", "[4, 4]"}));
+  EXPECT_TRUE(throws_with([&] { max_pool2d(x, {5, 5}); }, {"max_pool2d", "too small"}));
+}
+
+TEST(LayersGradcheck, BatchNormTrainingAndEval) {
+  for (bool affine : {true, false}) {
+    EXPECT_TRUE(gradcheck(
+        [affine](const TL& x) {
+          return batch_norm(x[0], Tensor<double>(), Tensor<double>(), affine ? x[1] : Tensor<double>(),
+                            affine ? x[2] : Tensor<double>(), true, 0.1, 1e-5);
+        },
+        {r({3, 2, 2, 3}, 1), r({2}, 2, 0.5, 1.5), r({2}, 3)}));
+  }
+  EXPECT_TRUE(gradcheck(
+      [](const TL& x) {
+        return batch_norm(x[0], Tensor<double>(), Tensor<double>(), x[1], x[2], true, 0.1, 1e-5);
+      },
+      {r({5, 3}, 4), r({3}, 5, 0.5, 1.5), r({3}, 6)}));
+  auto rm = r({2}, 7), rv = r({2}, 8, 0.5, 2);
+  EXPECT_TRUE(gradcheck([&](const TL& x) { return batch_norm(x[0], rm, rv, x[1], x[2], false, 0.1, 1e-5); },
+                        {r({3, 2, 2, 2}, 9), r({2}, 10), r({2}, 11)}));
+}
+
+TYPED_TEST(LayersTyped, BatchNormStatisticsAndBuffers) {
+  using T = TypeParam;
+  nn::BatchNorm2dT<T> bn(3);
+  // PyTorch's names, initial values and dtypes.
+  auto names = [](const auto& v) {
+    std::vector<std::string> out;
+    for (auto& t : v) out.push_back(t.name);
+    return out;
+  };
+  EXPECT_EQ(names(bn->named_parameters()), (std::vector<std::string>{"weight", "bias"}));
+  EXPECT_EQ(names(bn->named_buffers()),
+            (std::vector<std::string>{"running_mean", "running_var", "num_batches_tracked"}));
+  EXPECT_EQ(bn->named_buffers()[2].tensor.dtype(), DType::Int64);
+  EXPECT_TRUE(chorus::testing::values_are(bn->running_var, {1, 1, 1}));
+  auto x = r<T>({4, 3, 2, 5}, 1, -2, 3);
+  auto y = bn(x);
+  // Output: per channel mean 0, biased variance 1 (up to eps).
+  const double eps = 1e-5;
+  auto xv = x.to_vector(), yv = y.to_vector();
+  for (int c = 0; c < 3; ++c) {
+    double m = 0, m2 = 0, ym = 0, yv2 = 0;
+    const int n = 4 * 10;
+    for (int b = 0; b < 4; ++b)
+      for (int i = 0; i < 10; ++i) {
+        const double v = xv[(b * 3 + c) * 10 + i], w = yv[(b * 3 + c) * 10 + i];
+        m += v / n;
+        m2 += v * v / n;
+        ym += w / n;
+        yv2 += w * w / n;
+      }
+    const double var = m2 - m * m;
+    EXPECT_NEAR(ym, 0.0, 1e-5);
+    EXPECT_NEAR(yv2, var / (var + eps), 1e-4);
+    EXPECT_NEAR(double(bn->running_mean.to_vector()[c]), 0.1 * m, 1e-5);
+    EXPECT_NEAR(double(bn->running_var.to_vector()[c]), 0.9 + 0.1 * var * n / (n - 1), 1e-5);
+  }
+  EXPECT_EQ(bn->num_batches_tracked.item(), 1);
+  bn(x);
+  EXPECT_EQ(bn->num_batches_tracked.item(), 2);
+  // eval(): the running statistics, no update.
+  bn->eval();
+  auto before = bn->running_mean.to_vector();
+  auto ye = bn(x);
+  EXPECT_EQ(bn->running_mean.to_vector(), before);
+  EXPECT_EQ(bn->num_batches_tracked.item(), 2);
+  auto rm = bn->running_mean.to_vector(), rv = bn->running_var.to_vector(), yev = ye.to_vector();
+  for (int i = 0; i < 4 * 3 * 10; ++i) {
+    const int c = (i / 10) % 3;
+    EXPECT_NEAR(double(yev[i]), (double(xv[i]) - rm[c]) / std::sqrt(double(rv[c]) + eps), 1e-5);
+  }
+  // momentum = nullopt: cumulative average of the batch means.
+  nn::BatchNorm1dT<T> cum(2, nn::BatchNormOptions{.momentum = std::nullopt});
+  auto a = r<T>({6, 2}, 2), b = r<T>({6, 2}, 3);
+  cum(a);
+  cum(b);
+  auto ma = a.mean(0).to_vector(), mb = b.mean(0).to_vector(), rc = cum->running_mean.to_vector();
+  for (int c = 0; c < 2; ++c) EXPECT_NEAR(double(rc[c]), (double(ma[c]) + double(mb[c])) / 2, 1e-6);
+  // Errors name the layer and the shape.
+  EXPECT_TRUE(throws_with([&] { bn(r<T>({4, 3, 5}, 4)); }, {"BatchNorm2d", "4-D", "[4, 3, 5]"}));
+  EXPECT_TRUE(throws_with([&] { cum(r<T>({4, 3}, 4)); }, {"BatchNorm1d", "3 channels, expected 2"}));
+  EXPECT_TRUE(throws_with([&] { cum(r<T>({1, 2}, 4)); }, {"more than 1 value per channel", "[1, 2]"}));
+  nn::BatchNorm1dT<T> plain(2, nn::BatchNormOptions{.affine = false, .track_running_stats = false});
+  EXPECT_TRUE(plain->named_parameters().empty());
+  EXPECT_TRUE(plain->named_buffers().empty());
+  plain->eval();  // no running statistics: batch statistics in eval too
+  EXPECT_NEAR(double(plain(a).mean(0).to_vector()[0]), 0.0, 1e-6);
+}
+
+TEST(LayersGradcheck, LayerNormEmbeddingSiluDropout2d) {
+  EXPECT_TRUE(gradcheck([](const TL& x) { return layer_norm(x[0], Shape{4}, x[1], x[2]); },
+                        {r({3, 4}, 1), r({4}, 2), r({4}, 3)}));
+  EXPECT_TRUE(gradcheck([](const TL& x) { return layer_norm(x[0], Shape{2, 3}); }, {r({2, 2, 3}, 4)}));
+  auto idx = from_vector<std::int64_t>({1, 0, 3, 1, 3, 2}, Shape{2, 3});
+  EXPECT_TRUE(gradcheck([&](const TL& x) { return embedding(idx, x[0]); }, {r({4, 3}, 5)}));
+  EXPECT_TRUE(gradcheck([](const TL& x) { return silu(x[0]); }, {r({7}, 6, -3, 3)}));
+  EXPECT_TRUE(gradcheck(
+      [](const TL& x) {
+        Generator g(7);
+        return dropout2d(x[0], 0.5, true, g);
+      },
+      {r({3, 4, 2, 2}, 8)}));
+}
+
+TEST(Layers, EmbeddingPaddingIdx) {
+  nn::EmbeddingT<double> emb(5, 3, nn::EmbeddingOptions{.padding_idx = -1});
+  EXPECT_EQ(emb->padding_idx, 4);
+  EXPECT_TRUE(chorus::testing::values_are(emb->weight.narrow(0, 4, 1).reshape({3}), {0, 0, 0}));
+  auto idx = from_vector<std::int64_t>({4, 1, 4, 2}, Shape{4});
+  auto y = emb(idx);
+  EXPECT_EQ(y.shape(), (Shape{4, 3}));
+  y.sum().backward();
+  auto g = emb->weight.grad().to_vector();
+  for (int j = 0; j < 3; ++j) {
+    EXPECT_EQ(g[4 * 3 + j], 0.0);  // padding row: no gradient
+    EXPECT_EQ(g[1 * 3 + j], 1.0);
+    EXPECT_EQ(g[0 * 3 + j], 0.0);
+  }
+  EXPECT_TRUE(throws_with([&] { emb(from_vector<std::int64_t>({5}, Shape{1})); }, {"index 5 is out of range"}));
+  EXPECT_EQ(emb->named_parameters()[0].name, "weight");
+}
+
+TEST(Layers, Dropout2dZeroesWholeChannels) {
+  Generator g(3);
+  auto x = ones<double>({4, 6, 3, 3});
+  auto y = dropout2d(x, 0.5, true, g).to_vector();
+  int zeros_ = 0;
+  for (int p = 0; p < 24; ++p) {
+    const double v = y[p * 9];
+    EXPECT_TRUE(v == 0.0 || v == 2.0);
+    for (int i = 1; i < 9; ++i) EXPECT_EQ(y[p * 9 + i], v);
+    zeros_ += v == 0.0;
+  }
+  EXPECT_GT(zeros_, 0);
+  EXPECT_LT(zeros_, 24);
+  nn::Dropout2d d(0.5);
+  d->eval();
+  EXPECT_TRUE(is_same(d(x), x));
+}
+
+TEST(Layers, FlattenGeluSiluModules) {
+  nn::Flatten flat;
+  EXPECT_EQ(flat(ones<float>({2, 3, 4, 5})).shape(), (Shape{2, 60}));
+  EXPECT_EQ(nn::Flatten(0, 1)(ones<float>({2, 3, 4})).shape(), (Shape{6, 4}));
+  auto x = from_vector<double>({-1.0, 0.0, 2.0});
+  EXPECT_TRUE(chorus::testing::values_are(nn::SiLU()(x), {-1.0 / (1 + std::exp(1.0)), 0.0, 2.0 / (1 + std::exp(-2.0))}));
+  EXPECT_TRUE(chorus::testing::values_are(nn::GELU()(x), {-0.15865525393145707, 0.0, 1.9544997361036416}));
+}
+
+TEST(Layers, DefaultInitialisationMatchesPyTorch) {
+  // Conv2d: weight and bias within ±1/sqrt(fan_in), fan_in = in/groups * kh * kw, and spread over it.
+  nn::Conv2dT<double> conv(8, 16, 3, nn::Conv2dOptions{.padding = {1, 1}, .groups = 2});
+  EXPECT_EQ(conv->weight.shape(), (Shape{16, 4, 3, 3}));
+  const double bound = 1.0 / std::sqrt(4.0 * 9);
+  double mx = 0;
+  for (double v : conv->weight.to_vector()) mx = std::max(mx, std::abs(v));
+  EXPECT_LE(mx, bound);
+  EXPECT_GT(mx, 0.9 * bound);
+  for (double v : conv->bias.to_vector()) EXPECT_LE(std::abs(v), bound);
+  std::vector<std::string> names;
+  for (auto& p : conv->named_parameters()) names.push_back(p.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"weight", "bias"}));
+  EXPECT_EQ(conv(ones<double>({2, 8, 5, 5})).shape(), (Shape{2, 16, 5, 5}));
+  EXPECT_FALSE(nn::Conv2dT<double>(2, 2, 1, nn::Conv2dOptions{.bias = false})->bias.defined());
+  // LayerNorm: ones and zeros; Embedding: N(0, 1).
+  nn::LayerNormT<double> ln(6);
+  EXPECT_TRUE(chorus::testing::values_are(ln->weight, std::vector<double>(6, 1.0)));
+  EXPECT_TRUE(chorus::testing::values_are(ln->bias, std::vector<double>(6, 0.0)));
+  nn::EmbeddingT<double> emb(200, 50);
+  double m = 0, m2 = 0;
+  for (double v : emb->weight.to_vector()) {
+    m += v / 1e4;
+    m2 += v * v / 1e4;
+  }
+  EXPECT_NEAR(m, 0.0, 0.05);
+  EXPECT_NEAR(m2, 1.0, 0.05);
+  EXPECT_TRUE(throws_with([] { nn::Conv2d(3, 4, 3, nn::Conv2dOptions{.groups = 2}); }, {"Conv2d(3, 4)", "groups=2"}));
+  EXPECT_TRUE(throws_with([&] { conv(ones<double>({2, 3, 5, 5})); }, {"conv2d", "3 channels", "expects 8"}));
+}
+
+TEST(Layers, InitFunctions) {
+  Generator g(1);
+  auto w = Tensor<double>::empty({256, 128, 3, 3});
+  auto stats = [&] {
+    double m = 0, m2 = 0;
+    auto v = w.to_vector();
+    for (double x : v) {
+      m += x / v.size();
+      m2 += x * x / v.size();
+    }
+    return std::pair{m, std::sqrt(m2 - m * m)};
+  };
+  const double fan_in = 128 * 9, fan_out = 256 * 9;
+  nn::init::kaiming_normal_(w, 0.0, nn::init::FanMode::FanIn, "relu", g);
+  EXPECT_NEAR(stats().second, std::sqrt(2.0 / fan_in), 0.01 * std::sqrt(2.0 / fan_in));
+  nn::init::kaiming_normal_(w, 0.0, nn::init::FanMode::FanOut, "relu", g);
+  EXPECT_NEAR(stats().second, std::sqrt(2.0 / fan_out), 0.01 * std::sqrt(2.0 / fan_out));
+  nn::init::kaiming_uniform_(w, 0.0, nn::init::FanMode::FanIn, "relu", g);
+  EXPECT_NEAR(stats().second, std::sqrt(2.0 / fan_in), 0.01 * std::sqrt(2.0 / fan_in));
+  nn::init::xavier_normal_(w, 1.0, g);
+  EXPECT_NEAR(stats().second, std::sqrt(2.0 / (fan_in + fan_out)), 0.01 * std::sqrt(2.0 / (fan_in + fan_out)));
+  nn::init::xavier_uniform_(w, 1.0, g);
+  EXPECT_NEAR(stats().second, std::sqrt(2.0 / (fan_in + fan_out)), 0.01 * std::sqrt(2.0 / (fan_in + fan_out)));
+  EXPECT_DOUBLE_EQ(nn::init::calculate_gain("tanh"), 5.0 / 3.0);
+  EXPECT_TRUE(throws_with([] { nn::init::calculate_gain("swish"); }, {"swish"}));
+}
+
+TEST(Layers, OnednnConvolutionsEqualIm2col) {
+  if (!backend::cpu::onednn_available()) GTEST_SKIP() << "chorus was built without oneDNN (libdnnl-dev not found)";
+  struct Case {
+    Shape x, w;
+    Pair s, p, d;
+    std::int64_t groups;
+    bool bias;
+  };
+  for (const auto& c : {Case{{4, 16, 12, 10}, {32, 16, 3, 3}, {1, 1}, {1, 1}, {1, 1}, 1, false},
+                        Case{{2, 4, 9, 8}, {6, 2, 3, 2}, {2, 1}, {1, 0}, {1, 2}, 2, true},
+                        Case{{3, 8, 7, 7}, {8, 1, 3, 3}, {2, 2}, {1, 1}, {1, 1}, 8, true},
+                        Case{{3, 8, 8, 8}, {16, 8, 1, 1}, {2, 2}, {0, 0}, {1, 1}, 1, false},
+                        Case{{2, 3, 8, 7}, {4, 3, 3, 3}, {3, 2}, {0, 0}, {1, 1}, 1, true}}) {  // floor drops columns
+    SCOPED_TRACE(::testing::Message() << "x " << c.x << " w " << c.w);
+    std::vector<Tensor<float>> grads[2];
+    Tensor<float> outs[2];
+    for (int use : {0, 1}) {
+      backend::cpu::set_onednn_enabled(use == 1);
+      auto x = r<float>(c.x, 1).requires_grad_(true), w = r<float>(c.w, 2).requires_grad_(true);
+      auto b = c.bias ? r<float>({c.w[0]}, 3).requires_grad_(true) : Tensor<float>();
+      outs[use] = conv2d(x, w, b, c.s, c.p, c.d, c.groups);
+      (outs[use] * r<float>(outs[use].shape(), 4)).sum().backward();
+      grads[use] = {x.grad(), w.grad()};
+      if (c.bias) grads[use].push_back(b.grad());
+    }
+    backend::cpu::set_onednn_enabled(true);
+    EXPECT_TRUE(all_close(outs[1], outs[0], 1e-5, 1e-5));
+    for (std::size_t i = 0; i < grads[0].size(); ++i) EXPECT_TRUE(all_close(grads[1][i], grads[0][i], 1e-5, 1e-5)) << i;
+  }
+}
