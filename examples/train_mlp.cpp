@@ -95,7 +95,7 @@ int train_distributed(int epochs, int batch) {
     std::printf("training with %d process(es) (%s), global batch %d; rank 0 on %s\n", world, pg.backend().c_str(),
                 batch, device.str().c_str());
   data::DistributedSampler sampler(train.size(), world, rank, {.seed = 3});
-  data::DataLoader loader(train, {.batch_size = static_cast<std::size_t>(batch / world)}, sampler);
+  data::DataLoader loader(train, {.batch_size = batch / world}, sampler);
   for (int epoch = 1; epoch <= epochs; ++epoch) {
     sampler.set_epoch(static_cast<std::uint64_t>(epoch));
     auto start = std::chrono::steady_clock::now();

@@ -168,10 +168,10 @@ int main(int argc, char** argv) try {
                            /*seed=*/7);
   data::ImageDataset test(data::read_cifar10(data_dir, false), normalize);
   const bool gpu = devices[0].is_cuda();
-  data::DataLoader loader(std::move(train), {.batch_size = static_cast<std::size_t>(batch), .shuffle = true, .seed = 3,
-                                             .drop_last = true, .num_workers = static_cast<std::size_t>(workers),
+  data::DataLoader loader(std::move(train), {.batch_size = batch, .shuffle = true, .seed = 3,
+                                             .drop_last = true, .num_workers = workers,
                                              .pin_memory = gpu});
-  data::DataLoader test_loader(std::move(test), {.batch_size = 500, .num_workers = static_cast<std::size_t>(workers),
+  data::DataLoader test_loader(std::move(test), {.batch_size = 500, .num_workers = workers,
                                                  .pin_memory = gpu});
   const std::size_t steps_per_epoch = max_steps ? std::min(max_steps, loader.num_batches()) : loader.num_batches();
   CHORUS_CHECK(steps_per_epoch > 0, "the training set (", loader.dataset().size(), " images) has no full batch of ",

@@ -315,7 +315,7 @@ data::ImageDataset augmented(std::size_t n) {
                                                        data::transforms::Normalize({0.5, 0.5, 0.5}, {0.2, 0.2, 0.2})}},
                             42);
 }
-std::vector<std::vector<float>> epochs_of(std::size_t workers, int epochs, bool pin = false) {
+std::vector<std::vector<float>> epochs_of(std::int64_t workers, int epochs, bool pin = false) {
   data::DataLoader loader(augmented(50), {.batch_size = 7, .shuffle = true, .seed = 3, .num_workers = workers,
                                           .pin_memory = pin});
   std::vector<std::vector<float>> out;
@@ -333,7 +333,7 @@ TEST(DataLoaderWorkers, SameBatchesForAnyNumberOfWorkers) {
   auto serial = epochs_of(0, 2);
   ASSERT_EQ(serial.size(), 16u);
   EXPECT_NE(serial[0], serial[8]);  // epochs differ (order and augmentation)
-  for (std::size_t w : {1u, 2u, 3u, 8u}) EXPECT_EQ(epochs_of(w, 2), serial) << w << " workers";
+  for (std::int64_t w : {1, 2, 3, 8}) EXPECT_EQ(epochs_of(w, 2), serial) << w << " workers";
   EXPECT_EQ(epochs_of(2, 2, /*pin=*/true), serial);  // pinning changes where, not what
   // Augmentation depends on the epoch, not only on the order: same example, other epoch, other pixels.
   auto ds = augmented(5);
@@ -361,7 +361,7 @@ struct Flaky {
 }  // namespace
 
 TEST(DataLoaderWorkers, AWorkersExceptionSurfacesInTheConsumer) {
-  for (std::size_t w : {0u, 1u, 3u}) {
+  for (std::int64_t w : {0, 1, 3}) {
     data::DataLoader loader(Flaky{}, {.batch_size = 4, .num_workers = w});
     std::size_t good = 0;
     std::string message;

@@ -31,8 +31,8 @@ struct DataLoaderOptions {
   bool shuffle = false;
   std::uint64_t seed = 0;          ///< seeds the shuffling; each epoch draws a new permutation
   bool drop_last = false;          ///< drop a last batch smaller than batch_size
-  std::size_t num_workers = 0;     ///< threads building batches ahead (0: on the calling thread)
-  std::size_t prefetch_factor = 2; ///< batches each worker may have ready ahead of the consumer
+  std::int64_t num_workers = 0;     ///< threads building batches ahead (0: on the calling thread)
+  std::int64_t prefetch_factor = 2; ///< batches each worker may have ready ahead of the consumer
   bool pin_memory = false;         ///< copy batches into page-locked memory (CUDA builds with a GPU)
 };
 
@@ -55,8 +55,9 @@ class DataLoader {
   DataLoader(D dataset, DataLoaderOptions options)
       : dataset_(std::make_shared<D>(std::move(dataset))), options_(options), rng_(options.seed) {
     CHORUS_CHECK(options_.batch_size > 0, "DataLoader: batch_size must be positive, got ", options_.batch_size);
+    CHORUS_CHECK(options_.num_workers >= 0, "DataLoader: num_workers must not be negative, got ", options_.num_workers);
     CHORUS_CHECK(options_.num_workers == 0 || options_.prefetch_factor > 0,
-                 "DataLoader: prefetch_factor must be positive with workers");
+                 "DataLoader: prefetch_factor must be positive with workers, got ", options_.prefetch_factor);
   }
   /// Batches of the indices `sampler` picks each epoch (it is read at every begin(), so a
   /// set_epoch() on it takes effect; it must outlive the loader). Excludes options.shuffle.
@@ -91,7 +92,8 @@ class DataLoader {
     Epoch(std::shared_ptr<const D> dataset, const DataLoaderOptions& options, std::vector<std::size_t> order,
           std::size_t num_batches)
         : dataset_(std::move(dataset)), options_(options), order_(std::move(order)), num_batches_(num_batches) {
-      for (std::size_t w = 0; w < options_.num_workers; ++w) workers_.emplace_back([this, w] { work(w); });
+      const auto workers = static_cast<std::size_t>(options_.num_workers);
+      for (std::size_t w = 0; w < workers; ++w) workers_.emplace_back([this, w] { work(w); });
     }
     ~Epoch() { stop(); }
     Epoch(const Epoch&) = delete;
@@ -139,7 +141,8 @@ class DataLoader {
     };
 
     void work(std::size_t w) {
-      const std::size_t W = options_.num_workers, ahead = W * options_.prefetch_factor;
+      const auto W = static_cast<std::size_t>(options_.num_workers);
+      const std::size_t ahead = W * static_cast<std::size_t>(options_.prefetch_factor);
       for (std::size_t b = w; b < num_batches_; b += W) {
         {
           std::unique_lock lk(m_);

@@ -204,6 +204,18 @@ class Module {
   /// The C++ type name of this module (for printing).
   virtual std::string name() const { return "Module"; }
 
+  /// True for a layer whose forward meets the other replicas of a DataParallel (SyncBatchNorm
+  /// sums its statistics across them): such replicas must run concurrently, never one after
+  /// another on one thread (Note [inline small steps] in parallel/data_parallel.hpp).
+  virtual bool meets_other_replicas() const { return false; }
+  /// True when this module or any submodule meets_other_replicas().
+  bool any_meets_other_replicas() const {
+    if (meets_other_replicas()) return true;
+    for (const auto& c : children_)
+      if (c.module->any_meets_other_replicas()) return true;
+    return false;
+  }
+
   /// Prints the module tree with parameter shapes.
   void pretty_print(std::ostream& os, int indent = 0) const {
     os << name() << "(";

@@ -94,6 +94,7 @@ class BatchNormImpl : public Module {
     return batch_norm(x, running_mean, running_var, weight, bias, training, momentum, options.eps, std::move(reducer));
   }
   std::string name() const override { return std::string(layer_name()) + "(" + std::to_string(num_features) + ")"; }
+  bool meets_other_replicas() const override { return Sync; }
 
   std::int64_t num_features;
   BatchNormOptions options;

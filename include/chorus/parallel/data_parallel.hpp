@@ -76,7 +76,9 @@ inline constexpr std::size_t kDefaultBucketBytes = std::size_t{8} << 20;
 // backward to its device as usual), with its own parameters, copied by the caller. The work
 // is estimated as rows × (2 × parameter elements) + input elements, for the rows that would
 // leave the caller; at or below the threshold (default kDefaultInlineWork, about 10-50 us
-// of one core's small-op work) the step stays on the caller. 0 turns it off.
+// of one core's small-op work) the step stays on the caller. 0 turns it off. A module with a
+// layer that meets the other replicas inside forward (SyncBatchNorm: nn::Module::
+// meets_other_replicas) never runs inline: its replicas must run at the same time.
 inline constexpr std::int64_t kDefaultInlineWork = std::int64_t{1} << 16;
 
 namespace parallel {
@@ -230,6 +232,7 @@ class DataParallel {
     comm_ = parallel::detail::make_communicator(devices_, streams_);
     replicator_ = std::make_unique<parallel::Replicator<M>>(module_, devices_, comm_, bucket_bytes_);
     has_buffers_ = !nn::module_of(module_).named_buffers().empty();
+    meets_other_replicas_ = nn::module_of(module_).any_meets_other_replicas();
   }
 
   /// Marks the DataParallel busy for a scope; a second thread entering meanwhile gets an error
@@ -288,6 +291,7 @@ class DataParallel {
   template <class... Args>
   bool runs_on_caller(const parallel::ChunkPlan& plan, std::int64_t batch, const Args&... args) const {
     if (inline_work_ <= 0 || !devices_[0].is_cpu() || batch <= 0) return false;
+    if (meets_other_replicas_) return false;  // SyncBatchNorm: replicas wait for each other
     const std::int64_t rows = batch - plan.sizes[0];  // the rows that would leave the caller
     const std::int64_t params = replicator_->parameter_numel();
     if (params > inline_work_) return false;          // keeps the product below from overflowing
@@ -307,6 +311,7 @@ class DataParallel {
     for (std::size_t r = 0; r < plan.used(); ++r) {
       std::optional<StreamGuard> on_stream;  // replica r's stream is current, as on its worker
       if (r > 0) on_stream.emplace(*streams_[r]);
+      autograd::ReplicaGuard rg(static_cast<int>(r));  // its nodes name the replica in backward errors
       try {
         outs.push_back(parallel::detail::call_forward(*modules[r], scatter(args, plan, r)...));
       } catch (const std::exception& e) {
@@ -414,6 +419,7 @@ class DataParallel {
   std::shared_ptr<parallel::Communicator> comm_;
   std::unique_ptr<parallel::Replicator<M>> replicator_;
   bool has_buffers_ = false;  // Note [buffers written in forward]
+  bool meets_other_replicas_ = false;  // a SyncBatchNorm inside: never run replicas one after another
 };
 
 namespace parallel::detail {
