@@ -7,6 +7,9 @@
 // same header compiled by g++ and by nvcc therefore produces differently mangled symbols:
 // a program that mixes a CUDA and a CPU-only translation unit gets two distinct libraries
 // (or a link error where a symbol is expected from the other) instead of an ODR violation.
+// Host translation units built with oneDNN (CHORUS_HAS_ONEDNN, set by CMake where libdnnl is
+// found) take CPU convolutions another way, so they get their own tag too (v0_1_cpu_dnnl);
+// nvcc translation units never use oneDNN (backend/cpu/onednn.hpp).
 #include "version.hpp"
 
 #if defined(__CUDACC__) && !defined(CHORUS_DISABLE_CUDA)
@@ -18,6 +21,9 @@
 #if CHORUS_CUDA
 #define CHORUS_HOST_DEVICE __host__ __device__
 #define CHORUS_ABI_NS v0_1_cuda
+#elif defined(CHORUS_HAS_ONEDNN) && CHORUS_HAS_ONEDNN
+#define CHORUS_HOST_DEVICE
+#define CHORUS_ABI_NS v0_1_cpu_dnnl
 #else
 #define CHORUS_HOST_DEVICE
 #define CHORUS_ABI_NS v0_1_cpu
