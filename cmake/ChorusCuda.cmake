@@ -33,6 +33,7 @@ elseif(_chorus_want_cuda)
     target_link_libraries(chorus::cuda INTERFACE chorus::chorus CUDA::cudart CUDA::cublas CUDA::cublasLt
                                                  ${CHORUS_NCCL_LIBRARY})
     target_include_directories(chorus::cuda INTERFACE ${CHORUS_NCCL_INCLUDE_DIR})
+    target_link_options(chorus::cuda INTERFACE "LINKER:--as-needed")  # Note [CUDA programs link as needed]
     set(chorus_cuda_FOUND TRUE)
   elseif(NOT CUDAToolkit_FOUND)
     set(chorus_cuda_NOT_FOUND_MESSAGE "chorus::cuda needs the CUDA toolkit, which was not found (set CUDAToolkit_ROOT)")

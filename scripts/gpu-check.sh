@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# The GPU check, in one device call: the CUDA tests (each failing one rerun alone with
-# CHORUS_DEBUG_SYNC=1; a skipped test counts as a failure on a GPU machine), the tutorial on the
-# GPUs, the GPU benchmarks side by side with PyTorch, and last compute-sanitizer memcheck of the
+# The GPU check, in one device call: the CUDA tests (test_cuda, test_cuda_layers; each failing
+# one rerun alone with CHORUS_DEBUG_SYNC=1; a skipped test counts as a failure on a GPU machine),
+# the tutorial on the GPUs, DistributedDataParallel over NCCL on one GPU
+# (scripts/gpu-check-distributed.sh), the GPU benchmarks side by side with PyTorch, and last
+# compute-sanitizer memcheck of the
 # tests with the caching allocator off ("device not supported" = skipped). All stages share a
 # 540 s budget; OUTDIR/summary.json and OUTDIR/logs.tar.gz are rewritten after every stage, so a
 # timeout still returns what ran, and OUTDIR never holds more than those two files.
 #
-#   scripts/gpu-check.sh --dry-run OUTDIR BUILD   here, without a GPU: packs BUILD's three CUDA
-#       binaries and the libraries they need that the GPU machine may lack (OpenBLAS, gfortran,
+#   scripts/gpu-check.sh --dry-run OUTDIR BUILD   here, without a GPU: packs BUILD's CUDA
+#       binaries (BINARIES in gpu_check.py) and the libraries they need that the GPU machine may lack (OpenBLAS, gfortran,
 #       quadmath; the C++ runtime as a fallback) into .gpu-carry/ (ignored by git), then checks
 #       that every library of every binary resolves from .gpu-carry + the CUDA libraries, that
 #       only the shared cudart is linked, that tree + .gpu-carry fit the tool's 64 MiB, that
-#       test_cuda starts with that environment, and that OUTDIR would come back whole.
+#       test_cuda starts with that environment, that each CUDA test binary runs (and skips), and that OUTDIR would come back whole.
 #   scripts/gpu-check.sh OUTDIR [BUILD]           on the GPU machine (BUILD defaults to .gpu-carry).
 #
 # LD_LIBRARY_PATH is set for the chorus binaries only (the carried libraries, then the CUDA
@@ -20,7 +22,7 @@
 #
 # The next session with an H200 (the device tool's `run`; see /work/.library/device/README.md):
 #   1. here:  cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90
-#             cmake --build build -j2 --target test_cuda chorus_gpu_bench data_parallel_tutorial_cuda
+#             cmake --build build -j2     (all: the CUDA tests, examples and benchmarks; needs MPI)
 #             scripts/gpu-check.sh --dry-run out/gpu-dry build        (must print "dry run: ok")
 #   2. device run, exactly:
 #        command:   scripts/gpu-check.sh "$OUT" .gpu-carry

@@ -20,7 +20,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 CARRY = ".gpu-carry"  # the carried folder, relative to the repo root (ignored by git)
-BINARIES = ["tests/test_cuda", "examples/data_parallel_tutorial_cuda", "benchmarks/chorus_gpu_bench"]
+# The GPU test programs (each a GoogleTest binary), then the other programs the stages run.
+TEST_BINARIES = ["tests/test_cuda", "tests/test_cuda_layers"]
+# DistributedDataParallel over NCCL (built where MPI is found; on the GPU machine they run under
+# torchrun's environment, which needs no MPI launcher, and under mpirun where it exists).
+DIST_BINARIES = ["tests/distributed/test_distributed_cuda", "examples/train_mlp_cuda"]
+BINARIES = TEST_BINARIES + ["examples/data_parallel_tutorial_cuda", "benchmarks/chorus_gpu_bench"] + DIST_BINARIES
 
 # The device tool's limits (/work/.library/device/README.md).
 TREE_LIMIT = 64 << 20       # the working tree that travels, carried paths included
@@ -419,13 +424,15 @@ class Run:
         self.stage("libraries", {"missing": missing, "ld_library_path": env["LD_LIBRARY_PATH"]}, not missing)
         return not missing
 
-    def tests_stage(self):
-        r = self.gtest("test_cuda", self.exe("tests/test_cuda"), chorus_env(self.build), cap=180)
+    def tests_stage(self, rel="tests/test_cuda", cap=180):
+        label = os.path.basename(rel)
+        r = self.gtest(label, self.exe(rel), chorus_env(self.build), cap=cap)
+        r["binary"] = rel
         # On a GPU machine a skipped test is a test that did not run: a failure.
         ok = not r["failed"] and not r["crashed"] and not r["timed_out"] and (not self.gpu or not r["skipped"])
         if not self.gpu and not self.dry:
             ok = False
-        self.stage("tests", r, ok)
+        self.stage("tests" if label == "test_cuda" else label, r, ok)
         return r
 
     def rerun_stage(self, r):
@@ -437,7 +444,7 @@ class Run:
                 results[name] = "not rerun (time)"
                 continue
             jpath = os.path.join(self.logs, "rerun-" + re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".json")
-            rc, to, secs, lpath = self.run("rerun", [self.exe("tests/test_cuda"), f"--gtest_filter={name}",
+            rc, to, secs, lpath = self.run("rerun", [self.exe(r.get("binary", "tests/test_cuda")), f"--gtest_filter={name}",
                                                      f"--gtest_output=json:{jpath}"],
                                            self.timeout(45), env=chorus_env(self.build, {"CHORUS_DEBUG_SYNC": "1"}),
                                            log_name="rerun-debug-sync.log")
@@ -449,7 +456,9 @@ class Run:
             else:
                 results[name] = "skipped" if sk else (f"crashed (rc {rc})" if crash or not f else f"failed (rc {rc})")
         if todo:
-            self.stage("rerun_alone_debug_sync", {"results": results}, all(v == "passed" for v in results.values()))
+            label = os.path.basename(r.get("binary", "tests/test_cuda"))
+            self.stage("rerun_alone_debug_sync" + ("" if label == "test_cuda" else "_" + label), {"results": results},
+                       all(v == "passed" for v in results.values()))
 
     def tutorial_stage(self):
         rc, to, secs, path = self.run("tutorial", [self.exe("examples/data_parallel_tutorial_cuda"), "--gpus"],
@@ -459,6 +468,23 @@ class Run:
         ok = rc == 0 and not to and "GPUs!" in text and batches > 0
         self.stage("tutorial", {"rc": rc, "timed_out": to, "seconds": round(secs, 1), "batches": batches,
                                 "head": text.splitlines()[1:4]}, ok)
+
+    def distributed_stage(self):
+        """DDP over NCCL on one GPU: scripts/gpu-check-distributed.sh (torchrun's environment, and
+        mpirun / torchrun where the machine has them), with the chorus binaries' environment."""
+        if not all(os.path.isfile(self.exe(b)) for b in DIST_BINARIES):
+            self.stage("distributed", {"skipped": "not built (no MPI where the build ran)"}, not self.gpu)
+            return
+        dist_out = os.path.join(self.logs, "distributed")
+        rc, to, secs, _ = self.run("distributed", ["bash", os.path.join(HERE, "gpu-check-distributed.sh"), dist_out,
+                                                   self.build], self.timeout(90, reserve=300),
+                                   env=chorus_env(self.build, {"CHORUS_DIST_TIMEOUT_S": "60"}))
+        try:
+            results = json.load(open(os.path.join(dist_out, "distributed.json")))
+        except Exception as e:
+            results = f"unreadable: {e}"
+        self.stage("distributed", {"rc": rc, "timed_out": to, "seconds": round(secs, 1), "results": results},
+                   rc == 0 and not to)
 
     def bench_stage(self):
         cj, pj, cmp_json = (os.path.join(self.logs, n) for n in ("chorus_gpu.json", "pytorch_gpu.json", "compare.json"))
@@ -495,8 +521,14 @@ class Run:
         env = chorus_env(self.build, {"CHORUS_CUDA_CACHING_ALLOCATOR": "0"})
         # No --leak-check: cuBLAS workspaces, the device-assert guard and pooled events live for
         # the process by design (as PyTorch's do), and would be reported as leaks.
-        r = self.gtest("memcheck", self.exe("tests/test_cuda"), env, cap=max(30, self.left() - 10),
+        r = self.gtest("memcheck", self.exe("tests/test_cuda"), env, cap=max(30, (self.left() - 10) * 0.6),
                        prefix=[san, "--tool", "memcheck", "--error-exitcode", "86"])
+        r2 = self.gtest("memcheck-layers", self.exe("tests/test_cuda_layers"), env, cap=max(30, self.left() - 10),
+                        prefix=[san, "--tool", "memcheck", "--error-exitcode", "86"])
+        for k in ("failed", "skipped", "crashed"):
+            r[k] = r[k] + ["test_cuda_layers: " + n for n in r2[k]]
+        r["passed"] += r2["passed"]
+        r["timed_out"] = r["timed_out"] or r2["timed_out"]
         text = ""
         for f in sorted(os.listdir(self.logs)):
             if f.startswith("memcheck-") and f.endswith(".log"):
@@ -529,9 +561,10 @@ def dry_run(out, build):
     os.makedirs(out, exist_ok=True)
     run = Run(out, carry, gpu=has_gpu(), dry=True)
     run.ldd_stage()
-    r = run.tests_stage()
-    if not r["passed"] and not r["skipped"]:
-        problems.append("test_cuda ran no test in the dry run")
+    for rel in TEST_BINARIES:
+        r = run.tests_stage(rel)
+        if not r["passed"] and not r["skipped"]:
+            problems.append(f"{rel} ran no test in the dry run")
     run.summary["dry_run_problems"] = problems
     run.save(final=True)
     shutil.rmtree(run.logs)
@@ -559,7 +592,10 @@ def gpu_run(out, build):
     if run.ldd_stage():
         r = run.tests_stage()
         run.rerun_stage(r)
+        r = run.tests_stage("tests/test_cuda_layers", cap=90)
+        run.rerun_stage(r)
         run.tutorial_stage()
+        run.distributed_stage()
         run.bench_stage()
         run.memcheck_stage()  # last: the slowest, and a timeout there still leaves the rest
     run.save(final=True)
