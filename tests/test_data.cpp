@@ -1,6 +1,7 @@
 // Datasets and the DataLoader.
 #include <algorithm>
 #include <set>
+#include <numeric>
 
 #include "test_util.hpp"
 
@@ -85,6 +86,31 @@ TEST(DataLoader, Errors) {
   EXPECT_TRUE(throws_with([] { data::DataLoader(RandomDataset(5, 10), {.batch_size = 0}); }, {"batch_size"}));
   EXPECT_TRUE(throws_with([] { data::TensorDataset<float, float>(zeros<float>({3, 2}), zeros<float>({4})); },
                           {"[3, 2]", "[4]"}));
+}
+
+// A sampler whose indices() disagrees with its size(), or picks beyond the dataset, is an
+// error, not a read past the end of the order.
+TEST(DataLoader, ASamplerIsCheckedAgainstItselfAndTheDataset) {
+  struct Lying {
+    std::size_t n, count, top;
+    std::size_t size() const { return n; }
+    std::vector<std::size_t> indices() const {
+      std::vector<std::size_t> v(count);
+      std::iota(v.begin(), v.end(), top - count);
+      return v;
+    }
+  };
+  Lying short_one{10, 4, 4}, beyond{3, 3, 12};
+  data::DataLoader a(RandomDataset(5, 10), {.batch_size = 3}, short_one);
+  EXPECT_TRUE(throws_with([&] { a.begin(); }, {"4 indices", "size() says 10"}));
+  data::DataLoader b(RandomDataset(5, 10), {.batch_size = 3}, beyond);
+  EXPECT_TRUE(throws_with([&] { b.begin(); }, {"index 10", "10 examples"}));
+  Lying fine{4, 4, 4};
+  data::DataLoader c(RandomDataset(5, 10), {.batch_size = 3}, fine);
+  EXPECT_EQ(c.num_batches(), 2u);
+  std::size_t rows = 0;
+  for (auto batch : c) rows += static_cast<std::size_t>(batch.size(0));
+  EXPECT_EQ(rows, 4u);
 }
 
 // Issue 10, item 20: batch_size is a std::int64_t like every other size, so an int (or an

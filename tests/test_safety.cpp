@@ -50,6 +50,22 @@ TEST(GradShape, OptimizerRefusesAGradOfAnotherShape) {
   EXPECT_EQ(p.to_vector(), std::vector<float>(1000, 0.f));
 }
 
+// A bad gradient anywhere leaves the whole step undone: parameters before it unchanged, and
+// no optimizer state advanced (Adam's step count, SGD's momentum), so the step can be retried.
+TEST(GradShape, ABadGradientLeavesTheStepUndone) {
+  auto a = ones<double>({3}).requires_grad_();
+  auto b = ones<double>({4}).requires_grad_();
+  a.set_grad(full<double>({3}, 0.5));
+  optim::Adam adam({a, b}, {.lr = 0.1});
+  b.impl()->grad = ones<double>({2}).impl();  // behind set_grad's back
+  EXPECT_TRUE(throws_with([&] { adam.step(); }, {"gradient of parameter 1 has shape [2]"}));
+  EXPECT_EQ(a.to_vector(), std::vector<double>(3, 1.0));
+  EXPECT_EQ(a.version(), 0u);
+  b.set_grad(full<double>({4}, 0.5));
+  adam.step();  // the retried step is the first: Adam's bias correction makes it lr (up to eps)
+  for (double v : a.to_vector()) EXPECT_NEAR(v, 0.9, 1e-8);
+}
+
 TEST(GradShape, BackwardRefusesToAccumulateIntoAGradOfAnotherShape) {
   auto p = zeros<float>({1000}).requires_grad_();
   p.impl()->grad = ones<float>({1}).impl();

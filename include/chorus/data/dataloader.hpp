@@ -67,6 +67,9 @@ class DataLoader {
     sampler_size_ = [&sampler] { return static_cast<std::size_t>(sampler.size()); };
     sampler_order_ = [&sampler] { return std::vector<std::size_t>(sampler.indices()); };
   }
+  /// The loader keeps a reference to its sampler: a temporary one would dangle.
+  template <Sampler S>
+  DataLoader(D dataset, DataLoaderOptions options, const S&& sampler) = delete;
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
   DataLoader(DataLoader&&) noexcept = default;
@@ -229,6 +232,11 @@ class DataLoader {
     std::vector<std::size_t> order;
     if (sampler_order_) {
       order = sampler_order_();
+      CHORUS_CHECK(order.size() == sampler_size_(), "DataLoader: the sampler's indices() has ", order.size(),
+                   " indices but its size() says ", sampler_size_());
+      for (auto i : order)
+        CHORUS_CHECK(i < dataset_->size(), "DataLoader: the sampler picked index ", i, ", the dataset has ",
+                     dataset_->size(), " examples");
     } else {
       order.resize(dataset_->size());
       std::iota(order.begin(), order.end(), std::size_t{0});

@@ -449,6 +449,14 @@ class DistributedDataParallel {
   template <class... Args>
   auto forward(Args&&... args) {
     group_.check_usable("DistributedDataParallel::forward");
+    // SyncBatchNorm's statistics are reduced across DataParallel replicas through a StatsReducer
+    // (Note [statistics reducer]); no process-group reducer exists yet, and without one each
+    // rank would silently normalise by its own batch only. Refuse rather than train wrongly.
+    CHORUS_CHECK(group_.world_size() == 1 || !nn::module_of(module_).is_training() ||
+                     !nn::module_of(module_).any_meets_other_replicas(),
+                 "DistributedDataParallel: the module holds a SyncBatchNorm, whose statistics are not yet reduced "
+                 "across processes (each of the ", group_.world_size(),
+                 " ranks would normalise by its own batch only); use BatchNorm, or DataParallel within one process");
     if (options_.broadcast_buffers && group_.world_size() > 1) {
       auto& root = nn::module_of(module_);
       sync_from_rank0({}, root.named_buffers(), /*buffers_only=*/true);

@@ -294,7 +294,8 @@ class DataParallel {
     if (meets_other_replicas_) return false;  // SyncBatchNorm: replicas wait for each other
     const std::int64_t rows = batch - plan.sizes[0];  // the rows that would leave the caller
     const std::int64_t params = replicator_->parameter_numel();
-    if (params > inline_work_) return false;          // keeps the product below from overflowing
+    if (params > inline_work_) return false;
+    if (rows > inline_work_ / (2 * std::max<std::int64_t>(params, 1))) return false;  // no overflow below
     std::int64_t work = rows * 2 * params;
     auto add_input = [&](const auto& a) {
       if constexpr (parallel::detail::is_tensor_v<decltype(a)>) work += a.numel() / batch * rows;
@@ -327,12 +328,18 @@ class DataParallel {
   // stream — and a forward may write its buffers in place (BatchNorm's running statistics).
   // When the module has buffers, replica 0 therefore starts after every broadcast has read
   // the primary: CPU streams are drained; CUDA streams are joined by events.
+  // On CUDA the event is recorded by a marker task on the replica's worker, after the
+  // broadcast's posted work (a repeated-GPU set copies from the worker: an event recorded from
+  // the caller could precede a copy the worker has not launched yet; Note [idle replicas]).
   void wait_for_broadcasts() {
     for (std::size_t r = 1; r < devices_.size(); ++r) {
       if (devices_[r].is_cuda()) {
-        Event done;
-        done.record(*streams_[r]);
-        done.block(current_stream(devices_[0]));
+        auto done = streams_[r]->async([s = streams_[r]] {
+          Event e;
+          e.record(*s);
+          return e;
+        });
+        done.get().block(current_stream(devices_[0]));
       } else {
         streams_[r]->synchronize();
       }
