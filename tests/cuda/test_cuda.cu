@@ -1,5 +1,7 @@
 // The CUDA backend against the CPU backend, its allocator, streams, communicators, and
 // DataParallel on repeated-GPU sets. Every test skips where no GPU is present.
+#include <cmath>
+#include <limits>
 #include <atomic>
 #include <functional>
 #include <thread>
@@ -344,6 +346,18 @@ TEST(Cuda, AnMlpTrainingStepMatchesTheCpu) {
   for (std::size_t i = 0; i < pc.size(); ++i)
     EXPECT_TRUE(all_close(pg[i].tensor.as<float>().to(Device::cpu()), pc[i].tensor.as<float>(), 1e-4, 1e-5))
         << pc[i].name;
+}
+
+// Amsgrad's running max keeps a NaN on the GPU as on the CPU (torch.maximum); CUDA's max() drops it.
+TEST(Cuda, AmsgradMaxKeepsNaN) {
+  REQUIRE_GPU();
+  auto p = zeros<float>({2}, kGpu).requires_grad_();
+  optim::Adam opt({p}, {.lr = 0.1, .amsgrad = true});
+  p.set_grad(from_vector<float>({std::numeric_limits<float>::quiet_NaN(), 1.0f}).to(kGpu));
+  opt.step();
+  auto vmax = opt.state()[0].at("max_exp_avg_sq").as<float>().to_vector();
+  EXPECT_TRUE(std::isnan(vmax[0]));
+  EXPECT_FALSE(std::isnan(vmax[1]));
 }
 
 TEST(Cuda, TheCachingAllocatorReusesMemoryInTheSteadyState) {

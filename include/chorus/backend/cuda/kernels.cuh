@@ -411,7 +411,7 @@ __global__ void adam_step(T* p, const T* g, T* m, T* v, T* vmax, std::int64_t n,
     v[i] = b2 * v[i] + (T(1) - b2) * gi * gi;
     T vhat = v[i];
     if (vmax) {
-      vmax[i] = max(vmax[i], v[i]);
+      vmax[i] = fn::Maximum{}(vmax[i], v[i]);  // keeps a NaN, as PyTorch (and the CPU path) do
       vhat = vmax[i];
     }
     p[i] -= step_size * m[i] / (sqrt(vhat) / bc2_sqrt + eps);
