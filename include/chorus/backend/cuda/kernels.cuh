@@ -435,16 +435,6 @@ struct Identity {
 
 }  // namespace k
 
-// Launches `kernel` (parenthesised when it has template arguments) over n elements.
-#define CHORUS_LAUNCH(kernel, n, ...)                                         \
-  do {                                                                        \
-    if ((n) > 0) {                                                            \
-      auto* chorus_kernel_ = kernel;                                          \
-      chorus_kernel_<<<blocks_for(n), kThreads, 0, launch.stream>>>(__VA_ARGS__); \
-      ::chorus::cuda::check_launch(#kernel);                                  \
-    }                                                                         \
-  } while (0)
-
 template <class T>
 void fill(T* p, std::int64_t n, T v, Device d) {
   Launch launch(d);
@@ -725,8 +715,6 @@ void adam_step(T* p, const T* g, T* m, T* v, T* vmax, std::int64_t n, double lr,
   CHORUS_LAUNCH(k::adam_step<T>, n, p, g, m, v, vmax, n, T(lr / bc1), T(std::sqrt(bc2)), T(b1), T(b2), T(eps), T(wd),
                 T(1.0 - lr * wd), decoupled, maximize);
 }
-
-#undef CHORUS_LAUNCH
 
 }  // namespace backend::cuda
 CHORUS_NAMESPACE_END

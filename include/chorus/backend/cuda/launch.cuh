@@ -56,6 +56,17 @@ __device__ inline void nd_offsets(const NdDesc& d, std::int64_t i, std::int64_t 
   }
 }
 
+// Launches `kernel` (parenthesised when it has template arguments) over n elements, on the stream of
+// a `launch` in scope (used by every CUDA kernel file of the backend).
+#define CHORUS_LAUNCH(kernel, n, ...)                                         \
+  do {                                                                        \
+    if ((n) > 0) {                                                            \
+      auto* chorus_kernel_ = kernel;                                          \
+      chorus_kernel_<<<blocks_for(n), kThreads, 0, launch.stream>>>(__VA_ARGS__); \
+      ::chorus::cuda::check_launch(#kernel);                                  \
+    }                                                                         \
+  } while (0)
+
 #define CHORUS_GRID_STRIDE(i, n) \
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < (n); \
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)

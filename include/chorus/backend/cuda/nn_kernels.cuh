@@ -192,56 +192,47 @@ __global__ void bn_backward_input(const T* gy, const T* x, std::int64_t N, std::
 
 }  // namespace k
 
-#define CHORUS_NN_LAUNCH(kernel, n, ...)                                            \
-  do {                                                                              \
-    if ((n) > 0) {                                                                  \
-      auto* chorus_kernel_ = kernel;                                                \
-      chorus_kernel_<<<blocks_for(n), kThreads, 0, launch.stream>>>(__VA_ARGS__);   \
-      ::chorus::cuda::check_launch(#kernel);                                        \
-    }                                                                               \
-  } while (0)
-
 template <class T>
 void im2col(const T* x, const Window2d& g, T* col, Device d) {
   Launch launch(d);
-  CHORUS_NN_LAUNCH(k::im2col<T>, g.C * g.kh * g.kw * g.OH * g.OW, x, g, col);
+  CHORUS_LAUNCH(k::im2col<T>, g.C * g.kh * g.kw * g.OH * g.OW, x, g, col);
 }
 template <class T>
 void col2im(const T* col, const Window2d& g, T* x, Device d) {
   Launch launch(d);
-  CHORUS_NN_LAUNCH(k::col2im<T>, g.C * g.H * g.W, col, g, x);
+  CHORUS_LAUNCH(k::col2im<T>, g.C * g.H * g.W, col, g, x);
 }
 template <class T>
 void max_pool2d(const T* x, std::int64_t planes, const Window2d& g, T* out, std::int64_t* idx, Device d) {
   Launch launch(d);
-  CHORUS_NN_LAUNCH(k::max_pool2d<T>, planes * g.OH * g.OW, x, planes, g, out, idx);
+  CHORUS_LAUNCH(k::max_pool2d<T>, planes * g.OH * g.OW, x, planes, g, out, idx);
 }
 template <class T>
 void max_pool2d_backward(const T* gy, const std::int64_t* idx, std::int64_t planes, const Window2d& g, T* gx,
                          Device d) {
   Launch launch(d);
-  CHORUS_NN_LAUNCH(k::max_pool2d_backward<T>, planes * g.OH * g.OW, gy, idx, planes, g, gx);
+  CHORUS_LAUNCH(k::max_pool2d_backward<T>, planes * g.OH * g.OW, gy, idx, planes, g, gx);
 }
 template <class T>
 void avg_pool2d(const T* x, std::int64_t planes, const Window2d& g, bool inc, std::int64_t div, T* out, Device d) {
   Launch launch(d);
-  CHORUS_NN_LAUNCH(k::avg_pool2d<T>, planes * g.OH * g.OW, x, planes, g, inc, div, out);
+  CHORUS_LAUNCH(k::avg_pool2d<T>, planes * g.OH * g.OW, x, planes, g, inc, div, out);
 }
 template <class T>
 void avg_pool2d_backward(const T* gy, std::int64_t planes, const Window2d& g, bool inc, std::int64_t div, T* gx,
                          Device d) {
   Launch launch(d);
-  CHORUS_NN_LAUNCH(k::avg_pool2d_backward<T>, planes * g.OH * g.OW, gy, planes, g, inc, div, gx);
+  CHORUS_LAUNCH(k::avg_pool2d_backward<T>, planes * g.OH * g.OW, gy, planes, g, inc, div, gx);
 }
 template <class T>
 void adaptive_avg_pool2d(const T* x, std::int64_t planes, const Window2d& g, T* out, Device d) {
   Launch launch(d);
-  CHORUS_NN_LAUNCH(k::adaptive_avg_pool2d<T>, planes * g.OH * g.OW, x, planes, g, out);
+  CHORUS_LAUNCH(k::adaptive_avg_pool2d<T>, planes * g.OH * g.OW, x, planes, g, out);
 }
 template <class T>
 void adaptive_avg_pool2d_backward(const T* gy, std::int64_t planes, const Window2d& g, T* gx, Device d) {
   Launch launch(d);
-  CHORUS_NN_LAUNCH(k::adaptive_avg_pool2d_backward<T>, planes * g.OH * g.OW, gy, planes, g, gx);
+  CHORUS_LAUNCH(k::adaptive_avg_pool2d_backward<T>, planes * g.OH * g.OW, gy, planes, g, gx);
 }
 inline unsigned channel_blocks(std::int64_t C) { return static_cast<unsigned>(std::clamp<std::int64_t>(C, 1, 65535)); }
 template <class T>
@@ -255,7 +246,7 @@ template <class T>
 void bn_apply(const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const T* mean, const T* invstd, const T* w,
               const T* b, T* y, Device d) {
   Launch launch(d);
-  CHORUS_NN_LAUNCH(k::bn_apply<T>, N * C * S, x, N, C, S, mean, invstd, w, b, y);
+  CHORUS_LAUNCH(k::bn_apply<T>, N * C * S, x, N, C, S, mean, invstd, w, b, y);
 }
 template <class T>
 void bn_backward_reduce(const T* gy, const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const T* mean,
@@ -269,10 +260,8 @@ template <class T>
 void bn_backward_input(const T* gy, const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const T* mean,
                        const T* invstd, const T* w, const T* sums, double count, T* gx, Device d) {
   Launch launch(d);
-  CHORUS_NN_LAUNCH(k::bn_backward_input<T>, N * C * S, gy, x, N, C, S, mean, invstd, w, sums, count, gx);
+  CHORUS_LAUNCH(k::bn_backward_input<T>, N * C * S, gy, x, N, C, S, mean, invstd, w, sums, count, gx);
 }
-
-#undef CHORUS_NN_LAUNCH
 
 }  // namespace backend::cuda
 CHORUS_NAMESPACE_END
