@@ -134,12 +134,15 @@ TEST(DataParallel, ReplicasAreBuiltOnceAndLiveOnTheirDevices) {
   EXPECT_EQ(&dp.replica(1), r1);
   auto ps = dp.replica(2).named_tensors();
   for (auto& p : ps) EXPECT_EQ(p.tensor.device(), Device::cpu(2)) << p.name;
-  // Replica tensors share one flat buffer per dtype (one broadcast refreshes them all).
+  // Replica parameters share one flat buffer per dtype, buffers another (one broadcast, or
+  // none, refreshes each group).
   const auto& w = dp.replica(2).fc1->weight;
   const auto& b = dp.replica(2).fc2->bias;
   EXPECT_TRUE(w.same_storage(b));
-  // The primary's tensors were re-seated into a flat buffer too, keeping their identity.
-  EXPECT_TRUE(dp.module().fc1->weight.same_storage(dp.module().scale));
+  EXPECT_FALSE(w.same_storage(dp.replica(2).scale));
+  // The primary's tensors were re-seated into flat buffers too, keeping their identity.
+  EXPECT_TRUE(dp.module().fc1->weight.same_storage(dp.module().fc2->bias));
+  EXPECT_FALSE(dp.module().fc1->weight.same_storage(dp.module().scale));
   // Replicas see the primary's current values at every step.
   {
     NoGradGuard g;
@@ -155,6 +158,102 @@ TEST(DataParallel, ReplicasAreBuiltOnceAndLiveOnTheirDevices) {
     for (std::size_t i = 0; i < rep.size(); ++i)
       EXPECT_TRUE(all_close(rep[i].tensor.as<float>().to(Device::cpu(0)), primary[i].tensor.as<float>(), 0))
           << "replica " << r << " " << rep[i].name;
+  }
+}
+
+// Note [host aliases]: on CPU devices the replicas read the primary's parameters in place (a
+// step copies no parameter), keep buffers of their own, and see the primary's values, also
+// after the user replaced a parameter's storage.
+TEST(DataParallel, CpuReplicasAliasThePrimarysParametersAndCopyItsBuffers) {
+  manual_seed(17);
+  Net<float> reference;
+  auto devs = cpus(3);
+  const auto before = memory_stats(Device::cpu(2)).allocated;
+  DataParallel<Net<float>> dp(nn::clone(reference, Device::cpu(0)), devs);
+  std::int64_t param_bytes = 0;
+  for (auto& p : dp.parameters()) param_bytes += p.numel() * 4;
+  // Device 2 holds the replica's buffer group (3 floats, padded), not a copy of the parameters.
+  EXPECT_LT(memory_stats(Device::cpu(2)).allocated - before, param_bytes);
+  for (std::size_t r = 1; r < 3; ++r) {
+    const auto& rep = dp.replica(r);
+    EXPECT_EQ(rep.fc1->weight.device(), Device::cpu(static_cast<int>(r)));
+    EXPECT_EQ(rep.fc1->weight.data(), dp.module().fc1->weight.data()) << "replica " << r;
+    EXPECT_EQ(rep.fc2->bias.data(), dp.module().fc2->bias.data()) << "replica " << r;
+    EXPECT_NE(rep.scale.data(), dp.module().scale.data()) << "replica " << r;
+  }
+  // The user re-seats a parameter (not flat any more): the primary is flattened again and the
+  // replicas follow the new memory.
+  {
+    NoGradGuard g;
+    dp.module().fc1->weight.impl()->storage = full<float>({16, 6}, 0.25f).impl()->storage;
+    dp.module().fc1->weight.impl()->offset = 0;
+  }
+  auto x = randn<float>({9, 6});
+  auto y = dp(x);
+  for (std::size_t r = 1; r < 3; ++r)
+    EXPECT_EQ(dp.replica(r).fc1->weight.data(), dp.module().fc1->weight.data()) << "replica " << r;
+  {
+    NoGradGuard g;
+    reference.fc1->weight.fill_(0.25f);
+  }
+  EXPECT_TRUE(all_close(y, reference.forward(x), 1e-6, 1e-6));
+  // A write to the primary's parameters between forward and backward is seen by every
+  // replica's saved tensors (one version counter).
+  auto loss = dp(x).sum();
+  {
+    NoGradGuard g;
+    dp.module().fc2->weight.fill_(2.0f);
+  }
+  EXPECT_TRUE(throws_with([&] { loss.backward(); }, {"modified by an inplace operation"}));
+}
+
+// The CPU communicator sums gradients without copying between devices: a source nothing else
+// holds becomes the sum's memory (Note [host aliases]); a shared one is only read.
+TEST(DataParallel, CpuReductionHandsAnUnsharedGradientOverWithoutACopy) {
+  auto devs = cpus(3);
+  std::vector<Stream*> streams;
+  for (auto d : devs) streams.push_back(&get_stream(d));
+  parallel::CopyCommunicator comm(streams);
+  {  // one source, held by nobody else: the sum is its memory, as a tensor of the root
+    auto g = full<float>({4, 5}, 1.5f, Device::cpu(1));
+    const float* mem = g.data();
+    std::vector<std::vector<AnyTensor>> srcs(1);
+    srcs[0].push_back(AnyTensor(std::move(g)));
+    auto out = comm.reduce(std::move(srcs));
+    ASSERT_EQ(out.size(), 1u);
+    EXPECT_EQ(out[0].device(), Device::cpu(0));
+    EXPECT_EQ(out[0].as<float>().data(), mem);
+    EXPECT_EQ(out[0].as<float>().to_vector(), std::vector<float>(20, 1.5f));
+  }
+  {  // a shared source is read, never written: the sum gets memory of its own
+    auto g = full<float>({4, 5}, 1.5f, Device::cpu(1));
+    std::vector<std::vector<AnyTensor>> srcs(1);
+    srcs[0].push_back(AnyTensor(g));
+    auto out = comm.reduce(std::move(srcs));
+    EXPECT_NE(out[0].as<float>().data(), g.data());
+    EXPECT_EQ(out[0].as<float>().to_vector(), std::vector<float>(20, 1.5f));
+    EXPECT_EQ(g.to_vector(), std::vector<float>(20, 1.5f));
+  }
+  {  // two sources (three devices), one shared and one not, and a non-contiguous one
+    auto shared = arange<double>(0, 6, 1, Device::cpu(1)).view({2, 3});
+    auto t = arange<double>(0, 6, 1, Device::cpu(2)).view({3, 2}).transpose(0, 1);
+    std::vector<std::vector<AnyTensor>> srcs(2);
+    srcs[0].push_back(AnyTensor(shared));
+    srcs[1].push_back(AnyTensor(t.contiguous()));
+    srcs[0].push_back(AnyTensor(full<double>({2}, 1.0, Device::cpu(1))));
+    srcs[1].push_back(AnyTensor(t.select(1, 0)));
+    auto out = comm.reduce(std::move(srcs));
+    ASSERT_EQ(out.size(), 2u);
+    EXPECT_EQ(out[0].as<double>().to_vector(), (std::vector<double>{0, 3, 6, 4, 7, 10}));
+    EXPECT_EQ(out[1].as<double>().to_vector(), (std::vector<double>{1, 2}));
+    EXPECT_EQ(shared.to_vector(), (std::vector<double>{0, 1, 2, 3, 4, 5}));
+    EXPECT_EQ(out[0].device(), Device::cpu(0));
+  }
+  {  // sources that disagree are refused
+    std::vector<std::vector<AnyTensor>> srcs(2);
+    srcs[0].push_back(AnyTensor(zeros<float>({3}, Device::cpu(1))));
+    srcs[1].push_back(AnyTensor(zeros<float>({4}, Device::cpu(2))));
+    EXPECT_TRUE(throws_with([&] { comm.reduce(std::move(srcs)); }, {"reduce: sources disagree on tensor 0"}));
   }
 }
 

@@ -88,6 +88,71 @@ TEST(Devices, AllocationsAreCountedPerDevice) {
 
 // Issue 10, item 12: println writes whole lines, also from the replicas' worker threads at once
 // (under ThreadSanitizer, an unlocked write to the shared stream is reported as a race).
+// Note [CPU block cache]: a large block freed on a CPU device is reused for the next request of
+// its size class; empty_cache returns it; small blocks are not cached.
+TEST(Devices, LargeHostBlocksAreCachedAndEmptyCacheReleasesThem) {
+  set_cpu_device_count(std::max(cpu_device_count(), 3));
+  const Device d = Device::cpu(2);
+  empty_cache(d);
+  const auto s0 = memory_stats(d);
+  void* first = nullptr;
+  {
+    auto t = empty<float>({1 << 20}, d);  // 4 MiB
+    first = t.data();
+    EXPECT_EQ(memory_stats(d).num_system_allocs, s0.num_system_allocs + 1);
+  }
+  EXPECT_EQ(memory_stats(d).allocated, s0.allocated);
+  EXPECT_GE(memory_stats(d).reserved, s0.reserved + (4 << 20));  // kept
+  {
+    auto t = empty<float>({(1 << 20) - 1000}, d);  // same size class: the same block
+    EXPECT_EQ(t.data(), first);
+    EXPECT_EQ(memory_stats(d).num_system_allocs, s0.num_system_allocs + 1);
+  }
+  {
+    auto t = empty<float>({1 << 21}, d);  // another class: new memory
+    EXPECT_NE(t.data(), first);
+    EXPECT_EQ(memory_stats(d).num_system_allocs, s0.num_system_allocs + 2);
+  }
+  empty_cache(d);
+  EXPECT_EQ(memory_stats(d).reserved, s0.reserved);
+  {
+    auto small = empty<float>({100}, d);  // small blocks go to the system every time
+    EXPECT_EQ(memory_stats(d).num_system_allocs, s0.num_system_allocs + 3);
+  }
+  EXPECT_EQ(memory_stats(d).reserved, s0.reserved);
+}
+
+// Note [host aliases]: an alias is memory of another CPU device over the same bytes; it shares
+// the version counter, keeps the owner alive, and never joins other kinds of memory.
+TEST(Devices, HostAliasesShareMemoryAndVersionAndKeepTheOwnerAlive) {
+  set_cpu_device_count(std::max(cpu_device_count(), 2));
+  Storage alias;
+  Storage base = make_storage(Device::cpu(0), 64);
+  static_cast<float*>(base->data())[3] = 2.5f;
+  alias = make_alias_storage(Device::cpu(1), base, 12, 8);
+  EXPECT_TRUE(alias->is_alias());
+  EXPECT_EQ(alias->device(), Device::cpu(1));
+  EXPECT_EQ(alias->nbytes(), 8u);
+  EXPECT_EQ(static_cast<float*>(alias->data())[0], 2.5f);
+  base->bump_version();
+  EXPECT_EQ(alias->version(), base->version());
+  alias->bump_version();
+  EXPECT_EQ(base->version(), 2u);
+  auto alias2 = make_alias_storage(Device::cpu(0), alias, 4, 4);  // an alias of an alias
+  const auto allocated = memory_stats(Device::cpu(0)).allocated;
+  base.reset();  // the aliases keep the memory
+  EXPECT_EQ(memory_stats(Device::cpu(0)).allocated, allocated);
+  EXPECT_EQ(alias2->version(), 2u);
+  static_cast<float*>(alias2->data())[0] = 7.0f;
+  EXPECT_EQ(static_cast<float*>(alias->data())[1], 7.0f);
+  alias.reset();
+  alias2.reset();
+  EXPECT_EQ(memory_stats(Device::cpu(0)).allocated, allocated - 64);
+  auto owner = make_storage(Device::cpu(0), 16);
+  EXPECT_TRUE(throws_with([&] { make_alias_storage(Device::cpu(1), owner, 8, 12); }, {"of a 16-byte storage"}));
+  EXPECT_TRUE(throws_with([&] { make_alias_storage(Device::cpu(1), nullptr, 0, 0); }, {"alias of a null storage"}));
+}
+
 TEST(Println, LinesFromConcurrentWorkersNeverInterleave) {
   set_cpu_device_count(std::max(cpu_device_count(), 4));
   std::ostringstream out;

@@ -21,7 +21,21 @@ class StorageImpl {
   StorageImpl(Device device, std::size_t nbytes, Allocator& alloc) : device_(device), nbytes_(nbytes), alloc_(&alloc) {
     data_ = alloc_->allocate(nbytes);
   }
-  ~StorageImpl() { alloc_->deallocate(data_, nbytes_); }
+  /// An alias (Note [host aliases]): `nbytes` of `base`'s memory from byte `offset`, as memory
+  /// of CPU device `device`. It shares base's version counter and keeps base alive.
+  StorageImpl(Device device, std::shared_ptr<StorageImpl> base, std::size_t offset, std::size_t nbytes)
+      : device_(device), nbytes_(nbytes), alloc_(nullptr), base_(std::move(base)) {
+    CHORUS_CHECK(base_ != nullptr, "storage alias of a null storage");
+    CHORUS_CHECK(device_.is_cpu() && base_->device().is_cpu(), "a storage alias joins two CPU devices (",
+                 base_->device(), " -> ", device_, "): other devices do not share memory");
+    CHORUS_CHECK(offset <= base_->nbytes() && nbytes <= base_->nbytes() - offset, "storage alias of bytes [", offset,
+                 ", ", offset, " + ", nbytes, ") of a ", base_->nbytes(), "-byte storage");
+    data_ = base_->data_ ? static_cast<char*>(base_->data_) + offset : nullptr;
+    if (base_->base_) base_ = base_->base_;  // an alias of an alias aliases the owner
+  }
+  ~StorageImpl() {
+    if (alloc_) alloc_->deallocate(data_, nbytes_);
+  }
   StorageImpl(const StorageImpl&) = delete;
   StorageImpl& operator=(const StorageImpl&) = delete;
 
@@ -31,16 +45,32 @@ class StorageImpl {
 
   /// The version counter of the data (Note [version counter]): bumped by every in-place write
   /// through the public API, compared by backward against the version a node saved.
-  std::uint64_t version() const { return version_.load(std::memory_order_relaxed); }
-  void bump_version() { version_.fetch_add(1, std::memory_order_relaxed); }
+  std::uint64_t version() const { return counter().load(std::memory_order_relaxed); }
+  void bump_version() { counter().fetch_add(1, std::memory_order_relaxed); }
+  /// True for an alias of another storage's memory (Note [host aliases]).
+  bool is_alias() const { return base_ != nullptr; }
 
  private:
   Device device_;
   std::atomic<std::uint64_t> version_{0};
   std::size_t nbytes_;
-  Allocator* alloc_;
+  Allocator* alloc_;  // null for an alias
   void* data_ = nullptr;
+  std::shared_ptr<StorageImpl> base_;  // the owner of an alias's memory
+  std::atomic<std::uint64_t>& counter() { return base_ ? base_->version_ : version_; }
+  const std::atomic<std::uint64_t>& counter() const { return base_ ? base_->version_ : version_; }
 };
+
+// Note [host aliases]
+// Virtual CPU devices (Note [virtual CPU devices]) are one memory. Moving data between them
+// is a real copy in general (so each device's allocator and statistics stay its own), but
+// where the data will not be written on the other side, an alias serves without copying: a
+// storage of device B over bytes of a storage of device A. It shares A's version counter (an
+// in-place write through either side is seen by backward on both) and keeps A's memory alive.
+// DataParallel uses it on CPU devices for the replicas' parameters (read-only in forward and
+// backward, Note [flat replication]) and for handing a replica's gradient to the primary
+// (Note [gradient buckets]): a step then copies no parameter and no gradient between devices.
+// Aliases never join a CUDA device.
 
 // Note [version counter]
 // As in PyTorch, a tensor saved for backward must not change before backward reads it: an
@@ -57,6 +87,10 @@ inline Storage make_storage(Device device, std::size_t nbytes) {
 }
 inline Storage make_storage(Device device, std::size_t nbytes, Allocator& alloc) {
   return std::make_shared<StorageImpl>(device, nbytes, alloc);
+}
+/// `nbytes` of `base` from byte `offset`, as memory of CPU device `device` (Note [host aliases]).
+inline Storage make_alias_storage(Device device, const Storage& base, std::size_t offset, std::size_t nbytes) {
+  return std::make_shared<StorageImpl>(device, base, offset, nbytes);
 }
 
 /// Copies `nbytes` between two allocations, on any pair of devices. CPU↔CPU is a memcpy (a real

@@ -20,6 +20,23 @@
 CHORUS_NAMESPACE_BEGIN
 namespace parallel {
 
+namespace detail {
+/// Contiguous `t` as a tensor of CPU device `device` over the same memory (Note [host aliases]).
+template <class T>
+Tensor<T> host_alias(const Tensor<T>& t, Device device) {
+  CHORUS_CHECK(t.is_contiguous(), "host_alias: the tensor is not contiguous");
+  auto impl = std::make_shared<TensorImpl<T>>();
+  impl->storage = make_alias_storage(device, t.impl()->storage, static_cast<std::size_t>(t.storage_offset()) * sizeof(T),
+                                     static_cast<std::size_t>(t.numel()) * sizeof(T));
+  impl->shape = t.shape();
+  impl->strides = contiguous_strides(t.shape());
+  return Tensor<T>(impl);
+}
+inline AnyTensor host_alias(const AnyTensor& t, Device device) {
+  return t.visit([&](const auto& x) { return AnyTensor(host_alias(x, device)); });
+}
+}  // namespace detail
+
 class Communicator {
  public:
   explicit Communicator(std::vector<Stream*> streams) : streams_(std::move(streams)) {
@@ -40,6 +57,17 @@ class Communicator {
   /// dsts[j] (on rank 0) = sum over r = 1 … srcs.size() of srcs[r - 1][j] (on rank r).
   /// Synchronous with respect to the calling thread's stream on rank 0.
   virtual void reduce_add(const std::vector<std::vector<AnyTensor>>& srcs, const std::vector<AnyTensor>& dsts) = 0;
+
+  /// The same sums, in tensors the communicator provides (contiguous, on rank 0, shaped as
+  /// srcs[0][j]). srcs is taken: a CPU communicator may hand a source over as the sum's memory
+  /// instead of copying it (Note [host aliases]).
+  virtual std::vector<AnyTensor> reduce(std::vector<std::vector<AnyTensor>>&& srcs) {
+    CHORUS_CHECK(!srcs.empty(), "reduce: no sources");
+    std::vector<AnyTensor> dsts;
+    for (const auto& t : srcs[0]) dsts.push_back(empty_any(t.dtype(), t.shape(), streams_[0]->device()));
+    reduce_add(srcs, dsts);
+    return dsts;
+  }
 
   virtual std::string name() const = 0;
 
@@ -94,6 +122,48 @@ class CopyCommunicator final : public Communicator {
         }
       });
     }
+  }
+
+  /// CPU devices: each sum is computed over the sources themselves, into one of them when
+  /// nothing else holds it (a replica's gradient, handed over whole): no copy between
+  /// devices, and for two devices no new memory (Note [host aliases]).
+  std::vector<AnyTensor> reduce(std::vector<std::vector<AnyTensor>>&& srcs) override {
+    CHORUS_CHECK(!srcs.empty() && srcs.size() < streams_.size(), "reduce: ", srcs.size(), " sources for a group of ",
+                 streams_.size());
+    if (!streams_[0]->device().is_cpu()) return Communicator::reduce(std::move(srcs));
+    const Device root = streams_[0]->device();
+    std::vector<AnyTensor> out;
+    for (std::size_t j = 0; j < srcs[0].size(); ++j) {
+      CHORUS_CHECK(srcs[0][j].defined(), "reduce: source tensor ", j, " of rank 1 is undefined");
+      const Shape shape = srcs[0][j].shape();
+      out.push_back(visit_dtype(srcs[0][j].dtype(), [&](auto tag) {
+        using T = decltype(tag);
+        std::vector<Tensor<T>> parts;
+        for (auto& rank : srcs) {
+          CHORUS_CHECK(j < rank.size() && rank[j].dtype() == dtype_of<T>() && rank[j].shape() == shape,
+                       "reduce: sources disagree on tensor ", j);
+          parts.push_back(std::move(rank[j].template as<T>()));
+          rank[j] = AnyTensor();  // parts holds the only handle now
+        }
+        // The sum goes into a source nothing else holds, else into new memory.
+        std::size_t into = parts.size();
+        for (std::size_t r = 0; r < parts.size() && into == parts.size(); ++r)
+          if (autograd::detail::exclusively_owned(parts[r])) into = r;
+        auto on_root = [&](const Tensor<T>& p) { return p.is_contiguous() ? detail::host_alias(p, root) : p.to(root); };
+        Tensor<T> sum;
+        if (into < parts.size()) {
+          sum = detail::host_alias(parts[into], root);
+        } else {
+          sum = Tensor<T>::empty(shape, root);
+          backend::copy(sum, on_root(parts[0]));
+          into = 0;
+        }
+        for (std::size_t r = 0; r < parts.size(); ++r)
+          if (r != into) backend::binary_same(sum, on_root(parts[r]), sum, backend::fn::Add{});
+        return AnyTensor(sum);
+      }));
+    }
+    return out;
   }
 
   std::string name() const override { return "copy"; }

@@ -43,12 +43,12 @@ class BroadcastBackward final : public autograd::Node<T> {
     for (std::size_t r = 0; r < replicas_; ++r)
       for (std::size_t j = 0; j < m; ++j) srcs[r].push_back(AnyTensor(std::move(grads[r * m + j])));
     typename autograd::Node<T>::TensorList out;
-    std::vector<AnyTensor> dsts;
-    for (std::size_t j = 0; j < m; ++j) {
-      out.push_back(Tensor<T>::empty(shapes_[j], primary_));
-      dsts.push_back(AnyTensor(out.back()));
+    for (auto& sum : comm_->reduce(std::move(srcs))) {
+      CHORUS_CHECK(sum.device() == primary_ && sum.shape() == shapes_[out.size()], "BroadcastBackward: the ",
+                   comm_->name(), " communicator returned a sum of shape ", sum.shape(), " on ", sum.device(),
+                   " for ", shapes_[out.size()], " on ", primary_);
+      out.push_back(std::move(sum.as<T>()));
     }
-    comm_->reduce_add(srcs, dsts);
     return out;
   }
 
@@ -149,7 +149,10 @@ class Replicator {
   /// step that runs every replica on the calling thread (Note [inline small steps]).
   std::vector<M*> prepare(std::size_t used, bool on_caller = false) {
     check_on_primary();
-    if (!primary_is_flat()) flatten_primary();  // the user moved or replaced a tensor
+    if (!primary_is_flat()) {  // the user moved or replaced a tensor
+      flatten_primary();
+      realias();
+    }
     std::vector<M*> out{&primary_};
     if (used <= 1) return out;
     if (on_caller) {
@@ -158,6 +161,7 @@ class Replicator {
       // Every replica is refreshed, also those this step leaves idle: a collective such as an
       // NCCL broadcast needs every rank.
       for (std::size_t g = 0; g < flats_.size(); ++g) {
+        if (aliased(g)) continue;  // the replicas read the primary's memory (Note [host aliases])
         std::vector<AnyTensor> dsts;
         for (std::size_t r = 1; r < devices_.size(); ++r) dsts.push_back(replica_flats_[r - 1][g]);
         comm_->broadcast(flats_[g], dsts);
@@ -192,7 +196,8 @@ class Replicator {
       CHORUS_CHECK(streams[r]->device().is_cpu(), "DataParallel: a refresh on the calling thread is for CPU devices");
       streams[r]->synchronize();
       for (std::size_t g = 0; g < flats_.size(); ++g)
-        flats_[g].visit([&](const auto& src) {
+        if (!aliased(g))
+          flats_[g].visit([&](const auto& src) {
           using T = typename std::decay_t<decltype(src)>::value_type;
           backend::copy(replica_flats_[r - 1][g].template as<T>(), src);
         });
@@ -230,10 +235,12 @@ class Replicator {
   void build_layout() {
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
       const DType dt = tensors_[i].tensor.dtype();
+      const bool param = tensors_[i].is_param;
       std::size_t g = 0;
-      while (g < group_dtypes_.size() && group_dtypes_[g] != dt) ++g;
+      while (g < group_dtypes_.size() && (group_dtypes_[g] != dt || group_params_[g] != param)) ++g;
       if (g == group_dtypes_.size()) {
         group_dtypes_.push_back(dt);
+        group_params_.push_back(param);
         group_numel_.push_back(0);
       }
       group_numel_[g] = detail::aligned_flat_offset(group_numel_[g], dtype_size(dt));
@@ -297,10 +304,34 @@ class Replicator {
     flush();
   }
 
+  /// A group whose replicas alias the primary's flat buffer instead of holding a copy: the
+  /// parameters, on CPU devices (Note [host aliases]). Buffers are copied: replicas write them
+  /// in forward (BatchNorm's running statistics), and only the primary's writes count.
+  bool aliased(std::size_t g) const { return group_params_[g] && devices_[0].is_cpu(); }
+
+  /// The flat buffer of group g for replica r: an alias of the primary's, or its own memory.
+  AnyTensor replica_flat(std::size_t g, std::size_t r) const {
+    if (aliased(g)) return detail::host_alias(flats_[g], devices_[r]);
+    return empty_any(group_dtypes_[g], Shape{group_numel_[g]}, devices_[r]);
+  }
+
+  /// After flatten_primary() made new flat buffers: the replicas' aliases follow them.
+  void realias() {
+    for (std::size_t r = 1; r < devices_.size(); ++r) {
+      for (std::size_t g = 0; g < flats_.size(); ++g)
+        if (aliased(g)) replica_flats_[r - 1][g] = replica_flat(g, r);
+      for (std::size_t k = 0; k < tensors_.size(); ++k)
+        if (aliased(groups_[k]))
+          replica_tensors_[r - 1][k].visit([&](auto& t) {
+            using T = typename std::decay_t<decltype(t)>::value_type;
+            t.impl()->storage = replica_flats_[r - 1][groups_[k]].template as<T>().impl()->storage;
+          });
+    }
+  }
+
   void build_replica(std::size_t r) {
     std::vector<AnyTensor> flats;
-    for (std::size_t g = 0; g < group_dtypes_.size(); ++g)
-      flats.push_back(empty_any(group_dtypes_[g], Shape{group_numel_[g]}, devices_[r]));
+    for (std::size_t g = 0; g < group_dtypes_.size(); ++g) flats.push_back(replica_flat(g, r));
     std::unordered_map<const void*, AnyTensor> made;
     M copy = nn::detail::copy_checked(
         primary_, [&] { return std::make_unique<detail::ReplicaScope>(devices_[r], slots_, flats, made); });
@@ -359,6 +390,7 @@ class Replicator {
   std::shared_ptr<Communicator> comm_;
   std::vector<Entry> tensors_;  // parameters, then buffers, in registry order
   std::vector<DType> group_dtypes_;
+  std::vector<bool> group_params_;  // a group holds parameters (else buffers)
   std::vector<std::int64_t> group_numel_;
   std::vector<std::size_t> groups_;
   std::vector<std::int64_t> offsets_;
