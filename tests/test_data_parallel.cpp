@@ -207,6 +207,31 @@ TEST(DataParallel, CpuReplicasAliasThePrimarysParametersAndCopyItsBuffers) {
   EXPECT_TRUE(throws_with([&] { loss.backward(); }, {"modified by an inplace operation"}));
 }
 
+// With parameters read in place by every replica, a forward that writes one would race: refused.
+struct WritesItsWeight : nn::Module {
+  nn::Linear fc;
+  WritesItsWeight() : fc(register_module("fc", nn::Linear(4, 2))) {}
+  Tensor<float> forward(const Tensor<float>& x) {
+    {
+      NoGradGuard g;
+      fc->bias.fill_(0);
+    }
+    return fc(x);
+  }
+};
+
+TEST(DataParallel, AForwardThatWritesAParameterIsRefusedOnCpuDevices) {
+  DataParallel<WritesItsWeight> dp(WritesItsWeight(), cpus(2));
+#if !defined(__SANITIZE_THREAD__)  // the threaded run races (that is the point); TSan would stop on it
+  EXPECT_TRUE(throws_with([&] { dp(randn<float>({8, 4})); }, {"a parameter was written in place during forward"}));
+#endif
+  dp.set_inline_work(1 << 20);  // the small-step path checks too (its replicas run one after another)
+  EXPECT_TRUE(throws_with([&] { dp(randn<float>({8, 4})); }, {"a parameter was written in place during forward"}));
+  // Only the replicas' shared reads make it a race: one device runs it as a plain module.
+  DataParallel<WritesItsWeight> one(WritesItsWeight(), cpus(1));
+  EXPECT_NO_THROW(one(randn<float>({8, 4})));
+}
+
 // The CPU communicator sums gradients without copying between devices: a source nothing else
 // holds becomes the sum's memory (Note [host aliases]); a shared one is only read.
 TEST(DataParallel, CpuReductionHandsAnUnsharedGradientOverWithoutACopy) {

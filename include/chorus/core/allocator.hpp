@@ -101,7 +101,7 @@ class CpuAllocator final : public Allocator {
  public:
   static constexpr std::size_t kAlignment = 64;
   static constexpr std::size_t kCacheMinBytes = std::size_t{256} << 10;
-  static constexpr std::size_t kMaxCachedBytes = std::size_t{1} << 30;
+  static constexpr std::size_t kMaxCachedBytes = std::size_t{512} << 20;
 
   CpuAllocator() : caching_(detail::cpu_cache_enabled()) {}
   ~CpuAllocator() override { empty_cache(); }

@@ -70,7 +70,8 @@ class StorageImpl {
 // DataParallel uses it on CPU devices for the replicas' parameters (read-only in forward and
 // backward, Note [flat replication]) and for handing a replica's gradient to the primary
 // (Note [gradient buckets]): a step then copies no parameter and no gradient between devices.
-// Aliases never join a CUDA device.
+// The memory stays counted by the allocator that gave it (a primary gradient handed over by
+// replica 1 shows in memory_stats(cpu:1)). Aliases never join a CUDA device.
 
 // Note [version counter]
 // As in PyTorch, a tensor saved for backward must not change before backward reads it: an

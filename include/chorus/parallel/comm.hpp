@@ -5,7 +5,8 @@
 // DataParallel talks to its devices only through this interface: broadcast a primary
 // buffer to the other devices' buffers, and sum per-device gradients into the primary's.
 // CopyCommunicator implements it with copies on the devices' streams (virtual CPU devices,
-// and GPU sets that repeat a device, which NCCL refuses); the CUDA backend adds an NCCL
+// where a reduction reads the sources in place instead, Note [host aliases]; and GPU sets
+// that repeat a device, which NCCL refuses); the CUDA backend adds an NCCL
 // implementation for sets of distinct GPUs; a multi-process group can implement it later.
 #include <memory>
 #include <string>
@@ -172,7 +173,8 @@ class CopyCommunicator final : public Communicator {
   // Note [shared broadcast]
   // CPU devices: a destination's worker copies its buffer before that replica's forward, while
   // the caller already runs replica 0's forward and then waits for the slowest replica; the
-  // copy (16 MB for mlp-medium, milliseconds) lengthens the step by its whole duration. So
+  // copy (milliseconds for a few MB of buffers, or of parameters where a caller broadcasts
+  // them; DataParallel aliases those, Note [host aliases]) lengthens the step by its whole duration. So
   // the calling thread copies the first 1/(k+1) of each of the k destinations itself and each
   // worker the rest: every thread copies k/(k+1) of one buffer. The caller's part is written
   // after the destination's stream has drained (nothing queued there still uses the buffer)

@@ -152,10 +152,12 @@ class DataParallel {
     streams[0] = &current_stream(devices_[0]);
     // SyncBatchNorm layers sum their statistics over the replicas of this call (Note [statistics reducer]).
     auto stats = std::make_shared<parallel::ReplicaStatsGroup>(static_cast<int>(plan.used()));
+    const auto versions = replicator_->aliased_versions();
     auto outs = parallel::parallel_apply(streams, [&](std::size_t r) -> R {
       StatsReducerScope sync(stats->member(static_cast<int>(r)));
       return parallel::detail::call_forward(*modules[r], scatter(args, plan, r)...);
     });
+    replicator_->check_parameters_unwritten(versions);
     return gather_outputs(outs);
   }
 
@@ -307,6 +309,7 @@ class DataParallel {
   template <class R, class... Args>
   R forward_on_caller(const parallel::ChunkPlan& plan, const Args&... args) {
     auto modules = replicator_->prepare(plan.used(), /*on_caller=*/true);
+    const auto versions = replicator_->aliased_versions();
     std::vector<R> outs;
     outs.reserve(plan.used());
     for (std::size_t r = 0; r < plan.used(); ++r) {
@@ -319,6 +322,7 @@ class DataParallel {
         CHORUS_FAIL("in replica ", r, " on ", devices_[r], ": ", e.what());
       }
     }
+    replicator_->check_parameters_unwritten(versions);
     return gather_outputs(outs);
   }
 

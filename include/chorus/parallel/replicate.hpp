@@ -4,11 +4,14 @@
 // primary's parameters, bucket by bucket, while the backward pass is still running.
 //
 // Note [flat replication]
-// At construction the primary's parameters and buffers are re-seated, in place, into one
-// flat buffer per dtype (the tensors keep their identity; only their storage moves), and
-// each replica is a deep copy (Note [deep copy through copy constructors]) whose parameters
-// and buffers are views into the same layout on its device. Refreshing a replica is then one
-// broadcast per dtype, not one copy per tensor.
+// At construction the primary's parameters and buffers are re-seated, in place, into flat
+// buffers, one per dtype for the parameters and one per dtype for the buffers (the tensors
+// keep their identity; only their storage moves), and each replica is a deep copy (Note [deep
+// copy through copy constructors]) whose parameters and buffers are views into the same
+// layout on its device. Refreshing a replica is then one broadcast per group, not one copy
+// per tensor. On CPU devices the replicas' parameter groups are aliases of the primary's
+// (Note [host aliases]): nothing in forward or backward writes a parameter, so a step
+// broadcasts only the buffers (which replicas do write: BatchNorm's running statistics).
 //
 // Note [gradient buckets]
 // A replica's parameters are not leaves: each step their grad_fn is set to a
@@ -17,7 +20,9 @@
 // bucket's node as soon as every replica has produced that bucket's gradients, so reducing
 // the late layers overlaps the backward of the early ones; the node sums the replicas'
 // gradients into the primary device (through the Communicator) and hands the sums to the
-// primary parameters' AccumulateGrad, which also receives replica 0's own gradients.
+// primary parameters' AccumulateGrad, which also receives replica 0's own gradients. On CPU
+// devices a replica's gradient is handed over as the sum's memory, not copied (Note [host
+// aliases]), so the only pass over a bucket is AccumulateGrad's addition.
 #include <memory>
 #include <optional>
 #include <unordered_map>
@@ -176,6 +181,22 @@ class Replicator {
     }
     wire_autograd(used);
     return out;
+  }
+
+  /// The version counters of the parameter groups the replicas alias (Note [host aliases]).
+  std::vector<std::uint64_t> aliased_versions() const {
+    std::vector<std::uint64_t> v;
+    for (std::size_t g = 0; g < flats_.size(); ++g)
+      if (aliased(g)) v.push_back(flats_[g].visit([](const auto& t) { return t.impl()->storage->version(); }));
+    return v;
+  }
+  /// Replicas read the primary's parameter memory: a forward that wrote a parameter through
+  /// the API (the version moved) raced with the other replicas' reads. Refuse it.
+  void check_parameters_unwritten(const std::vector<std::uint64_t>& before) const {
+    CHORUS_CHECK(aliased_versions() == before,
+                 "DataParallel: a parameter was written in place during forward; on CPU devices the replicas "
+                 "read the primary's parameters in place (Note [host aliases]), so forward must not write "
+                 "parameters (keep such state in a buffer: register_buffer)");
   }
 
   /// Elements of the parameters (the work of a step grows with it).
