@@ -116,14 +116,20 @@ TEST(DataParallel, RepeatedDevicesGetTheirOwnStreams) {
   expect_grads_equal<double>(reference, dp.module(), 1e-12, "repeated devices");
 }
 
-TEST(DataParallel, SmallBucketsGiveTheSameGradients) {
-  manual_seed(6);
-  Net<double> reference;
-  DataParallel<Net<double>> dp(nn::clone(reference, Device::cpu(0)), cpus(4), std::nullopt, 0, /*bucket_bytes=*/64);
-  auto x = randn<double>({13, 6});
-  (dp(x) * 2.0).sum().backward();
-  (reference.forward(x) * 2.0).sum().backward();
-  expect_grads_equal<double>(reference, dp.module(), 1e-12, "64-byte buckets");
+// Every bucket size gives the same gradients: one bucket per parameter (the CPU default), a few
+// parameters per bucket, and all in one (the GPU default, 8 MB).
+TEST(DataParallel, AnyBucketSizeGivesTheSameGradients) {
+  for (std::size_t bytes : {kDefaultCpuBucketBytes, std::size_t{64}, kDefaultBucketBytes}) {
+    manual_seed(6);
+    Net<double> reference;
+    DataParallel<Net<double>> dp(nn::clone(reference, Device::cpu(0)), cpus(4), std::nullopt, 0, bytes);
+    auto x = randn<double>({13, 6});
+    for (int step = 0; step < 2; ++step) {  // the second step accumulates onto the first
+      (dp(x) * 2.0).sum().backward();
+      (reference.forward(x) * 2.0).sum().backward();
+    }
+    expect_grads_equal<double>(reference, dp.module(), 1e-12, std::to_string(bytes) + "-byte buckets");
+  }
 }
 
 TEST(DataParallel, ReplicasAreBuiltOnceAndLiveOnTheirDevices) {

@@ -64,8 +64,13 @@ inline std::shared_ptr<Communicator> make_communicator(const std::vector<Device>
                                                        const std::vector<Stream*>& streams);
 }  // namespace parallel::detail
 
-/// Default size of a gradient bucket (Note [gradient buckets]).
+/// Default size of a gradient bucket on GPUs (Note [gradient buckets]).
 inline constexpr std::size_t kDefaultBucketBytes = std::size_t{8} << 20;
+/// Default size of a gradient bucket on CPU devices: 0, one bucket per parameter. A CPU
+/// bucket is handed over without a copy (Note [host aliases]), so a bucket costs only its node
+/// (microseconds), and small ones let the primary add each layer's gradients as soon as that
+/// layer is done instead of at the end of backward (Note [gradient buckets]).
+inline constexpr std::size_t kDefaultCpuBucketBytes = 0;
 
 // Note [inline small steps]
 // Handing a replica's forward to its device's worker costs a wake-up when the worker sleeps:
@@ -104,9 +109,11 @@ class DataParallel {
  public:
   /// Wraps `module` (which must live on devices[0]) for `devices` (default: all GPUs, else
   /// the virtual CPU devices); outputs are gathered on `output_device` (default devices[0])
-  /// along `dim` (the dimension inputs are split along, default 0).
+  /// along `dim` (the dimension inputs are split along, default 0). Gradients are reduced in
+  /// buckets of about `bucket_bytes` (default kDefaultBucketBytes on GPUs,
+  /// kDefaultCpuBucketBytes on CPU devices; Note [gradient buckets]).
   explicit DataParallel(M module, std::vector<Device> devices = {}, std::optional<Device> output_device = std::nullopt,
-                        std::int64_t dim = 0, std::size_t bucket_bytes = kDefaultBucketBytes)
+                        std::int64_t dim = 0, std::optional<std::size_t> bucket_bytes = std::nullopt)
       : module_(std::move(module)),
         devices_(devices.empty() ? available_devices() : std::move(devices)),
         dim_(dim),
@@ -232,7 +239,9 @@ class DataParallel {
       streams_.push_back(&get_stream(devices_[r], slot));
     }
     comm_ = parallel::detail::make_communicator(devices_, streams_);
-    replicator_ = std::make_unique<parallel::Replicator<M>>(module_, devices_, comm_, bucket_bytes_);
+    const std::size_t bucket_bytes =
+        bucket_bytes_.value_or(devices_[0].is_cpu() ? kDefaultCpuBucketBytes : kDefaultBucketBytes);
+    replicator_ = std::make_unique<parallel::Replicator<M>>(module_, devices_, comm_, bucket_bytes);
     has_buffers_ = !nn::module_of(module_).named_buffers().empty();
     meets_other_replicas_ = nn::module_of(module_).any_meets_other_replicas();
   }
@@ -422,7 +431,7 @@ class DataParallel {
   std::vector<Device> devices_;
   Device output_device_;
   std::int64_t dim_;
-  std::size_t bucket_bytes_;
+  std::optional<std::size_t> bucket_bytes_;  // nullopt: the default of the devices' kind
   std::atomic<bool> in_forward_{false};
   std::int64_t inline_work_ = parallel::inline_work_default();
   std::chrono::steady_clock::time_point last_forward_{};

@@ -22,7 +22,10 @@
 // gradients into the primary device (through the Communicator) and hands the sums to the
 // primary parameters' AccumulateGrad, which also receives replica 0's own gradients. On CPU
 // devices a replica's gradient is handed over as the sum's memory, not copied (Note [host
-// aliases]), so the only pass over a bucket is AccumulateGrad's addition.
+// aliases]), so the only pass over a bucket is AccumulateGrad's addition, and each parameter
+// is its own bucket by default (kDefaultCpuBucketBytes): a layer's gradients are added while
+// the replicas still work on the layers below it, and only the first layer's addition is
+// left after backward (with 8 MB buckets mlp-medium added 8 MB there, about 0.6 ms).
 #include <memory>
 #include <optional>
 #include <unordered_map>
