@@ -274,6 +274,11 @@ acc_t<T> squared_error_sum(const T* a, const T* b, std::int64_t n) {
 /// ga = scale * (a - b) (and gb = -ga when gb is not null); scale may be per element.
 template <class T>
 void squared_error_backward(const T* a, const T* b, std::int64_t n, T scale, const T* gscale, T* ga, T* gb) {
+  // One plain loop per case (the usual one: a scalar scale and only ga), so each vectorises.
+  if (!gscale && ga && !gb) {
+    for (std::int64_t i = 0; i < n; ++i) ga[i] = scale * (a[i] - b[i]);
+    return;
+  }
   for (std::int64_t i = 0; i < n; ++i) {
     T s = gscale ? gscale[i] * scale : scale;
     T v = s * (a[i] - b[i]);
