@@ -238,6 +238,22 @@ TEST(DataParallel, AForwardThatWritesAParameterIsRefusedOnCpuDevices) {
   EXPECT_NO_THROW(one(randn<float>({8, 4})));
 }
 
+// Note [idle workers help]: each step lends the replicas' workers to the primary's large
+// elementwise loops (the optimizer step) for about two step periods.
+TEST(DataParallel, StepsLendTheReplicasIdleWorkers) {
+  auto devs = cpus(2, 4);
+  DataParallel<Net<float>> dp(nn::clone(Net<float>(), Device::cpu(4)), devs);
+  Stream& s5 = get_stream(Device::cpu(5));
+  auto step = [&] {
+    dp(randn<float>({64, 6}, Device::cpu(4))).sum().backward();
+    s5.synchronize();
+  };
+  step();
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  step();  // period 200 ms: lent until about 400 ms from its forward
+  EXPECT_TRUE(s5.idle_and_lent());
+}
+
 // The CPU communicator sums gradients without copying between devices: a source nothing else
 // holds becomes the sum's memory (Note [host aliases]); a shared one is only read.
 TEST(DataParallel, CpuReductionHandsAnUnsharedGradientOverWithoutACopy) {

@@ -1,4 +1,5 @@
 // Virtual CPU devices: device counts, streams (worker threads), events, per-device memory.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -151,6 +152,52 @@ TEST(Devices, HostAliasesShareMemoryAndVersionAndKeepTheOwnerAlive) {
   auto owner = make_storage(Device::cpu(0), 16);
   EXPECT_TRUE(throws_with([&] { make_alias_storage(Device::cpu(1), owner, 8, 12); }, {"of a 16-byte storage"}));
   EXPECT_TRUE(throws_with([&] { make_alias_storage(Device::cpu(1), nullptr, 0, 0); }, {"alias of a null storage"}));
+}
+
+// Note [idle workers help]: a large elementwise loop shares its range with a lent, idle CPU
+// worker (every index exactly once, some on the worker); a worker that is not lent, or busy, is
+// never borrowed; small loops stay on the caller.
+TEST(Devices, LargeLoopsShareTheirRangeWithALentIdleWorker) {
+  set_cpu_device_count(std::max(cpu_device_count(), 4));
+  Stream& s3 = get_stream(Device::cpu(3));  // a device no other test here lends
+  std::thread::id worker;
+  s3.async([&] { worker = std::this_thread::get_id(); }).get();
+  const std::int64_t n = 40 * backend::cpu::kParallelGrain;
+  // Runs a large loop; with `wait_for_helper` the caller's chunks wait (at most 2 s) until the
+  // worker has taken one, so that a lent worker surely gets some however slowly it wakes.
+  auto run = [&](bool wait_for_helper) {
+    std::atomic<int> on_worker{0};
+    std::vector<std::uint8_t> hits(static_cast<std::size_t>(n), 0);
+    backend::cpu::parallel_for(n, [&](std::int64_t b, std::int64_t e) {
+      if (std::this_thread::get_id() == worker) ++on_worker;
+      else
+        for (int i = 0; wait_for_helper && i < 2000 && on_worker.load() == 0; ++i)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      for (std::int64_t i = b; i < e; ++i) ++hits[static_cast<std::size_t>(i)];
+    });
+    EXPECT_TRUE(std::all_of(hits.begin(), hits.end(), [](std::uint8_t h) { return h == 1; }));
+    return on_worker.load();
+  };
+  EXPECT_FALSE(s3.idle_and_lent());  // never lent: the caller does it all
+  EXPECT_EQ(run(false), 0);
+  s3.lend_until(std::chrono::steady_clock::now() + std::chrono::seconds(60));
+  for (int i = 0; i < 2000 && !s3.idle_and_lent(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_TRUE(s3.idle_and_lent());
+  std::atomic<int> small{0};  // a small loop is never shared
+  backend::cpu::parallel_for(backend::cpu::kParallelGrain, [&](std::int64_t, std::int64_t) {
+    small += std::this_thread::get_id() == worker;
+  });
+  EXPECT_EQ(small.load(), 0);
+  EXPECT_GT(run(true), 0);  // lent and idle: shared
+  std::atomic<bool> release{false};  // busy: not idle, not borrowed
+  s3.post([&] {
+    while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  for (int i = 0; i < 2000 && s3.idle_and_lent(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_FALSE(s3.idle_and_lent());
+  EXPECT_EQ(run(false), 0);
+  release = true;
+  s3.synchronize();
 }
 
 TEST(Println, LinesFromConcurrentWorkersNeverInterleave) {

@@ -115,6 +115,17 @@ class Runtime {
 #endif
   }
 
+  /// The default stream of a CPU device whose worker is lent and idle right now, and is not
+  /// the calling thread (Note [idle workers help]); nullptr when there is none.
+  Stream* idle_cpu_stream() {
+    const int n = cpu_count_.load(std::memory_order_acquire);
+    for (int i = 0; i < n && i < kMaxCpuDevices; ++i) {
+      Stream* s = cpu_default_[i].load(std::memory_order_acquire);
+      if (s && !s->is_worker_thread() && s->idle_and_lent()) return s;
+    }
+    return nullptr;
+  }
+
   Stream& stream(Device d, int slot) {
     CHORUS_CHECK(slot >= 0 && slot < 64, "stream slot ", slot, " out of range [0, 64)");
     if (d.is_cpu() && slot == 0 && d.index >= 0 && d.index < kMaxCpuDevices &&

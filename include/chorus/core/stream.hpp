@@ -85,6 +85,22 @@ class Worker {
     }
   }
 
+  /// Lends the worker, while it has nothing to do, to large elementwise loops of other threads
+  /// until `until` (Note [idle workers help]); a later time replaces an earlier one.
+  void lend_until(std::chrono::steady_clock::time_point until) {
+    const auto t = until.time_since_epoch().count();
+    auto cur = lend_until_.load(std::memory_order_relaxed);
+    while (cur < t && !lend_until_.compare_exchange_weak(cur, t, std::memory_order_relaxed)) {
+    }
+  }
+
+  /// True while the worker is lent (lend_until) and waits for work with nothing queued: a
+  /// task posted now starts as soon as it wakes (Note [idle workers help]).
+  bool idle_and_lent() const {
+    return waiting_.load(std::memory_order_acquire) && pending_.load(std::memory_order_acquire) == 0 &&
+           std::chrono::steady_clock::now().time_since_epoch().count() < lend_until_.load(std::memory_order_relaxed);
+  }
+
   /// Blocks until every task posted so far has run; rethrows the first escaped exception.
   void drain() {
     if (on_this_thread()) return;  // everything before the caller's task has run
@@ -112,6 +128,7 @@ class Worker {
         using clock = std::chrono::steady_clock;
         const auto start = clock::now();
         const auto brief = start + kSpin;
+        waiting_.store(true, std::memory_order_release);
         for (auto now = start; pending_.load(std::memory_order_acquire) == 0 && !stop_requested_.load();
              now = clock::now()) {
           if (now >= brief) {
@@ -125,6 +142,7 @@ class Worker {
       cv_.wait(lk, [this] { return stop_ || !q_.empty(); });
       sleeping_ = false;
       if (q_.empty()) return;  // stop requested and drained
+      waiting_.store(false, std::memory_order_release);
       auto task = std::move(q_.front());
       q_.pop_front();
       pending_.store(q_.size(), std::memory_order_release);
@@ -151,7 +169,9 @@ class Worker {
   bool stop_ = false, busy_ = false, sleeping_ = false;
   std::atomic<std::size_t> pending_{0};
   std::atomic<bool> stop_requested_{false};
+  std::atomic<bool> waiting_{false};  // spinning or asleep, waiting for a task
   std::atomic<std::chrono::steady_clock::rep> hot_until_{0};  // steady_clock ticks
+  std::atomic<std::chrono::steady_clock::rep> lend_until_{0};  // steady_clock ticks
   std::exception_ptr error_;
   std::thread thread_;
 };
@@ -274,6 +294,17 @@ class Stream {
 
   /// Keeps this stream's worker spinning for new work until `until` (Note [worker spin]).
   void keep_hot_until(std::chrono::steady_clock::time_point until) { worker().keep_hot_until(until); }
+
+  /// Lends this stream's worker to other threads' large elementwise loops while it is idle,
+  /// until `until` (Note [idle workers help]).
+  void lend_until(std::chrono::steady_clock::time_point until) { worker().lend_until(until); }
+
+  /// True when this stream's worker is lent and waits for work with nothing queued (Note [idle
+  /// workers help]); false for a stream without a worker.
+  bool idle_and_lent() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return worker_ != nullptr && worker_->idle_and_lent();
+  }
 
   /// True once the worker thread exists (a stream never posted to has none).
   bool has_worker() const {

@@ -288,11 +288,16 @@ class DataParallel {
   // twice the time since the previous forward (the step period), capped at kMaxActiveWindow:
   // short steps never sleep between bursts; a loop that pauses between steps (evaluation,
   // I/O) lets them sleep again after the cap. Spinning workers yield to runnable threads.
+  // The same window, up to kMaxLendWindow, lends the idle workers to the primary's large
+  // elementwise loops (Note [idle workers help]).
   static constexpr auto kMaxActiveWindow = std::chrono::milliseconds(10);
+  static constexpr auto kMaxLendWindow = std::chrono::seconds(1);
   void keep_workers_hot(std::size_t used) {
     const auto now = std::chrono::steady_clock::now();
     const auto period = now - last_forward_;
     last_forward_ = now;
+    if (period <= kMaxLendWindow && devices_[0].is_cpu())  // not after the first step
+      for (std::size_t r = 1; r < used; ++r) streams_[r]->lend_until(now + 2 * period);
     if (period > kMaxActiveWindow) return;  // also the first step
     const auto until = now + std::min<std::chrono::steady_clock::duration>(2 * period, kMaxActiveWindow);
     for (std::size_t r = 1; r < used; ++r) streams_[r]->keep_hot_until(until);

@@ -11,6 +11,7 @@
 
 #include "../../core/shape.hpp"
 #include "../functors.hpp"
+#include "parallel.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace backend::cpu {
@@ -96,7 +97,9 @@ void unary(const T* in, T* out, std::int64_t n, Op op) {
 /// out[i] = op(a[i], b[i]) for contiguous operands of equal size.
 template <class T, class Op>
 void binary_same(const T* a, const T* b, T* out, std::int64_t n, Op op) {
-  for (std::int64_t i = 0; i < n; ++i) out[i] = op(a[i], b[i]);
+  parallel_for(n, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) out[i] = op(a[i], b[i]);
+  });
 }
 
 /// out (contiguous, `shape`) = op(a, b) with broadcast strides (0 on broadcast dimensions).
@@ -276,7 +279,9 @@ template <class T>
 void squared_error_backward(const T* a, const T* b, std::int64_t n, T scale, const T* gscale, T* ga, T* gb) {
   // One plain loop per case (the usual one: a scalar scale and only ga), so each vectorises.
   if (!gscale && ga && !gb) {
-    for (std::int64_t i = 0; i < n; ++i) ga[i] = scale * (a[i] - b[i]);
+    parallel_for(n, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin; i < end; ++i) ga[i] = scale * (a[i] - b[i]);
+    });
     return;
   }
   for (std::int64_t i = 0; i < n; ++i) {
@@ -359,16 +364,22 @@ template <class T>
 void sgd_step(T* p, const T* g, T* buf, std::int64_t n, double lr, double momentum, double dampening,
               double weight_decay, bool nesterov, bool first_step, bool maximize) {
   const T lr_ = T(lr), mom = T(momentum), damp = T(1.0 - dampening), wd = T(weight_decay);
-  for (std::int64_t i = 0; i < n; ++i) {
-    T d = maximize ? -g[i] : g[i];
-    if (weight_decay != 0) d += wd * p[i];
-    if (momentum != 0) {
-      T b = first_step ? d : mom * buf[i] + damp * d;
-      buf[i] = b;
-      d = nesterov ? d + mom * b : b;
+  parallel_for(n, [&](std::int64_t begin, std::int64_t end) {
+    if (momentum == 0 && weight_decay == 0 && !maximize) {  // plain SGD: one vectorised loop
+      for (std::int64_t i = begin; i < end; ++i) p[i] -= lr_ * g[i];
+      return;
     }
-    p[i] -= lr_ * d;
-  }
+    for (std::int64_t i = begin; i < end; ++i) {
+      T d = maximize ? -g[i] : g[i];
+      if (weight_decay != 0) d += wd * p[i];
+      if (momentum != 0) {
+        T b = first_step ? d : mom * buf[i] + damp * d;
+        buf[i] = b;
+        d = nesterov ? d + mom * b : b;
+      }
+      p[i] -= lr_ * d;
+    }
+  });
 }
 
 /// One Adam / AdamW step on a flat parameter (torch.optim.Adam / AdamW rules).
@@ -381,7 +392,8 @@ void adam_step(T* p, const T* g, T* m, T* v, T* vmax, std::int64_t n, double lr,
   const T bc2_sqrt = static_cast<T>(std::sqrt(bc2));
   const T b1 = T(beta1), b2 = T(beta2), e = T(eps);
   const T decay = static_cast<T>(1.0 - lr * weight_decay), wd = T(weight_decay);
-  for (std::int64_t i = 0; i < n; ++i) {
+  parallel_for(n, [&](std::int64_t begin, std::int64_t end) {
+  for (std::int64_t i = begin; i < end; ++i) {
     T gi = maximize ? -g[i] : g[i];
     if (decoupled) {
       p[i] *= decay;
@@ -398,6 +410,7 @@ void adam_step(T* p, const T* g, T* m, T* v, T* vmax, std::int64_t n, double lr,
     T denom = std::sqrt(vhat) / bc2_sqrt + e;
     p[i] -= step_size * m[i] / denom;
   }
+  });
 }
 
 }  // namespace backend::cpu
