@@ -251,6 +251,8 @@ TEST(DataParallel, StepsLendTheReplicasIdleWorkers) {
   step();
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   step();  // period 200 ms: lent until about 400 ms from its forward
+  // (the worker may not be back in its wait loop yet when synchronize returns)
+  for (int i = 0; i < 100 && !s5.idle_and_lent(); ++i) std::this_thread::sleep_for(std::chrono::microseconds(500));
   EXPECT_TRUE(s5.idle_and_lent());
 }
 
