@@ -89,47 +89,6 @@ TEST(Devices, AllocationsAreCountedPerDevice) {
 
 // Issue 10, item 12: println writes whole lines, also from the replicas' worker threads at once
 // (under ThreadSanitizer, an unlocked write to the shared stream is reported as a race).
-// Note [CPU block cache]: a large block freed on a CPU device is reused for the next request of
-// its size class; empty_cache returns it; small blocks are not cached.
-TEST(Devices, LargeHostBlocksAreCachedAndEmptyCacheReleasesThem) {
-  set_cpu_device_count(std::max(cpu_device_count(), 3));
-  const Device d = Device::cpu(2);
-  empty_cache(d);
-  const auto s0 = memory_stats(d);
-  if (!detail::cpu_cache_enabled()) {  // AddressSanitizer, CHORUS_CPU_CACHING_ALLOCATOR=0: every free is real
-    { auto t = empty<float>({1 << 20}, d); }
-    { auto t = empty<float>({1 << 20}, d); }
-    EXPECT_EQ(memory_stats(d).num_system_allocs, s0.num_system_allocs + 2);
-    EXPECT_EQ(memory_stats(d).reserved, s0.reserved);
-    return;
-  }
-  void* first = nullptr;
-  {
-    auto t = empty<float>({1 << 20}, d);  // 4 MiB
-    first = t.data();
-    EXPECT_EQ(memory_stats(d).num_system_allocs, s0.num_system_allocs + 1);
-  }
-  EXPECT_EQ(memory_stats(d).allocated, s0.allocated);
-  EXPECT_GE(memory_stats(d).reserved, s0.reserved + (4 << 20));  // kept
-  {
-    auto t = empty<float>({(1 << 20) - 1000}, d);  // same size class: the same block
-    EXPECT_EQ(t.data(), first);
-    EXPECT_EQ(memory_stats(d).num_system_allocs, s0.num_system_allocs + 1);
-  }
-  {
-    auto t = empty<float>({1 << 21}, d);  // another class: new memory
-    EXPECT_NE(t.data(), first);
-    EXPECT_EQ(memory_stats(d).num_system_allocs, s0.num_system_allocs + 2);
-  }
-  empty_cache(d);
-  EXPECT_EQ(memory_stats(d).reserved, s0.reserved);
-  {
-    auto small = empty<float>({100}, d);  // small blocks go to the system every time
-    EXPECT_EQ(memory_stats(d).num_system_allocs, s0.num_system_allocs + 3);
-  }
-  EXPECT_EQ(memory_stats(d).reserved, s0.reserved);
-}
-
 // Note [host aliases]: an alias is memory of another CPU device over the same bytes; it shares
 // the version counter, keeps the owner alive, and never joins other kinds of memory.
 TEST(Devices, HostAliasesShareMemoryAndVersionAndKeepTheOwnerAlive) {

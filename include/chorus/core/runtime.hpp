@@ -202,10 +202,6 @@ inline Allocator& allocator_of(Device d) { return detail::Runtime::get().allocat
 /// Memory statistics of device `d`.
 inline MemoryStats memory_stats(Device d) { return allocator_of(d).stats(); }
 
-/// Returns the memory device `d`'s allocator caches to the system (Note [CPU block cache],
-/// Note [CUDA allocator]); memory_stats(d).reserved drops to what live tensors hold.
-inline void empty_cache(Device d) { allocator_of(d).empty_cache(); }
-
 /// Stream `slot` of device `d` (slot 0 is the device's default stream).
 inline Stream& get_stream(Device d, int slot = 0) { return detail::Runtime::get().stream(d, slot); }
 
