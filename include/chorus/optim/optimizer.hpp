@@ -120,38 +120,39 @@ class Optimizer {
     }
   }
 
+  /// Calls f(index, param, grad) with typed tensors for each floating-point parameter that has a
+  /// gradient.
+  template <class F>
+  void with_grads(F&& f) {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      params_[i].visit([&](auto& p) {
+        using T = typename std::decay_t<decltype(p)>::value_type;
+        if constexpr (is_floating_v<T>) {
+          auto grad = p.grad();
+          if (grad.defined()) f(i, p, grad);
+        }
+      });
+    }
+  }
+
   /// Calls f(param, grad, state, group) with typed tensors for each parameter that has a gradient.
   /// Every gradient is checked before any parameter is updated: a bad one leaves the step
   /// undone, not half done (no parameter moved, no optimizer state advanced).
   template <class F>
   void for_each_with_grad(F&& f) {
     NoGradGuard g;
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      params_[i].visit([&](auto& p) {
-        using T = typename std::decay_t<decltype(p)>::value_type;
-        if constexpr (is_floating_v<T>) {
-          auto grad = p.grad();
-          if (!grad.defined()) return;
-          CHORUS_CHECK(p.is_contiguous() && grad.is_contiguous(), "optimizer: parameter ", i,
-                       " or its gradient is not contiguous");
-          CHORUS_CHECK(grad.shape() == p.shape(), "optimizer: gradient of parameter ", i, " has shape ",
-                       grad.shape(), ", the parameter has shape ", p.shape());
-          CHORUS_CHECK(grad.device() == p.device(), "optimizer: gradient of parameter ", i, " is on ", grad.device(),
-                       ", the parameter on ", p.device());
-        }
-      });
-    }
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      params_[i].visit([&](auto& p) {
-        using T = typename std::decay_t<decltype(p)>::value_type;
-        if constexpr (is_floating_v<T>) {
-          auto grad = p.grad();
-          if (!grad.defined()) return;
-          f(p, grad, state_[i], group_of_[i]);
-          p.bump_version();  // an in-place update (Note [version counter])
-        }
-      });
-    }
+    with_grads([](std::size_t i, auto& p, auto& grad) {
+      CHORUS_CHECK(p.is_contiguous() && grad.is_contiguous(), "optimizer: parameter ", i,
+                   " or its gradient is not contiguous");
+      CHORUS_CHECK(grad.shape() == p.shape(), "optimizer: gradient of parameter ", i, " has shape ", grad.shape(),
+                   ", the parameter has shape ", p.shape());
+      CHORUS_CHECK(grad.device() == p.device(), "optimizer: gradient of parameter ", i, " is on ", grad.device(),
+                   ", the parameter on ", p.device());
+    });
+    with_grads([&](std::size_t i, auto& p, auto& grad) {
+      f(p, grad, state_[i], group_of_[i]);
+      p.bump_version();  // an in-place update (Note [version counter])
+    });
   }
 
   /// The state tensor `key` of a parameter, created as zeros on first use.
