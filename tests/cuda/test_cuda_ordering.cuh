@@ -223,7 +223,7 @@ TEST(Cuda, ProductsFromManyThreadsAndStreamsMatchTheCpu) {
   for (int t = 0; t < 6; ++t) {
     threads.emplace_back([&, t] {
       try {
-        StreamGuard g(get_stream(kGpu, 20 + t % 3));  // two threads per stream
+        StreamGuard g(get_stream(kGpu, 20 + t));  // a stream per thread (one issuer per stream)
         for (int i = 0; i < 10; ++i) {
           auto p = matmul(a.to(kGpu), b.to(kGpu)).to(Device::cpu());
           auto l = linear(a.to(kGpu), w.to(kGpu), bias.to(kGpu)).to(Device::cpu());

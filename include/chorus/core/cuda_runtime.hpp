@@ -46,6 +46,7 @@ inline void check_launch(const char* what) {
   CHORUS_CHECK(e == cudaSuccess, "CUDA kernel launch failed (", what, "): ", cudaGetErrorString(e));
   if (debug_sync_enabled()) {
     e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) (void)cudaGetLastError();  // thrown below, not left for the next launch
     CHORUS_CHECK(e == cudaSuccess, "CUDA kernel failed (", what, ", CHORUS_DEBUG_SYNC): ",
                  cudaGetErrorString(e));
   }
@@ -217,6 +218,9 @@ inline void check_device_asserts() {
   if (!failed_rearm.empty()) msg += "; device-side validation could not be re-armed on " + failed_rearm;
   throw Error(msg);
 }
+
+/// The same check: every device is looked at, whichever one a synchronisation covered.
+inline void check_device_asserts(int /*synchronised_device*/) { check_device_asserts(); }
 
 }  // namespace cuda
 CHORUS_NAMESPACE_END

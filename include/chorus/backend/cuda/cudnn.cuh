@@ -116,17 +116,27 @@ std::vector<ConvAlgoPerf> reduce_perf(const Perf* perf, int n) {
 template <class Algo, class Perf, class Ws>
 std::pair<Algo, std::size_t> choose(const Perf* perf, int n, cudnnConvolutionDescriptor_t conv,
                                     const ConvMathPolicy& policy, Ws&& ws, const char* what) {
+  const char* refused = nullptr;  // why the last candidate was refused
   for (const auto& c : conv_algo_order(reduce_perf(perf, n), policy)) {
     CHORUS_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, static_cast<cudnnMathType_t>(c.math)));
     std::size_t bytes = 0;
+    // An algorithm that cannot run under this math type answers NOT_SUPPORTED (or, in some
+    // versions, BAD_PARAM): the next candidate is tried.
     const cudnnStatus_t st = ws(perf[c.index].algo, &bytes);
-    if (st == CUDNN_STATUS_NOT_SUPPORTED || (st == CUDNN_STATUS_SUCCESS && bytes > kMaxWorkspace)) continue;
-    CHORUS_CUDNN_CHECK(st);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      refused = cudnnGetErrorString(st);
+      continue;
+    }
+    if (bytes > kMaxWorkspace) {
+      refused = "workspace over the limit";
+      continue;
+    }
     return {perf[c.index].algo, bytes};
   }
   CHORUS_FAIL("cuDNN: no ", what, " convolution algorithm for this shape",
               policy.deterministic ? " among the deterministic ones (cudnn::set_deterministic)" : "",
-              " within the ", kMaxWorkspace >> 20, " MiB workspace limit");
+              " within the ", kMaxWorkspace >> 20, " MiB workspace limit",
+              refused ? std::string(" (last refusal: ") + refused + ")" : std::string());
 }
 }  // namespace detail
 
