@@ -137,7 +137,8 @@ namespace detail {
 /// two streams of one device) runs on `dst_stream`, after the work on `src_stream` so far (which
 /// produced the source); and later work on `src_stream` waits for the copy, so that an in-place
 /// write to the source (an optimizer step after the broadcast read it) cannot overtake the copy's
-/// read. Both streams are recorded as users of both blocks (Note [cross-device stream uses]).
+/// read. The destination's stream is recorded as a user of both blocks (Note [cross-device
+/// stream uses]), so that neither is reused before the copy has run.
 inline void copy_between_streams(void* dst, Device dst_dev, Stream& dst_stream, const void* src, Device src_dev,
                                  Stream& src_stream, std::size_t nbytes) {
   cuda::DeviceGuard g(dst_dev.index);
@@ -196,9 +197,8 @@ inline void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_de
     bool pinned = false;
     try {
       pinned = pinned_host_allocator().record_use(src, s.handle(), dst_dev.index);
-    } catch (...) {  // the block's reuse cannot wait for the copy: wait here
-      (void)cuda::tolerate(cudaStreamSynchronize(s.handle()));
-      throw;
+    } catch (...) {  // no event for the block to wait for: the copy is waited for here instead
+      pinned = false;
     }
     if (!pinned) CHORUS_CUDA_CHECK(cudaStreamSynchronize(s.handle()));  // the host buffer is free to change on return
     return;
