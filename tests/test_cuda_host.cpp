@@ -1,15 +1,18 @@
 // The CUDA backend's host-side decisions, checked with g++ on any machine (no GPU, no CUDA
-// headers): cuBLASLt alignment rules and plan-cache key, checked narrowing to int, the stream-use
-// bookkeeping of the allocator (which device each using stream belongs to), and the messages of
-// device-side validation.
+// headers): cuBLASLt alignment rules and plan-cache key, cuDNN's algorithm and math-type choice,
+// checked narrowing to int, the allocators' bookkeeping (which device each using stream belongs
+// to, the host-side cache of freed device blocks, pinned blocks that wait for their copies), and
+// device-side validation (its messages, and the order in which a check clears and re-arms).
 #include <gtest/gtest.h>
 
 #include <chorus/backend/cuda/host_policy.hpp>
 #include <chorus/core/block_table.hpp>
 #include <chorus/core/device_assert.hpp>
+#include <algorithm>
 #include <climits>
 #include <string>
 #include <unordered_set>
+#include <vector>
 
 #include "test_util.hpp"
 
@@ -135,4 +138,164 @@ TEST(CudaHostPolicy, DeviceAssertMessagesNameTheValues) {
   m = detail::describe(a, "cuda:0");
   for (const char* part : {"index_select", "index -1", "position 2", "dimension 1", "size 6"})
     EXPECT_NE(m.find(part), std::string::npos) << part << " not in: " << m;
+}
+
+namespace {
+/// What a kernel's device_assert does (kernels.cuh), on the host: claim the guard, fill the
+/// record, publish the code last.
+bool fake_kernel_report(int& guard, detail::DeviceAssert& r, int code, std::int64_t value) {
+  if (guard != 0) return false;  // another report holds the record: skip
+  guard = 1;
+  r.value = value;
+  r.index = 0;
+  r.bound = 10;
+  r.code = code;
+  return true;
+}
+}  // namespace
+
+TEST(CudaHostPolicy, ADeviceAssertCheckReportsEveryDeviceWithASink) {
+  // Note [device-side validation]: a loop that only synchronises cuda:0 (loss.item()) must also
+  // hear of a bad target found by a replica's kernel on cuda:1.
+  detail::DeviceAssert records[64];
+  int guards[64] = {};
+  ASSERT_TRUE(fake_kernel_report(guards[1], records[1], detail::kAssertCrossEntropyTarget, 12));
+  ASSERT_TRUE(fake_kernel_report(guards[3], records[3], detail::kAssertNllTarget, 7));
+  ASSERT_TRUE(fake_kernel_report(guards[5], records[5], detail::kAssertNllTarget, 9));  // no sink given there
+  std::vector<int> rearmed;
+  const std::uint64_t with_sinks = (1u << 0) | (1u << 1) | (1u << 3);
+  const auto msg = detail::take_device_asserts(records, with_sinks, [&](int d) {
+    rearmed.push_back(d);
+    guards[d] = 0;
+  });
+  EXPECT_NE(msg.find("cross_entropy: target 12"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("cuda:1"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("nll_loss: target 7"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("cuda:3"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find("target 9"), std::string::npos) << "a device outside the mask was read: " << msg;
+  EXPECT_EQ(rearmed, (std::vector<int>{1, 3}));
+  EXPECT_EQ(records[1].code, detail::kAssertNone);
+  EXPECT_EQ(records[3].code, detail::kAssertNone);
+  EXPECT_EQ(detail::take_device_asserts(records, with_sinks, [](int) { FAIL() << "nothing to re-arm"; }), "");
+}
+
+TEST(CudaHostPolicy, ADeviceAssertRecordIsClearedBeforeItsGuardIsReArmed) {
+  // Note [re-arming device-side validation]: a kernel that runs as soon as the guard is reset
+  // (another stream's bad index) must keep its report. Cleared after re-arming, the record
+  // would lose it while the guard stays claimed, and no bad index would be reported again.
+  detail::DeviceAssert records[64];
+  int guards[64] = {};
+  ASSERT_TRUE(fake_kernel_report(guards[0], records[0], detail::kAssertIndexSelect, 5));
+  bool cleared_first = false;
+  auto msg = detail::take_device_asserts(records, 1u, [&](int d) {
+    cleared_first = records[d].code == detail::kAssertNone;
+    guards[d] = 0;
+    // The concurrent kernel: it finds the guard armed and reports.
+    EXPECT_TRUE(fake_kernel_report(guards[d], records[d], detail::kAssertCrossEntropyTarget, 42));
+  });
+  EXPECT_TRUE(cleared_first) << "the guard was re-armed while the record still held the old report";
+  EXPECT_NE(msg.find("index_select: index 5"), std::string::npos) << msg;
+  // The concurrent report survives and is taken by the next check ...
+  EXPECT_EQ(records[0].code, detail::kAssertCrossEntropyTarget);
+  msg = detail::take_device_asserts(records, 1u, [&](int d) { guards[d] = 0; });
+  EXPECT_NE(msg.find("target 42"), std::string::npos) << msg;
+  // ... and the device reports again after it.
+  EXPECT_TRUE(fake_kernel_report(guards[0], records[0], detail::kAssertNllTarget, 3));
+  EXPECT_NE(detail::take_device_asserts(records, 1u, [&](int d) { guards[d] = 0; }).find("target 3"),
+            std::string::npos);
+}
+
+TEST(CudaHostPolicy, FreedDeviceBlocksAreReusedOnlyBySameStreamAndSize) {
+  // Note [CUDA block cache]: reuse without a driver call is safe only in the stream order of
+  // the stream the block was freed on.
+  using Cache = detail::BlockCache<int>;
+  EXPECT_EQ(Cache::round(1), 512u);
+  EXPECT_EQ(Cache::round(512), 512u);
+  EXPECT_EQ(Cache::round(513), 1024u);
+  Cache c;
+  int a = 0, b = 0, d = 0;
+  c.put(/*stream=*/1, 512, &a);
+  c.put(1, 1024, &b);
+  c.put(2, 512, &d);
+  EXPECT_EQ(c.bytes(), 2048u);
+  EXPECT_EQ(c.take(3, 512), nullptr) << "a block of another stream";
+  EXPECT_EQ(c.take(1, 1536), nullptr) << "a block of another size";
+  EXPECT_EQ(c.take(1, 512), &a);
+  EXPECT_EQ(c.take(1, 512), nullptr) << "taken twice";
+  EXPECT_EQ(c.bytes(), 1536u);
+  std::vector<std::pair<int, void*>> given_back;
+  c.drain([&](int s, std::size_t size, void* p) {
+    given_back.emplace_back(s, p);
+    EXPECT_TRUE((p == &b && size == 1024 && s == 1) || (p == &d && size == 512 && s == 2));
+  });
+  EXPECT_EQ(given_back.size(), 2u);
+  EXPECT_EQ(c.bytes(), 0u);
+  EXPECT_EQ(c.take(2, 512), nullptr);
+}
+
+TEST(CudaHostPolicy, APinnedBlockIsReusedOnlyAfterTheCopiesThatReadIt) {
+  // Note [deferred host frees]: an asynchronous host-to-device copy may still read a batch's
+  // pinned block after the batch is dropped.
+  struct Ev {
+    int id;
+  };
+  std::vector<int> done, released;
+  auto is_done = [&](const Ev& e) { return std::find(done.begin(), done.end(), e.id) != done.end(); };
+  auto release = [&](const Ev& e) { released.push_back(e.id); };
+  detail::HostBlockPool<Ev> pool;
+  alignas(64) static char mem[3][256];
+  pool.add(mem[0], 256);
+  pool.add(mem[1], 256);
+  EXPECT_TRUE(pool.contains(mem[0] + 100));
+  EXPECT_FALSE(pool.contains(mem[2]));
+  EXPECT_TRUE(pool.record(mem[0] + 128, Ev{1}));  // a copy of the batch's second half (a chunk)
+  EXPECT_TRUE(pool.record(mem[0], Ev{2}));        // and one of its first half, to another device
+  EXPECT_FALSE(pool.record(mem[2], Ev{3})) << "pageable memory is not the pool's";
+  EXPECT_TRUE(pool.free(mem[0]));
+  EXPECT_TRUE(pool.free(mem[1]));  // never copied: free at once
+  EXPECT_FALSE(pool.free(mem[2]));
+  EXPECT_EQ(pool.pending(), 1u);
+  EXPECT_EQ(pool.take(256, is_done, release), mem[1]);
+  EXPECT_EQ(pool.take(256, is_done, release), nullptr) << "reused while a copy may still read it";
+  done.push_back(1);
+  EXPECT_EQ(pool.take(256, is_done, release), nullptr) << "reused while the second copy may still read it";
+  EXPECT_TRUE(released.empty());
+  done.push_back(2);
+  EXPECT_EQ(pool.take(128, is_done, release), nullptr) << "another size";
+  EXPECT_EQ(pool.pending(), 0u);
+  EXPECT_EQ(released, (std::vector<int>{1, 2}));
+  EXPECT_EQ(pool.take(256, is_done, release), mem[0]);
+  EXPECT_EQ(pool.live(), 2u);
+  EXPECT_FALSE(pool.record(mem[1] + 256, Ev{4})) << "one past the end of the last block";
+}
+
+TEST(CudaHostPolicy, CudnnAlgorithmsRunUnderTheMathTypeChorusAllows) {
+  // Note [cuDNN algorithm choice]
+  using M = bc::ConvMath;
+  const std::vector<bc::ConvAlgoPerf> perf = {
+      {/*algo=*/6, /*ok=*/false, M::TensorOp, true},                 // failed: never
+      {1, true, M::TensorOpAllowConversion, false},                  // fast, nondeterministic, converts to half
+      {2, true, M::TensorOp, true},
+      {0, true, M::Fma, true},
+  };
+  auto order = [&](bc::ConvMathPolicy p) {
+    std::vector<std::pair<int, M>> out;
+    for (const auto& c : bc::conv_algo_order(perf, p)) out.emplace_back(perf[c.index].algo, c.math);
+    return out;
+  };
+  // float without TF32: every algorithm on FMA math.
+  EXPECT_EQ(bc::conv_query_math({true, false, false}), M::Fma);
+  EXPECT_EQ(order({true, false, false}),
+            (std::vector<std::pair<int, M>>{{1, M::Fma}, {2, M::Fma}, {0, M::Fma}}));
+  // float with TF32: the entry's own math type, never a conversion to half precision.
+  EXPECT_EQ(bc::conv_query_math({true, true, false}), M::Default);
+  EXPECT_EQ(order({true, true, false}),
+            (std::vector<std::pair<int, M>>{{1, M::TensorOp}, {2, M::TensorOp}, {0, M::Fma}}));
+  // double: the entry's own.
+  EXPECT_EQ(bc::conv_query_math({false, false, false}), M::Default);
+  EXPECT_EQ(order({false, false, false}),
+            (std::vector<std::pair<int, M>>{{1, M::TensorOp}, {2, M::TensorOp}, {0, M::Fma}}));
+  // deterministic: the nondeterministic entry is left out.
+  EXPECT_EQ(order({true, false, true}), (std::vector<std::pair<int, M>>{{2, M::Fma}, {0, M::Fma}}));
+  EXPECT_TRUE(bc::conv_algo_order({{3, true, M::Fma, false}}, {true, false, true}).empty());
 }

@@ -473,10 +473,13 @@ TEST(Cuda, CrossDeviceCopiesRecordTheirStreamUnderItsOwnDevice) {
   const Device other = cuda_device_count() > 1 ? Device::cuda(1) : kGpu;
   for (int i = 0; i < 20; ++i) {
     auto dst = Tensor<float>::empty({1 << 20}, other);
+    Event allocated;  // dst belongs to slot 0; stream 3 writes it (Note [allocate on the stream that writes])
+    allocated.record(current_stream(other));
     {
       auto src = full<float>({1 << 20}, static_cast<float>(i), kGpu);
       Stream& ds = get_stream(other, 3);
       StreamGuard g(ds);
+      allocated.block(ds);
       spin(ds, 2);  // the copy stays queued while src is freed
       copy_bytes(dst.data(), other, src.data(), kGpu, sizeof(float) << 20);  // what src.to(other) does
       Event copied;
@@ -634,3 +637,5 @@ TEST(Cuda, DataLoaderPinsBatches) {
   const auto stats = data::pinned_host_allocator().stats();
   EXPECT_LT(stats.num_system_allocs, stats.num_allocs);  // later batches reuse earlier blocks
 }
+
+#include "test_cuda_ordering.cuh"

@@ -1,7 +1,9 @@
 #pragma once
-// The bookkeeping of a stream-ordered allocator, apart from any device API: which stream each
-// live block was allocated on, and which other streams (and on which device each of them
-// lives) used it since. Generic over the stream handle so that it is tested on the CPU.
+// The bookkeeping of the allocators of device-visible memory, apart from any device API: which
+// stream each live block was allocated on, and which other streams (and on which device each
+// of them lives) used it since; the host-side cache of freed device blocks; the pinned host
+// blocks that wait for their copies before reuse. Generic over the stream and event handles
+// so that it is tested on the CPU.
 //
 // Note [cross-device stream uses]
 // A block on device A can be read by a stream of device B (a peer copy is ordered on the
@@ -12,8 +14,11 @@
 // copy still reads it.
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "../config.hpp"
@@ -65,6 +70,151 @@ class BlockTable {
 
  private:
   std::map<std::uintptr_t, Block> blocks_;  // by start address
+};
+
+// Note [CUDA block cache]
+// A driver call per allocation (cudaMallocAsync, cudaFreeAsync: each takes the pool's lock)
+// costs about a microsecond of host time, and a small training step allocates hundreds of
+// tensors. So freed device blocks stay on the host side, by (stream, size), and a later
+// allocation of that size on that stream takes one back without calling the driver. That
+// reuse is safe by stream order: the block was freed on its own stream after every recorded
+// use of another stream had been made to precede it there (Note [CUDA allocator]). Sizes are
+// rounded up to 512 bytes, so slightly different sizes share blocks. The cache gives its
+// blocks back to the driver's pool (which any stream and size may then reuse) when an
+// allocation fails for lack of memory and when it holds more than its limit.
+template <class Handle>
+class BlockCache {
+ public:
+  static constexpr std::size_t kRound = 512;
+  static constexpr std::size_t round(std::size_t n) { return (n + kRound - 1) / kRound * kRound; }
+
+  /// Keeps block `p` of (rounded) `size`, freed on `stream`.
+  void put(Handle stream, std::size_t size, void* p) {
+    free_[Key{stream, size}].push_back(p);
+    bytes_ += size;
+  }
+  /// A cached block of `size` freed on `stream`, or nullptr.
+  void* take(Handle stream, std::size_t size) {
+    auto it = free_.find(Key{stream, size});
+    if (it == free_.end() || it->second.empty()) return nullptr;
+    void* p = it->second.back();  // the most recently freed block: likely still in cache
+    it->second.pop_back();
+    bytes_ -= size;
+    return p;
+  }
+  /// Empties the cache, handing each block to `give_back(stream, size, p)`.
+  template <class F>
+  void drain(F&& give_back) {
+    auto all = std::exchange(free_, {});
+    bytes_ = 0;
+    for (auto& [key, blocks] : all)
+      for (void* p : blocks) give_back(key.stream, key.size, p);
+  }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  struct Key {
+    Handle stream{};
+    std::size_t size = 0;
+    bool operator==(const Key&) const = default;
+  };
+  struct KeyHash {
+    std::size_t operator()(const Key& k) const {
+      return std::hash<Handle>{}(k.stream) ^ (std::hash<std::size_t>{}(k.size) * 0x9e3779b97f4a7c15ULL);
+    }
+  };
+  std::unordered_map<Key, std::vector<void*>, KeyHash> free_;
+  std::size_t bytes_ = 0;
+};
+
+// Note [deferred host frees]
+// A copy from page-locked host memory to a device runs asynchronously (Note [async
+// host-to-device copies] in storage.hpp): the host block may be dropped while the copy still
+// reads it. So each such copy records an event into the block, a freed block waits in a
+// pending list, and it is reused only once all of its events have completed (as PyTorch's
+// CachingHostAllocator does). Generic over the event type so that it is tested on the CPU.
+template <class Event>
+class HostBlockPool {
+ public:
+  /// A new live block.
+  void add(void* p, std::size_t size) { live_[addr(p)] = Live{size, {}}; }
+
+  /// Notes that `e` marks the end of a use of the live block containing `p`; false (and `e`
+  /// untouched) when no live block contains it.
+  bool record(const void* p, Event e) {
+    auto it = find(p);
+    if (it == live_.end()) return false;
+    it->second.events.push_back(std::move(e));
+    return true;
+  }
+  bool contains(const void* p) const { return find(p) != live_.end(); }
+
+  /// The block starting at `p` is freed: reusable at once when nothing used it, else once its
+  /// events are done. Returns false for an unknown block.
+  bool free(void* p) {
+    auto it = live_.find(addr(p));
+    if (it == live_.end()) return false;
+    Live b = std::move(it->second);
+    live_.erase(it);
+    if (b.events.empty()) free_[b.size].push_back(p);
+    else pending_.push_back(Pending{p, b.size, std::move(b.events)});
+    return true;
+  }
+
+  /// A free block of exactly `size` (made live again), or nullptr. Pending blocks whose events
+  /// are all done (`done(e)`) become free first; their events go to `release(e)`.
+  template <class Done, class Release>
+  void* take(std::size_t size, Done&& done, Release&& release) {
+    for (std::size_t i = 0; i < pending_.size();) {
+      auto& b = pending_[i];
+      bool all = true;
+      for (const auto& e : b.events) all = all && done(e);
+      if (!all) {
+        ++i;
+        continue;
+      }
+      for (auto& e : b.events) release(e);
+      free_[b.size].push_back(b.p);
+      pending_[i] = std::move(pending_.back());
+      pending_.pop_back();
+    }
+    auto it = free_.find(size);
+    if (it == free_.end() || it->second.empty()) return nullptr;
+    void* p = it->second.back();
+    it->second.pop_back();
+    add(p, size);
+    return p;
+  }
+
+  std::size_t pending() const { return pending_.size(); }
+  std::size_t live() const { return live_.size(); }
+
+ private:
+  struct Live {
+    std::size_t size = 0;
+    std::vector<Event> events;
+  };
+  struct Pending {
+    void* p = nullptr;
+    std::size_t size = 0;
+    std::vector<Event> events;
+  };
+  static std::uintptr_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+  typename std::map<std::uintptr_t, Live>::iterator find(const void* p) {
+    auto it = live_.upper_bound(addr(p));
+    if (it == live_.begin()) return live_.end();
+    --it;
+    return addr(p) < it->first + it->second.size ? it : live_.end();
+  }
+  typename std::map<std::uintptr_t, Live>::const_iterator find(const void* p) const {
+    auto it = live_.upper_bound(addr(p));
+    if (it == live_.begin()) return live_.end();
+    --it;
+    return addr(p) < it->first + it->second.size ? it : live_.end();
+  }
+  std::map<std::uintptr_t, Live> live_;  // by start address (copies may read from inside a block)
+  std::map<std::size_t, std::vector<void*>> free_;
+  std::vector<Pending> pending_;
 };
 
 }  // namespace detail

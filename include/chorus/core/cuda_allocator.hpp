@@ -6,9 +6,13 @@
 // on the device's default memory pool, whose release threshold is raised so that freed
 // memory stays in the pool: after the first training step no cudaMalloc/cudaFree happens.
 // A block is allocated and freed on the stream that was current when it was allocated;
-// record_stream() notes other streams that use it, and the free then waits for them (as
-// PyTorch's recordStream does), so memory is never reused while another stream still reads
-// it. CHORUS_CUDA_CACHING_ALLOCATOR=0 switches to plain cudaMalloc/cudaFree (synchronous),
+// record_stream() notes other streams that use it, and the free then makes that stream wait
+// for them (as PyTorch's recordStream does), so memory is never reused while another stream
+// still reads it. Freed blocks stay in a host-side cache for their stream (Note [CUDA block
+// cache] in block_table.hpp): the steady state makes no driver call per allocation. Memory
+// allocated on stream A and first written on stream B needs B ordered after A (an event), or
+// the allocation made under B (a StreamGuard): the block may be one whose last reader on A
+// has not run yet. CHORUS_CUDA_CACHING_ALLOCATOR=0 switches to plain cudaMalloc/cudaFree (synchronous),
 // which is what compute-sanitizer should see. (Empty unless compiled by nvcc.)
 #include <atomic>
 #include "../config.hpp"
@@ -16,8 +20,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
+#include <optional>
 #include <string_view>
-#include <map>
+#include <utility>
 #include <vector>
 
 #include "allocator.hpp"
@@ -49,6 +54,9 @@ inline CurrentCudaStreamFn& current_cuda_stream_fn() {
 
 class CudaCachingAllocator final : public Allocator {
  public:
+  /// The most freed memory the host-side cache keeps per device (Note [CUDA block cache]).
+  static constexpr std::size_t kMaxCachedBytes = std::size_t{1} << 30;
+
   explicit CudaCachingAllocator(int device) : device_(device), caching_(detail::caching_allocator_enabled()) {
     if (caching_) {
       cuda::DeviceGuard g(device_);
@@ -64,42 +72,33 @@ class CudaCachingAllocator final : public Allocator {
 
   void* allocate(std::size_t nbytes) override {
     if (nbytes == 0) return nullptr;
-    cuda::DeviceGuard g(device_);
     void* p = nullptr;
     cudaStream_t s = nullptr;
     if (caching_) {
       s = detail::current_cuda_stream_fn()(device_);
-      // Asking the pool what it holds costs a driver call: only when it may have to grow.
-      const bool may_grow =
-          stats_.allocated.load(std::memory_order_relaxed) + static_cast<std::int64_t>(nbytes) > known_reserved_.load();
-      const std::int64_t before = may_grow ? reserved() : 0;
-      cudaError_t e = cudaMallocAsync(&p, nbytes, s);
-      if (e == cudaErrorMemoryAllocation) {  // give the pool's unused memory back and retry once
-        (void)cuda::tolerate(e);
-        CHORUS_CUDA_CHECK(cudaDeviceSynchronize());
-        CHORUS_CUDA_CHECK(cudaMemPoolTrimTo(pool_, 0));
-        e = cudaMallocAsync(&p, nbytes, s);
+      const std::size_t size = Cache::round(nbytes);
+      {  // the hot path: no driver call (Note [CUDA block cache])
+        std::lock_guard<std::mutex> lk(m_);
+        p = cache_.take(s, size);
+        if (p) blocks_.add(reinterpret_cast<std::uintptr_t>(p), s, size);
       }
-      CHORUS_CHECK(e == cudaSuccess, "CUDA out of memory on cuda:", device_, " allocating ", nbytes,
-                   " bytes: ", cudaGetErrorString(e), " (", stats_.allocated.load(), " bytes in use)");
-      if (may_grow) {
-        const std::int64_t after = reserved();
-        known_reserved_.store(after);
-        if (after > before) stats_.num_system.fetch_add(1, std::memory_order_relaxed);
+      if (!p) {
+        p = allocate_from_pool(size, nbytes, s);
+        misses_.fetch_add(1, std::memory_order_relaxed);
       }
     } else {
+      cuda::DeviceGuard g(device_);
       cudaError_t e = cuda::tolerate(cudaMalloc(&p, nbytes));
       CHORUS_CHECK(e == cudaSuccess, "CUDA out of memory on cuda:", device_, " allocating ", nbytes,
                    " bytes: ", cudaGetErrorString(e));
       stats_.num_system.fetch_add(1, std::memory_order_relaxed);
       stats_.reserved.fetch_add(static_cast<std::int64_t>(nbytes), std::memory_order_relaxed);
-    }
-    {
       std::lock_guard<std::mutex> lk(m_);
       blocks_.add(reinterpret_cast<std::uintptr_t>(p), s, nbytes);
     }
     stats_.on_alloc(static_cast<std::int64_t>(nbytes));
     if (detail::poison_flag().load(std::memory_order_relaxed)) {  // all-ones bytes: NaN in every float type
+      cuda::DeviceGuard g(device_);
       CHORUS_CUDA_CHECK(cudaMemsetAsync(p, 0xFF, nbytes, s ? s : detail::current_cuda_stream_fn()(device_)));
     }
     return p;
@@ -107,49 +106,42 @@ class CudaCachingAllocator final : public Allocator {
 
   void deallocate(void* p, std::size_t nbytes) noexcept override {
     if (!p) return;
-    Blocks::Block b;
+    std::optional<Blocks::Block> taken;
     {
       std::lock_guard<std::mutex> lk(m_);
-      if (auto taken = blocks_.take(reinterpret_cast<std::uintptr_t>(p))) b = std::move(*taken);
+      taken = blocks_.take(reinterpret_cast<std::uintptr_t>(p));
     }
-    // Best effort (a destructor cannot throw), but every tolerated code is cleared
-    // (Note [tolerated CUDA errors]).
-    int prev = 0;
-    (void)cuda::tolerate(cudaGetDevice(&prev));
-    if (caching_) {
-      // Wait for every other stream that used it, each recorded under its own device
-      // (Note [cross-device stream uses]). If an event cannot be recorded the free waits for
-      // the whole device instead of risking reuse under a reader.
-      bool ordered = true;
-      for (const auto& use : b.used_on) {
-        try {
-          cudaEvent_t ev = cuda::EventPool::get().acquire(use.device);
-          (void)cuda::tolerate(cudaSetDevice(use.device));
-          const cudaError_t rec = cuda::tolerate(cudaEventRecord(ev, use.stream));
-          (void)cuda::tolerate(cudaSetDevice(device_));
-          const cudaError_t wait = rec == cudaSuccess ? cuda::tolerate(cudaStreamWaitEvent(b.stream, ev, 0)) : rec;
-          cuda::EventPool::get().release(use.device, ev);
-          ordered = ordered && wait == cudaSuccess;
-        } catch (...) {
-          ordered = false;
-        }
-      }
-      (void)cuda::tolerate(cudaSetDevice(device_));
-      if (!ordered) {
-        for (const auto& use : b.used_on) {
-          (void)cuda::tolerate(cudaSetDevice(use.device));
-          (void)cuda::tolerate(cudaStreamSynchronize(use.stream));
-        }
-        (void)cuda::tolerate(cudaSetDevice(device_));
-      }
-      (void)cuda::tolerate(cudaFreeAsync(p, b.stream));
-    } else {
+    stats_.on_free(static_cast<std::int64_t>(nbytes));
+    if (!caching_) {
+      int prev = 0;
+      (void)cuda::tolerate(cudaGetDevice(&prev));
       (void)cuda::tolerate(cudaSetDevice(device_));
       (void)cuda::tolerate(cudaFree(p));
+      (void)cuda::tolerate(cudaSetDevice(prev));
       stats_.reserved.fetch_sub(static_cast<std::int64_t>(nbytes), std::memory_order_relaxed);
+      return;
     }
-    (void)cuda::tolerate(cudaSetDevice(prev));
-    stats_.on_free(static_cast<std::int64_t>(nbytes));
+    if (!taken) {  // not ours (cannot happen through StorageImpl): the pool takes it back
+      int prev = 0;
+      (void)cuda::tolerate(cudaGetDevice(&prev));
+      (void)cuda::tolerate(cudaSetDevice(device_));
+      (void)cuda::tolerate(cudaFreeAsync(p, nullptr));
+      (void)cuda::tolerate(cudaSetDevice(prev));
+      return;
+    }
+    // Best effort (a destructor cannot throw), but every tolerated code is cleared
+    // (Note [tolerated CUDA errors]). Without other streams' uses: no driver call at all.
+    if (!taken->used_on.empty()) order_after_uses(*taken);
+    try {
+      std::lock_guard<std::mutex> lk(m_);
+      cache_.put(taken->stream, taken->size, p);
+    } catch (...) {  // out of host memory growing the cache: the pool takes it back
+      int prev = 0;
+      (void)cuda::tolerate(cudaGetDevice(&prev));
+      (void)cuda::tolerate(cudaSetDevice(device_));
+      (void)cuda::tolerate(cudaFreeAsync(p, taken->stream));
+      (void)cuda::tolerate(cudaSetDevice(prev));
+    }
   }
 
   /// Notes that stream `s`, of device `stream_device`, uses the block holding address `p`
@@ -168,13 +160,110 @@ class CudaCachingAllocator final : public Allocator {
   void reset_peak() override { stats_.reset_peak(); }
   void empty_cache() override {
     if (!caching_) return;
+    release_cached();
     cuda::DeviceGuard g(device_);
     CHORUS_CUDA_CHECK(cudaDeviceSynchronize());
     CHORUS_CUDA_CHECK(cudaMemPoolTrimTo(pool_, 0));
   }
 
+  /// Allocations the host-side cache could not serve (tests: the steady state has none).
+  std::int64_t cache_misses() const { return misses_.load(std::memory_order_relaxed); }
+  /// Freed bytes the host-side cache holds.
+  std::size_t cached_bytes() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return cache_.bytes();
+  }
+
  private:
   using Blocks = detail::BlockTable<cudaStream_t>;
+  using Cache = detail::BlockCache<cudaStream_t>;
+
+  /// A new block from the driver's pool, on stream `s` (a cache miss).
+  void* allocate_from_pool(std::size_t size, std::size_t nbytes, cudaStream_t s) {
+    bool flush = false;
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      flush = cache_.bytes() > kMaxCachedBytes;
+    }
+    if (flush) release_cached();
+    cuda::DeviceGuard g(device_);
+    void* p = nullptr;
+    // Asking the pool what it holds costs a driver call: only when it may have to grow.
+    const bool may_grow =
+        stats_.allocated.load(std::memory_order_relaxed) + static_cast<std::int64_t>(size) > known_reserved_.load();
+    const std::int64_t before = may_grow ? reserved() : 0;
+    cudaError_t e = cuda::tolerate(cudaMallocAsync(&p, size, s));
+    if (e == cudaErrorMemoryAllocation) {  // give every cached and unused block back, and retry once
+      release_cached();
+      e = cuda::tolerate(cudaDeviceSynchronize());
+      if (e == cudaSuccess) e = cuda::tolerate(cudaMemPoolTrimTo(pool_, 0));
+      if (e == cudaSuccess) e = cuda::tolerate(cudaMallocAsync(&p, size, s));
+    }
+    // Every failure is cleared from the last-error slot before the throw (Note [tolerated CUDA
+    // errors]): a caught out-of-memory must not be blamed on the next, unrelated kernel.
+    CHORUS_CHECK(e == cudaSuccess, "CUDA out of memory on cuda:", device_, " allocating ", nbytes,
+                 " bytes: ", cudaGetErrorString(e), " (", stats_.allocated.load(), " bytes in use)");
+    if (may_grow) {
+      const std::int64_t after = reserved();
+      known_reserved_.store(after);
+      if (after > before) stats_.num_system.fetch_add(1, std::memory_order_relaxed);
+    }
+    try {
+      std::lock_guard<std::mutex> lk(m_);
+      blocks_.add(reinterpret_cast<std::uintptr_t>(p), s, size);
+    } catch (...) {
+      (void)cuda::tolerate(cudaFreeAsync(p, s));
+      throw;
+    }
+    return p;
+  }
+
+  /// Makes the block's own stream wait for every other stream that used it, each recorded
+  /// under its own device (Note [cross-device stream uses]); a later allocation on that stream
+  /// is then ordered after those uses. If an event cannot be recorded the free waits for the
+  /// using streams on the host instead of risking reuse under a reader.
+  void order_after_uses(const Blocks::Block& b) noexcept {
+    int prev = 0;
+    (void)cuda::tolerate(cudaGetDevice(&prev));
+    bool ordered = true;
+    for (const auto& use : b.used_on) {
+      try {
+        cudaEvent_t ev = cuda::EventPool::get().acquire(use.device);
+        (void)cuda::tolerate(cudaSetDevice(use.device));
+        const cudaError_t rec = cuda::tolerate(cudaEventRecord(ev, use.stream));
+        (void)cuda::tolerate(cudaSetDevice(device_));
+        const cudaError_t wait = rec == cudaSuccess ? cuda::tolerate(cudaStreamWaitEvent(b.stream, ev, 0)) : rec;
+        cuda::EventPool::get().release(use.device, ev);
+        ordered = ordered && wait == cudaSuccess;
+      } catch (...) {
+        ordered = false;
+      }
+    }
+    if (!ordered) {
+      for (const auto& use : b.used_on) {
+        (void)cuda::tolerate(cudaSetDevice(use.device));
+        (void)cuda::tolerate(cudaStreamSynchronize(use.stream));
+      }
+    }
+    (void)cuda::tolerate(cudaSetDevice(prev));
+  }
+
+  /// Gives every block of the host-side cache back to the driver's pool, each freed on the
+  /// stream it was last freed on (stream order keeps the pool's reuse safe).
+  void release_cached() noexcept {
+    std::vector<std::pair<cudaStream_t, void*>> all;
+    try {
+      std::lock_guard<std::mutex> lk(m_);
+      cache_.drain([&](cudaStream_t s, std::size_t, void* p) { all.emplace_back(s, p); });
+    } catch (...) {
+      return;  // out of host memory listing them: keep them cached
+    }
+    int prev = 0;
+    (void)cuda::tolerate(cudaGetDevice(&prev));
+    (void)cuda::tolerate(cudaSetDevice(device_));
+    for (auto& [s, p] : all) (void)cuda::tolerate(cudaFreeAsync(p, s));
+    (void)cuda::tolerate(cudaSetDevice(prev));
+  }
 
   std::int64_t reserved() const {
     std::uint64_t r = 0;
@@ -215,11 +304,13 @@ class CudaCachingAllocator final : public Allocator {
   int device_;
   bool caching_;
   cudaMemPool_t pool_ = nullptr;
-  std::mutex m_;
+  mutable std::mutex m_;  // per device: the live blocks and the cache
   Blocks blocks_;
+  Cache cache_;
   std::vector<int> peers_;
   detail::AtomicStats stats_;
   std::atomic<std::int64_t> known_reserved_{0};  // the pool's size when last asked
+  std::atomic<std::int64_t> misses_{0};
 };
 
 namespace cuda {

@@ -8,6 +8,7 @@
 
 #include <array>
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <new>
@@ -45,6 +46,7 @@ inline void check_launch(const char* what) {
   CHORUS_CHECK(e == cudaSuccess, "CUDA kernel launch failed (", what, "): ", cudaGetErrorString(e));
   if (debug_sync_enabled()) {
     e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) (void)cudaGetLastError();  // thrown below, not left for the next launch
     CHORUS_CHECK(e == cudaSuccess, "CUDA kernel failed (", what, ", CHORUS_DEBUG_SYNC): ",
                  cudaGetErrorString(e));
   }
@@ -133,11 +135,11 @@ namespace detail {
 /// Per device: the guard word (device memory) and the record (mapped pinned host memory) of
 /// Note [device-side validation]. Made on first use, kept for the process.
 struct DeviceAssertState {
-  std::mutex m;
+  std::mutex m;  // making the state; and every check that found a record (Note [re-arming device-side validation])
   std::array<std::atomic<int*>, kMaxEventPoolDevices> guards{};
   std::atomic<::chorus::detail::DeviceAssert*> records{nullptr};      // host address
   std::atomic<::chorus::detail::DeviceAssert*> dev_records{nullptr};  // the same memory, as devices see it
-  std::atomic<bool> used{false};
+  std::atomic<std::uint64_t> devices{0};  // bit d: a kernel on cuda:d was given a sink
   static DeviceAssertState& get() {
     static DeviceAssertState* s = new DeviceAssertState();
     return *s;
@@ -174,39 +176,51 @@ inline ::chorus::detail::DeviceAssertSink device_assert_sink(int device) {
       st.guards[device].store(static_cast<int*>(p), std::memory_order_release);
     }
     guard = st.guards[device].load();
-    records = st.records.load();
   }
-  (void)records;
-  st.used.store(true, std::memory_order_relaxed);
+  const std::uint64_t bit = std::uint64_t{1} << device;
+  if (!(st.devices.load(std::memory_order_relaxed) & bit)) st.devices.fetch_or(bit, std::memory_order_release);
   return {guard, st.dev_records.load(std::memory_order_acquire) + device};
 }
 
-/// Throws the error a kernel on `device` recorded since the last check, and re-arms the
-/// device. Call after a synchronisation that covers the kernels in question.
-inline void check_device_asserts(int device) {
+/// Throws the errors that kernels on any device recorded since the last check, and re-arms
+/// those devices. Called at every synchronisation (Note [device-side validation]): a record is
+/// complete once its code is visible, whichever device's work the synchronisation covered, so
+/// a replica's bad index on cuda:1 is reported by a loop that only calls loss.item() on cuda:0.
+inline void check_device_asserts() {
   auto& st = detail::DeviceAssertState::get();
-  if (!st.used.load(std::memory_order_relaxed)) return;  // no kernel was ever given a sink: no cost
-  if (device < 0 || device >= detail::kMaxEventPoolDevices) return;
+  const std::uint64_t devices = st.devices.load(std::memory_order_acquire);
+  if (!devices) return;  // no kernel was ever given a sink: no cost
   auto* records = st.records.load(std::memory_order_acquire);
-  int* guard = st.guards[device].load(std::memory_order_acquire);
-  if (!records || !guard) return;
-  auto* r = records + device;
-  volatile int* code = &r->code;
-  if (*code == ::chorus::detail::kAssertNone) return;
-  ::chorus::detail::DeviceAssert copy;
-  copy.code = *code;
-  copy.extra = *static_cast<volatile int*>(&r->extra);
-  copy.value = *static_cast<volatile std::int64_t*>(&r->value);
-  copy.index = *static_cast<volatile std::int64_t*>(&r->index);
-  copy.bound = *static_cast<volatile std::int64_t*>(&r->bound);
-  {  // re-arm: the next bad input is reported again
-    DeviceGuard g(device);
-    CHORUS_CUDA_CHECK(cudaMemset(guard, 0, sizeof(int)));
-    CHORUS_CUDA_CHECK(cudaDeviceSynchronize());
-    *code = ::chorus::detail::kAssertNone;
+  if (!records) return;
+  bool any = false;  // a glance without the lock first: the common case finds nothing
+  for (int d = 0; d < detail::kMaxEventPoolDevices && !any; ++d)
+    any = ((devices >> d) & 1u) && *static_cast<volatile int*>(&records[d].code) != ::chorus::detail::kAssertNone;
+  if (!any) return;
+  std::string failed_rearm;
+  std::string msg;
+  {
+    std::lock_guard<std::mutex> lk(st.m);  // one check clears a record at a time
+    msg = ::chorus::detail::take_device_asserts(records, devices, [&](int d) {
+      // The guard's reset lands before this returns: a kernel launched later on any stream
+      // (not ordered after the legacy stream's memset) must find it armed.
+      int prev = 0;
+      cudaError_t e = tolerate(cudaGetDevice(&prev));
+      if (e == cudaSuccess) e = tolerate(cudaSetDevice(d));
+      if (e == cudaSuccess) e = tolerate(cudaMemset(st.guards[d].load(std::memory_order_acquire), 0, sizeof(int)));
+      if (e == cudaSuccess) e = tolerate(cudaDeviceSynchronize());
+      (void)tolerate(cudaSetDevice(prev));
+      if (e != cudaSuccess)
+        failed_rearm += std::string(failed_rearm.empty() ? "" : ", ") + "cuda:" + std::to_string(d) + " (" +
+                        cudaGetErrorString(e) + ")";
+    });
   }
-  throw Error(::chorus::detail::describe(copy, "cuda:" + std::to_string(device)));
+  if (msg.empty()) return;  // another check took them meanwhile
+  if (!failed_rearm.empty()) msg += "; device-side validation could not be re-armed on " + failed_rearm;
+  throw Error(msg);
 }
+
+/// The same check: every device is looked at, whichever one a synchronisation covered.
+inline void check_device_asserts(int /*synchronised_device*/) { check_device_asserts(); }
 
 }  // namespace cuda
 CHORUS_NAMESPACE_END

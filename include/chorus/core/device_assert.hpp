@@ -12,6 +12,7 @@
 // looks at the record at the next natural synchronisation (item(), to_vector(), a copy to the
 // host, Stream/Event/device synchronize) and throws chorus::Error there, as PyTorch's
 // device-side asserts do, but recoverably. CPU tensors are still validated eagerly.
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -54,6 +55,38 @@ inline std::string describe(const DeviceAssert& a, const std::string& where) {
                      a.extra, " of size ", a.bound, at);
     default: return str_cat("unknown device-side assertion ", a.code, at);
   }
+}
+
+/// Note [re-arming device-side validation]
+/// The host side of a check, for the devices in bit mask `devices` (bit d: `records[d]`, whose
+/// guard word `rearm(d)` resets): every record that holds an error is copied, cleared and only
+/// then re-armed. The order matters: the guard, claimed by the reporting kernel, keeps every
+/// other kernel away from the record until it is re-armed; a record cleared after re-arming
+/// could erase the report of a kernel that ran in between, leaving the guard claimed for good
+/// and every later bad index unreported. Returns the messages (empty when no device reported);
+/// the caller serialises checks (two checks clearing one record would race the same way).
+template <class Rearm>
+std::string take_device_asserts(DeviceAssert* records, std::uint64_t devices, Rearm&& rearm) {
+  std::string out;
+  for (int d = 0; d < 64; ++d) {
+    if (!((devices >> d) & 1u)) continue;
+    DeviceAssert* r = records + d;
+    volatile int* code = &r->code;
+    if (*code == kAssertNone) continue;
+    std::atomic_thread_fence(std::memory_order_acquire);  // the kernel wrote the fields before the code
+    DeviceAssert copy;
+    copy.code = *code;
+    copy.extra = *static_cast<volatile int*>(&r->extra);
+    copy.value = *static_cast<volatile std::int64_t*>(&r->value);
+    copy.index = *static_cast<volatile std::int64_t*>(&r->index);
+    copy.bound = *static_cast<volatile std::int64_t*>(&r->bound);
+    *code = kAssertNone;                                  // cleared first ...
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // ... and visible before the guard is reset
+    rearm(d);
+    if (!out.empty()) out += "; ";
+    out += describe(copy, "cuda:" + std::to_string(d));
+  }
+  return out;
 }
 
 }  // namespace detail

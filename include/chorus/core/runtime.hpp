@@ -127,17 +127,28 @@ class Runtime {
   }
 
   Stream& stream(Device d, int slot) {
-    CHORUS_CHECK(slot >= 0 && slot < 64, "stream slot ", slot, " out of range [0, 64)");
+    CHORUS_CHECK(slot >= 0 && slot < kSlots, "stream slot ", slot, " out of range [0, ", kSlots, ")");
     if (d.is_cpu() && slot == 0 && d.index >= 0 && d.index < kMaxCpuDevices &&
         d.index < cpu_count_.load(std::memory_order_acquire)) {
       if (auto* s = cpu_default_[d.index].load(std::memory_order_acquire)) return *s;
     }
+#if CHORUS_CUDA
+    // Every kernel launch and allocation looks up its stream: lock-free once it exists (CUDA
+    // devices never go away, so no count check is needed here).
+    if (d.is_cuda() && d.index >= 0 && d.index < kMaxCudaDevices) {
+      if (auto* s = cuda_streams_[d.index * kSlots + slot].load(std::memory_order_acquire)) return *s;
+    }
+#endif
     check(d);
     std::lock_guard<std::mutex> lk(m_);
     auto& p = streams_[{d, slot}];
     if (!p) {
       p = std::make_unique<Stream>(d, slot);
       if (d.is_cpu() && slot == 0) cpu_default_[d.index].store(p.get(), std::memory_order_release);
+#if CHORUS_CUDA
+      if (d.is_cuda() && d.index < kMaxCudaDevices)
+        cuda_streams_[d.index * kSlots + slot].store(p.get(), std::memory_order_release);
+#endif
     }
     return *p;
   }
@@ -159,6 +170,7 @@ class Runtime {
     return static_cast<int>(n);
   }
 
+  static constexpr int kSlots = 64;
   std::mutex m_;
   std::atomic<int> cpu_count_{0};
   std::array<std::atomic<CpuAllocator*>, kMaxCpuDevices> cpu_alloc_{};
@@ -167,6 +179,7 @@ class Runtime {
 #if CHORUS_CUDA
   static constexpr int kMaxCudaDevices = 64;
   std::array<std::atomic<CudaCachingAllocator*>, kMaxCudaDevices> cuda_alloc_{};
+  std::array<std::atomic<Stream*>, kMaxCudaDevices * kSlots> cuda_streams_{};
 #endif
 };
 
@@ -233,7 +246,7 @@ inline void synchronize(Device d) {
   if (d.is_cuda()) {
     cuda::DeviceGuard g(d.index);
     CHORUS_CUDA_CHECK(cudaDeviceSynchronize());
-    cuda::check_device_asserts(d.index);  // Note [device-side validation]
+    cuda::check_device_asserts();  // Note [device-side validation]
   }
 #endif
 }

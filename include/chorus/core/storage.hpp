@@ -7,6 +7,9 @@
 #include <memory>
 
 #include "runtime.hpp"
+#if CHORUS_CUDA
+#include "pinned_allocator.hpp"
+#endif
 
 CHORUS_NAMESPACE_BEGIN
 
@@ -127,9 +130,54 @@ inline Storage make_alias_storage(Device device, const Storage& base, std::size_
   return std::make_shared<StorageImpl>(device, base, offset, nbytes);
 }
 
+#if CHORUS_CUDA
+namespace detail {
+/// Note [cross-stream copies]
+/// A copy between two CUDA allocations whose users are on different streams (two devices, or
+/// two streams of one device) runs on `dst_stream`, after the work on `src_stream` so far (which
+/// produced the source); and later work on `src_stream` waits for the copy, so that an in-place
+/// write to the source (an optimizer step after the broadcast read it) cannot overtake the copy's
+/// read. The destination's stream is recorded as a user of both blocks (Note [cross-device
+/// stream uses]), so that neither is reused before the copy has run.
+inline void copy_between_streams(void* dst, Device dst_dev, Stream& dst_stream, const void* src, Device src_dev,
+                                 Stream& src_stream, std::size_t nbytes) {
+  cuda::DeviceGuard g(dst_dev.index);
+  const bool other = &dst_stream != &src_stream;
+  if (other) {
+    Event produced;
+    produced.record(src_stream);
+    produced.block(dst_stream);
+  }
+  record_stream(src, src_dev, dst_stream);  // dst_stream is a stream of dst_dev
+  record_stream(dst, dst_dev, dst_stream);
+  if (dst_dev == src_dev) {
+    CHORUS_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice, dst_stream.handle()));
+  } else {
+    CHORUS_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_dev.index, src, src_dev.index, nbytes, dst_stream.handle()));
+  }
+  if (other) {
+    Event copied;
+    copied.record(dst_stream);
+    copied.block(src_stream);
+  }
+}
+}  // namespace detail
+#endif
+
+// Note [async host-to-device copies]
+// A copy from host memory to a GPU returns before the copy has run when the host memory is
+// page-locked memory of chorus's pinned allocator (the DataLoader's pin_memory batches, as
+// PyTorch's non_blocking copies from pinned memory): the copy records an event into the host
+// block, and the block is reused only after it (Note [deferred host frees]). The host memory
+// must therefore not be written on the host until the copy is done (Event/synchronize on the
+// destination's stream); a batch handed to to() and then dropped is the intended use. From
+// pageable memory the copy waits: CUDA does not promise that it has read the host buffer on
+// return.
+
 /// Copies `nbytes` between two allocations, on any pair of devices. CPU↔CPU is a memcpy (a real
 /// copy between virtual devices); anything involving CUDA is ordered on the current stream of
-/// the CUDA side (the destination when both are GPUs) and uses peer copies between GPUs.
+/// the CUDA side (the destination when both are GPUs, Note [cross-stream copies]) and uses peer
+/// copies between GPUs.
 inline void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, std::size_t nbytes) {
   if (nbytes == 0) return;
   if (dst_dev.is_cpu() && src_dev.is_cpu()) {
@@ -138,29 +186,21 @@ inline void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_de
   }
 #if CHORUS_CUDA
   if (dst_dev.is_cuda() && src_dev.is_cuda()) {
-    Stream& s = current_stream(dst_dev);
-    cuda::DeviceGuard g(dst_dev.index);
-    if (dst_dev != src_dev) {
-      // The source was produced on the source device's current stream: order after it.
-      Event ev;
-      ev.record(current_stream(src_dev));
-      ev.block(s);
-    }
-    record_stream(src, src_dev, s);  // s is a stream of dst_dev (Note [cross-device stream uses])
-    record_stream(dst, dst_dev, s);
-    if (dst_dev == src_dev) {
-      CHORUS_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToDevice, s.handle()));
-    } else {
-      CHORUS_CUDA_CHECK(cudaMemcpyPeerAsync(dst, dst_dev.index, src, src_dev.index, nbytes, s.handle()));
-    }
+    detail::copy_between_streams(dst, dst_dev, current_stream(dst_dev), src, src_dev, current_stream(src_dev), nbytes);
     return;
   }
-  if (dst_dev.is_cuda()) {  // host -> device: the host buffer is free to change on return
+  if (dst_dev.is_cuda()) {  // host -> device (Note [async host-to-device copies])
     Stream& s = current_stream(dst_dev);
     cuda::DeviceGuard g(dst_dev.index);
     record_stream(dst, dst_dev, s);
     CHORUS_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyHostToDevice, s.handle()));
-    CHORUS_CUDA_CHECK(cudaStreamSynchronize(s.handle()));
+    bool pinned = false;
+    try {
+      pinned = pinned_host_allocator().record_use(src, s.handle(), dst_dev.index);
+    } catch (...) {  // no event for the block to wait for: the copy is waited for here instead
+      pinned = false;
+    }
+    if (!pinned) CHORUS_CUDA_CHECK(cudaStreamSynchronize(s.handle()));  // the host buffer is free to change on return
     return;
   }
   {  // device -> host: the values are on the host on return
@@ -169,7 +209,7 @@ inline void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_de
     record_stream(src, src_dev, s);
     CHORUS_CUDA_CHECK(cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToHost, s.handle()));
     CHORUS_CUDA_CHECK(cudaStreamSynchronize(s.handle()));
-    cuda::check_device_asserts(src_dev.index);  // Note [device-side validation]
+    cuda::check_device_asserts();  // Note [device-side validation]
     return;
   }
 #else

@@ -287,7 +287,7 @@ class Stream {
 #if CHORUS_CUDA
     if (device_.is_cuda()) {
       CHORUS_CUDA_CHECK(cudaStreamSynchronize(handle()));
-      cuda::check_device_asserts(device_.index);  // Note [device-side validation]
+      cuda::check_device_asserts();  // Note [device-side validation]
     }
 #endif
   }
@@ -313,12 +313,15 @@ class Stream {
   }
 
 #if CHORUS_CUDA
-  /// The CUDA stream (non-blocking with respect to the legacy default stream).
+  /// The CUDA stream (non-blocking with respect to the legacy default stream). Every kernel
+  /// launch and allocation asks for it: after the first call it is one atomic load.
   cudaStream_t handle() {
+    if (cudaStream_t h = ready_handle_.load(std::memory_order_acquire)) return h;
     CHORUS_CHECK(device_.is_cuda(), "Stream::handle() on ", device_, ": only CUDA streams have one");
     std::call_once(handle_once_, [this] {
       cuda::DeviceGuard g(device_.index);
       CHORUS_CUDA_CHECK(cudaStreamCreateWithFlags(&handle_, cudaStreamNonBlocking));
+      ready_handle_.store(handle_, std::memory_order_release);
     });
     return handle_;
   }
@@ -346,6 +349,7 @@ class Stream {
 #if CHORUS_CUDA
   std::once_flag handle_once_;
   cudaStream_t handle_ = nullptr;
+  std::atomic<cudaStream_t> ready_handle_{nullptr};
 #endif
 };
 
@@ -397,7 +401,7 @@ class Event {
 #if CHORUS_CUDA
     if (state_->cuda_event) {
       CHORUS_CUDA_CHECK(cudaEventSynchronize(state_->cuda_event));
-      cuda::check_device_asserts(state_->cuda_device);
+      cuda::check_device_asserts();
     }
 #endif
   }

@@ -1,59 +1,18 @@
 #pragma once
-// Page-locked ("pinned") host memory for batches bound for GPUs: host-to-device copies from it
-// run at full PCIe/NVLink bandwidth without a staging copy. In a CPU-only build, or without a
-// GPU, pinning is a no-op.
-#include <map>
-#include <mutex>
-#include <vector>
+// Pinned batches for GPUs: a batch copied into page-locked host memory (core/pinned_allocator.hpp)
+// moves to a device asynchronously, at full PCIe/NVLink bandwidth, without a staging copy. In
+// a CPU-only build, or without a GPU, pinning is a no-op.
+#include <cstring>
 
+#include "../core/pinned_allocator.hpp"
 #include "dataset.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace data {
 
 #if CHORUS_CUDA
-/// cudaHostAlloc'd blocks, cached by size (pinning is slow: a batch's block is reused by a
-/// later batch of the same size). Never returned to the system before exit.
-class PinnedHostAllocator final : public Allocator {
- public:
-  void* allocate(std::size_t nbytes) override {
-    if (nbytes == 0) return nullptr;
-    {
-      std::lock_guard lk(m_);
-      auto& free = free_[nbytes];
-      if (!free.empty()) {
-        void* p = free.back();
-        free.pop_back();
-        stats_.on_alloc(static_cast<std::int64_t>(nbytes));
-        return p;
-      }
-    }
-    void* p = nullptr;
-    CHORUS_CUDA_CHECK(cudaHostAlloc(&p, nbytes, cudaHostAllocPortable));
-    stats_.on_alloc(static_cast<std::int64_t>(nbytes));
-    stats_.reserved.fetch_add(static_cast<std::int64_t>(nbytes));
-    stats_.num_system.fetch_add(1);
-    return p;
-  }
-  void deallocate(void* p, std::size_t nbytes) noexcept override {
-    if (!p) return;
-    std::lock_guard lk(m_);
-    free_[nbytes].push_back(p);
-    stats_.on_free(static_cast<std::int64_t>(nbytes));
-  }
-  MemoryStats stats() const override { return stats_.snapshot(); }
-  void reset_peak() override { stats_.reset_peak(); }
-
- private:
-  std::mutex m_;
-  std::map<std::size_t, std::vector<void*>> free_;
-  chorus::detail::AtomicStats stats_;
-};
-
-inline PinnedHostAllocator& pinned_host_allocator() {
-  static auto* a = new PinnedHostAllocator();  // leaked on purpose: batches may outlive statics
-  return *a;
-}
+using ::chorus::PinnedHostAllocator;  // lives in core/ (storage's copies know it)
+using ::chorus::pinned_host_allocator;
 #endif
 
 /// Whether pin_memory has an effect in this build on this machine.

@@ -220,6 +220,7 @@ class NcclCommunicator final : public Communicator {
       Event ready;
       ready.record(r == 0 ? current_stream(streams_[0]->device()) : *streams_[r]);
       ready.block(*comm_[r]);
+      record_stream(data_of(t), t.device(), *comm_[r]);  // a free waits for the NCCL stream's use
       bufs.push_back(data_of(t));
       streams.push_back(comm_[r]->handle());
     }
@@ -246,15 +247,22 @@ class NcclCommunicator final : public Communicator {
       total += d.numel();
     }
     // Pack each rank's gradients into one flat buffer on its communication stream; ranks
-    // without gradients this step (rank 0, unused replicas) send zeros.
+    // without gradients this step (rank 0, unused replicas) send zeros. Note [allocate on the
+    // stream that writes]: the flat buffers and `recv` are allocated under the communication
+    // stream that writes them. Allocated on the caller's stream, the pool could hand out a block
+    // whose last reader there has not run yet, and the communication stream, not ordered after
+    // that stream, would overwrite it under the reader (silently wrong gradients).
     std::vector<AnyTensor> flats;
     std::vector<const void*> send;
     std::vector<cudaStream_t> streams;
     for (std::size_t r = 0; r < size(); ++r) {
       const Device dev = streams_[r]->device();
       Stream& cs = *comm_[r];
-      AnyTensor flat = empty_any(dt, Shape{total}, dev);
-      record_stream(data_of(flat), dev, cs);
+      AnyTensor flat;
+      {
+        StreamGuard on_comm(cs);
+        flat = empty_any(dt, Shape{total}, dev);
+      }
       ::chorus::cuda::DeviceGuard g(dev.index);
       if (r >= 1 && r <= srcs.size()) {
         Event produced;  // the gradients came from the replica's stream
@@ -276,11 +284,20 @@ class NcclCommunicator final : public Communicator {
       streams.push_back(cs.handle());
       flats.push_back(std::move(flat));
     }
-    AnyTensor recv = empty_any(dt, Shape{total}, streams_[0]->device());
-    record_stream(data_of(recv), streams_[0]->device(), *comm_[0]);
+    const Device root = streams_[0]->device();
+    AnyTensor recv;
+    {
+      StreamGuard on_comm(*comm_[0]);
+      recv = empty_any(dt, Shape{total}, root);
+    }
     comms_.reduce(send, data_of(recv), static_cast<std::size_t>(total), dt, 0, streams);
-    // Unpack into the outputs on rank 0, then order the caller's stream after it.
-    ::chorus::cuda::DeviceGuard g(streams_[0]->device().index);
+    // Unpack into the outputs on rank 0, then order the caller's stream after it. The outputs
+    // belong to the caller's stream (reduce() allocates them there, a caller may still read
+    // them there): the unpack waits for that stream first.
+    Event outputs_ready;
+    outputs_ready.record(current_stream(root));
+    outputs_ready.block(*comm_[0]);
+    ::chorus::cuda::DeviceGuard g(root.index);
     std::size_t off = 0;
     for (const auto& d : dsts) {
       record_stream(data_of(d), d.device(), *comm_[0]);
@@ -290,7 +307,7 @@ class NcclCommunicator final : public Communicator {
     }
     Event done;
     done.record(*comm_[0]);
-    done.block(current_stream(streams_[0]->device()));
+    done.block(current_stream(root));
   }
 
   std::string name() const override { return "nccl"; }

@@ -46,20 +46,38 @@ struct BlasHandles {
   static constexpr std::size_t kWorkspace = std::size_t{32} << 20;
 };
 
+// Note [per-thread lookups]
+// Handles and plans are made once and kept for the process (streams are never destroyed, so a
+// stream's handle value is never reused for another stream), so each thread remembers the
+// ones it has used: a GEMM, a convolution or a plan lookup on the hot path takes no global
+// mutex; only the first use on a thread does.
+template <class Value, class Key, class Make>
+Value& per_thread_lookup(std::unordered_map<Key, Value*>& mine, const Key& key, Make&& make) {
+  if (auto it = mine.find(key); it != mine.end()) return *it->second;
+  Value& v = make();
+  mine.emplace(key, &v);
+  return v;
+}
+
 inline BlasHandles& handles_for(Device d, cudaStream_t stream) {
-  static std::mutex m;
-  static std::map<cudaStream_t, BlasHandles>* all = new std::map<cudaStream_t, BlasHandles>();  // lives forever
-  std::lock_guard<std::mutex> lk(m);
-  auto& h = (*all)[stream];
-  if (!h.blas) {
-    ::chorus::cuda::DeviceGuard g(d.index);
-    CHORUS_CUBLAS_CHECK(cublasCreate(&h.blas));
-    CHORUS_CUBLAS_CHECK(cublasSetStream(h.blas, stream));
-    CHORUS_CUBLAS_CHECK(cublasLtCreate(&h.lt));
-    CHORUS_CUDA_CHECK(cudaMalloc(&h.workspace, BlasHandles::kWorkspace));
-    CHORUS_CUBLAS_CHECK(cublasSetWorkspace(h.blas, h.workspace, BlasHandles::kWorkspace));
-  }
-  return h;
+  thread_local std::unordered_map<cudaStream_t, BlasHandles*> mine;
+  return per_thread_lookup<BlasHandles>(mine, stream, [&]() -> BlasHandles& {
+    static std::mutex m;
+    static auto* all = new std::map<cudaStream_t, BlasHandles>();  // lives forever (stable addresses)
+    std::lock_guard<std::mutex> lk(m);
+    auto& h = (*all)[stream];
+    if (!h.blas) {
+      ::chorus::cuda::DeviceGuard g(d.index);
+      BlasHandles made;  // published only once complete: a failure leaves the slot to retry
+      CHORUS_CUBLAS_CHECK(cublasCreate(&made.blas));
+      CHORUS_CUBLAS_CHECK(cublasSetStream(made.blas, stream));
+      CHORUS_CUBLAS_CHECK(cublasLtCreate(&made.lt));
+      CHORUS_CUDA_CHECK(cudaMalloc(&made.workspace, BlasHandles::kWorkspace));
+      CHORUS_CUBLAS_CHECK(cublasSetWorkspace(made.blas, made.workspace, BlasHandles::kWorkspace));
+      h = made;
+    }
+    return h;
+  });
 }
 
 /// Row-major C[M,N] = alpha op(A) op(B) + beta C, as column-major C^T = op(B)^T op(A)^T.
@@ -158,16 +176,24 @@ inline std::shared_ptr<LtPlan> build_lt_plan(const LtKey& key, cublasLtHandle_t 
   return plan;
 }
 
-inline std::shared_ptr<LtPlan> lt_plan(const LtKey& key, cublasLtHandle_t lt) {
+/// The plan for `key` (plans live forever: Note [per-thread lookups]).
+inline LtPlan& lt_plan(const LtKey& key, cublasLtHandle_t lt) {
+  thread_local std::unordered_map<LtKey, LtPlan*, LtKeyHash> mine;
+  if (auto it = mine.find(key); it != mine.end()) return *it->second;
   static std::mutex m;
   static auto* cache = new std::unordered_map<LtKey, std::shared_ptr<LtPlan>, LtKeyHash>();  // lives forever
+  LtPlan* found = nullptr;
   {
     std::lock_guard<std::mutex> lk(m);
-    if (auto it = cache->find(key); it != cache->end()) return it->second;
+    if (auto it = cache->find(key); it != cache->end()) found = it->second.get();
   }
-  auto plan = build_lt_plan(key, lt);  // outside the lock: the heuristic is the slow part
-  std::lock_guard<std::mutex> lk(m);
-  return cache->emplace(key, std::move(plan)).first->second;  // a racing builder's plan wins: same result
+  if (!found) {
+    auto plan = build_lt_plan(key, lt);  // outside the lock: the heuristic is the slow part
+    std::lock_guard<std::mutex> lk(m);
+    found = cache->emplace(key, std::move(plan)).first->second.get();  // a racing builder's plan wins: same result
+  }
+  mine.emplace(key, found);
+  return *found;
 }
 
 /// out[M,N] = x[M,K] @ w[N,K]^T + bias[N] in one cuBLASLt call (bias epilogue), all row-major
@@ -194,22 +220,22 @@ inline bool linear_bias_lt(const float* x, const float* w, const float* bias, fl
   key.align_b = lt_alignment(addr(x));
   key.align_c = key.align_d = lt_alignment(addr(out));
   key.epilogue = 1;
-  auto plan = lt_plan(key, h.lt);
-  if (!plan->supported.load()) {
+  LtPlan& plan = lt_plan(key, h.lt);
+  if (!plan.supported.load(std::memory_order_acquire)) {
     lt_stats().fallbacks.fetch_add(1, std::memory_order_relaxed);
     return false;
   }
   const float alpha = 1.0f, beta = 0.0f;
   cublasStatus_t st;
   {
-    std::lock_guard<std::mutex> lk(plan->m);
+    std::lock_guard<std::mutex> lk(plan.m);  // per plan: the bias pointer is the descriptor's one per-call attribute
     CHORUS_CUBLAS_CHECK(
-        cublasLtMatmulDescSetAttribute(plan->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-    st = cublasLtMatmul(h.lt, plan->op, &alpha, w, plan->la, x, plan->lb, &beta, out, plan->lc, out, plan->lc,
-                        &plan->algo, h.workspace, BlasHandles::kWorkspace, launch.stream);
+        cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+    st = cublasLtMatmul(h.lt, plan.op, &alpha, w, plan.la, x, plan.lb, &beta, out, plan.lc, out, plan.lc,
+                        &plan.algo, h.workspace, BlasHandles::kWorkspace, launch.stream);
   }
   if (st == CUBLAS_STATUS_NOT_SUPPORTED) {  // refused at launch: never again for this key
-    plan->supported.store(false);
+    plan.supported.store(false);
     lt_stats().fallbacks.fetch_add(1, std::memory_order_relaxed);
     return false;
   }

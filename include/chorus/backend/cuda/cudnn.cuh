@@ -4,11 +4,12 @@
 //
 // Note [cuDNN convolutions]
 // Tensors stay NCHW (cuDNN's NCHW descriptors; it may transform internally). Per device,
-// dtype and convolution shape, the descriptors and the three algorithms (forward, backward
-// data, backward filter: cuDNN's heuristic ranking, the first one whose workspace fits the
-// limit) are chosen once and cached. Workspaces come from chorus's caching allocator on the
-// calling stream, so a training step allocates nothing new once the pool is warm. float32
-// uses FMA math (no TF32) unless chorus::cuda::set_allow_tf32(true), as matrix products do.
+// dtype, math policy and convolution shape, the descriptors and the three algorithms (forward,
+// backward data, backward filter: cuDNN's heuristic ranking, Note [cuDNN algorithm choice] in
+// host_policy.hpp) are chosen once and cached. Workspaces come from chorus's caching allocator
+// on the calling stream, so a training step allocates nothing new once the pool is warm.
+// float32 uses FMA math (no TF32) unless chorus::cuda::set_allow_tf32(true), as matrix
+// products do; no convolution ever converts float data to half precision.
 #include <cudnn.h>
 
 #include <atomic>
@@ -16,6 +17,9 @@
 #include <memory>
 #include <mutex>
 #include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "../../core/storage.hpp"
 #include "blas.cuh"
@@ -39,34 +43,56 @@ inline std::atomic<bool>& enabled_flag() {
   static std::atomic<bool> on{true};
   return on;
 }
+inline std::atomic<bool>& deterministic_flag() {
+  static std::atomic<bool> on{false};
+  return on;
+}
 }  // namespace detail
 /// Whether CUDA convolutions use cuDNN (default) or the im2col + cuBLAS kernels (tests compare them).
 inline bool enabled() { return detail::enabled_flag().load(); }
 inline void set_enabled(bool on) { detail::enabled_flag().store(on); }
+/// Only deterministic cuDNN algorithms (torch.backends.cudnn.deterministic; off by default):
+/// the same inputs then give bitwise the same gradients, at some cost in speed.
+inline bool deterministic() { return detail::deterministic_flag().load(); }
+inline void set_deterministic(bool on) { detail::deterministic_flag().store(on); }
 
-/// The cuDNN handle of one stream (made on first use, kept for the process).
+static_assert(static_cast<int>(CUDNN_DEFAULT_MATH) == static_cast<int>(ConvMath::Default) &&
+                  static_cast<int>(CUDNN_TENSOR_OP_MATH) == static_cast<int>(ConvMath::TensorOp) &&
+                  static_cast<int>(CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION) ==
+                      static_cast<int>(ConvMath::TensorOpAllowConversion) &&
+                  static_cast<int>(CUDNN_FMA_MATH) == static_cast<int>(ConvMath::Fma),
+              "host_policy.hpp's ConvMath mirrors cudnnMathType_t");
+
+/// The cuDNN handle of one stream (made on first use, kept for the process; Note [per-thread lookups]).
 inline cudnnHandle_t handle_for(Device d, cudaStream_t stream) {
-  static std::mutex m;
-  static auto* all = new std::map<cudaStream_t, cudnnHandle_t>();  // lives forever, as the cuBLAS handles
-  std::lock_guard<std::mutex> lk(m);
-  auto& h = (*all)[stream];
-  if (!h) {
-    ::chorus::cuda::DeviceGuard g(d.index);
-    CHORUS_CUDNN_CHECK(cudnnCreate(&h));
-    CHORUS_CUDNN_CHECK(cudnnSetStream(h, stream));
-  }
-  return h;
+  thread_local std::unordered_map<cudaStream_t, cudnnHandle_t*> mine;
+  return per_thread_lookup<cudnnHandle_t>(mine, stream, [&]() -> cudnnHandle_t& {
+    static std::mutex m;
+    static auto* all = new std::map<cudaStream_t, cudnnHandle_t>();  // lives forever, as the cuBLAS handles
+    std::lock_guard<std::mutex> lk(m);
+    auto& h = (*all)[stream];
+    if (!h) {
+      ::chorus::cuda::DeviceGuard g(d.index);
+      cudnnHandle_t made = nullptr;
+      CHORUS_CUDNN_CHECK(cudnnCreate(&made));
+      CHORUS_CUDNN_CHECK(cudnnSetStream(made, stream));
+      h = made;
+    }
+    return h;
+  });
 }
 
-/// Descriptors and algorithms of one convolution shape (Note [cuDNN convolutions]).
+/// Descriptors and algorithms of one convolution shape (Note [cuDNN convolutions]). Each
+/// direction has its own convolution descriptor: each carries the math type of its algorithm
+/// (Note [cuDNN algorithm choice]).
 struct ConvPlan {
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;
   cudnnFilterDescriptor_t w = nullptr;
-  cudnnConvolutionDescriptor_t conv = nullptr;
+  cudnnConvolutionDescriptor_t conv_fwd = nullptr, conv_bwd_data = nullptr, conv_bwd_filter = nullptr;
   cudnnConvolutionFwdAlgo_t fwd{};
   cudnnConvolutionBwdDataAlgo_t bwd_data{};
   cudnnConvolutionBwdFilterAlgo_t bwd_filter{};
-  std::size_t fwd_ws = 0, bwd_data_ws = 0, bwd_filter_ws = 0;
+  std::size_t fwd_ws = 0, bwd_data_ws = 0, bwd_filter_ws = 0;  // as cudnnGet*WorkspaceSize says
 };
 
 template <class T>
@@ -74,74 +100,127 @@ constexpr cudnnDataType_t data_type() {
   return std::is_same_v<T, float> ? CUDNN_DATA_FLOAT : CUDNN_DATA_DOUBLE;
 }
 
+namespace detail {
+template <class Perf>
+std::vector<ConvAlgoPerf> reduce_perf(const Perf* perf, int n) {
+  std::vector<ConvAlgoPerf> out;
+  for (int k = 0; k < n; ++k)
+    out.push_back({static_cast<int>(perf[k].algo), perf[k].status == CUDNN_STATUS_SUCCESS,
+                   static_cast<ConvMath>(perf[k].mathType), perf[k].determinism == CUDNN_DETERMINISTIC});
+  return out;
+}
+
+/// The first of the heuristic's entries (Note [cuDNN algorithm choice]) whose workspace for its
+/// math type fits the limit: sets that math type on `conv` and returns {algo, workspace bytes}.
+/// `ws(algo, &bytes)` asks cuDNN for the workspace under the descriptor's current math type.
+template <class Algo, class Perf, class Ws>
+std::pair<Algo, std::size_t> choose(const Perf* perf, int n, cudnnConvolutionDescriptor_t conv,
+                                    const ConvMathPolicy& policy, Ws&& ws, const char* what) {
+  const char* refused = nullptr;  // why the last candidate was refused
+  for (const auto& c : conv_algo_order(reduce_perf(perf, n), policy)) {
+    CHORUS_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, static_cast<cudnnMathType_t>(c.math)));
+    std::size_t bytes = 0;
+    // An algorithm that cannot run under this math type answers NOT_SUPPORTED (or, in some
+    // versions, BAD_PARAM): the next candidate is tried.
+    const cudnnStatus_t st = ws(perf[c.index].algo, &bytes);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      refused = cudnnGetErrorString(st);
+      continue;
+    }
+    if (bytes > kMaxWorkspace) {
+      refused = "workspace over the limit";
+      continue;
+    }
+    return {perf[c.index].algo, bytes};
+  }
+  CHORUS_FAIL("cuDNN: no ", what, " convolution algorithm for this shape",
+              policy.deterministic ? " among the deterministic ones (cudnn::set_deterministic)" : "",
+              " within the ", kMaxWorkspace >> 20, " MiB workspace limit",
+              refused ? std::string(" (last refusal: ") + refused + ")" : std::string());
+}
+}  // namespace detail
+
+/// Made once per key under plan()'s lock.
 template <class T>
-ConvPlan& plan(cudnnHandle_t h, Device d, const Window2d& g, std::int64_t N, std::int64_t O, std::int64_t groups) {
-  using Key = std::tuple<int, bool, bool, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                         std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                         std::int64_t, std::int64_t>;
-  static std::mutex m;
-  static auto* cache = new std::map<Key, std::unique_ptr<ConvPlan>>();
-  const bool tf32 = std::is_same_v<T, float> && ::chorus::cuda::allow_tf32();
-  const Key key{d.index, std::is_same_v<T, float>, tf32, N, g.C, g.H, g.W, O, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw,
-                g.dh * 1000 + g.dw, groups};
-  std::lock_guard<std::mutex> lk(m);
-  auto& slot = (*cache)[key];
-  if (slot) return *slot;
+std::unique_ptr<ConvPlan> build_plan(cudnnHandle_t h, Device d, const Window2d& g, std::int64_t N, std::int64_t O,
+                                     std::int64_t groups, const ConvMathPolicy& policy) {
+  (void)d;
   auto p = std::make_unique<ConvPlan>();
   const auto dt = data_type<T>();
-  auto i = [](std::int64_t v) { return static_cast<int>(v); };
+  auto i = [](std::int64_t v, const char* what) { return checked_int(v, what); };
   CHORUS_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->x));
   CHORUS_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->y));
   CHORUS_CUDNN_CHECK(cudnnCreateFilterDescriptor(&p->w));
-  CHORUS_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&p->conv));
-  CHORUS_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, dt, i(N), i(g.C), i(g.H), i(g.W)));
-  CHORUS_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, dt, i(N), i(O), i(g.OH), i(g.OW)));
-  CHORUS_CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, dt, CUDNN_TENSOR_NCHW, i(O), i(g.C / groups), i(g.kh), i(g.kw)));
-  CHORUS_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(p->conv, i(g.ph), i(g.pw), i(g.sh), i(g.sw), i(g.dh), i(g.dw),
-                                                     CUDNN_CROSS_CORRELATION, dt));
-  CHORUS_CUDNN_CHECK(cudnnSetConvolutionGroupCount(p->conv, i(groups)));
-  CHORUS_CUDNN_CHECK(cudnnSetConvolutionMathType(p->conv, tf32 ? CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION : CUDNN_FMA_MATH));
+  CHORUS_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, dt, i(N, "batch"), i(g.C, "channels"),
+                                                i(g.H, "height"), i(g.W, "width")));
+  CHORUS_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, dt, i(N, "batch"), i(O, "out_channels"),
+                                                i(g.OH, "output height"), i(g.OW, "output width")));
+  CHORUS_CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, dt, CUDNN_TENSOR_NCHW, i(O, "out_channels"),
+                                                i(g.C / groups, "channels per group"), i(g.kh, "kernel height"),
+                                                i(g.kw, "kernel width")));
+  for (auto* conv : {&p->conv_fwd, &p->conv_bwd_data, &p->conv_bwd_filter}) {
+    CHORUS_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(conv));
+    CHORUS_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(*conv, i(g.ph, "padding"), i(g.pw, "padding"),
+                                                       i(g.sh, "stride"), i(g.sw, "stride"), i(g.dh, "dilation"),
+                                                       i(g.dw, "dilation"), CUDNN_CROSS_CORRELATION, dt));
+    CHORUS_CUDNN_CHECK(cudnnSetConvolutionGroupCount(*conv, i(groups, "groups")));
+    // The ranking is asked for under the widest math chorus allows (Note [cuDNN algorithm choice]).
+    CHORUS_CUDNN_CHECK(cudnnSetConvolutionMathType(*conv, static_cast<cudnnMathType_t>(conv_query_math(policy))));
+  }
   int n = 0;
   {
     cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
-    CHORUS_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, p->x, p->w, p->conv, p->y,
+    CHORUS_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, p->x, p->w, p->conv_fwd, p->y,
                                                               CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n, perf));
-    bool found = false;
-    for (int k = 0; k < n && !found; ++k)
-      if (perf[k].status == CUDNN_STATUS_SUCCESS && perf[k].memory <= kMaxWorkspace) {
-        p->fwd = perf[k].algo;
-        p->fwd_ws = perf[k].memory;
-        found = true;
-      }
-    CHORUS_CHECK(found, "cuDNN: no forward convolution algorithm for this shape");
+    std::tie(p->fwd, p->fwd_ws) = detail::choose<cudnnConvolutionFwdAlgo_t>(
+        perf, n, p->conv_fwd, policy,
+        [&](cudnnConvolutionFwdAlgo_t a, std::size_t* bytes) {
+          return cudnnGetConvolutionForwardWorkspaceSize(h, p->x, p->w, p->conv_fwd, p->y, a, bytes);
+        },
+        "forward");
   }
   {
     cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
-    CHORUS_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, p->w, p->y, p->conv, p->x,
+    CHORUS_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, p->w, p->y, p->conv_bwd_data, p->x,
                                                                    CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &n, perf));
-    bool found = false;
-    for (int k = 0; k < n && !found; ++k)
-      if (perf[k].status == CUDNN_STATUS_SUCCESS && perf[k].memory <= kMaxWorkspace) {
-        p->bwd_data = perf[k].algo;
-        p->bwd_data_ws = perf[k].memory;
-        found = true;
-      }
-    CHORUS_CHECK(found, "cuDNN: no backward-data convolution algorithm for this shape");
+    std::tie(p->bwd_data, p->bwd_data_ws) = detail::choose<cudnnConvolutionBwdDataAlgo_t>(
+        perf, n, p->conv_bwd_data, policy,
+        [&](cudnnConvolutionBwdDataAlgo_t a, std::size_t* bytes) {
+          return cudnnGetConvolutionBackwardDataWorkspaceSize(h, p->w, p->y, p->conv_bwd_data, p->x, a, bytes);
+        },
+        "backward-data");
   }
   {
     cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
-    CHORUS_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, p->x, p->y, p->conv, p->w,
+    CHORUS_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, p->x, p->y, p->conv_bwd_filter, p->w,
                                                                      CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &n, perf));
-    bool found = false;
-    for (int k = 0; k < n && !found; ++k)
-      if (perf[k].status == CUDNN_STATUS_SUCCESS && perf[k].memory <= kMaxWorkspace) {
-        p->bwd_filter = perf[k].algo;
-        p->bwd_filter_ws = perf[k].memory;
-        found = true;
-      }
-    CHORUS_CHECK(found, "cuDNN: no backward-filter convolution algorithm for this shape");
+    std::tie(p->bwd_filter, p->bwd_filter_ws) = detail::choose<cudnnConvolutionBwdFilterAlgo_t>(
+        perf, n, p->conv_bwd_filter, policy,
+        [&](cudnnConvolutionBwdFilterAlgo_t a, std::size_t* bytes) {
+          return cudnnGetConvolutionBackwardFilterWorkspaceSize(h, p->x, p->y, p->conv_bwd_filter, p->w, a, bytes);
+        },
+        "backward-filter");
   }
-  slot = std::move(p);
+  return p;
+}
+
+template <class T>
+ConvPlan& plan(cudnnHandle_t h, Device d, const Window2d& g, std::int64_t N, std::int64_t O, std::int64_t groups) {
+  using Key = std::tuple<int, bool, bool, bool, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+                         std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
+                         std::int64_t, std::int64_t>;
+  const ConvMathPolicy policy{std::is_same_v<T, float>, std::is_same_v<T, float> && ::chorus::cuda::allow_tf32(),
+                              deterministic()};
+  const Key key{d.index, policy.fp32, policy.tf32, policy.deterministic, N, g.C, g.H, g.W, O, g.kh, g.kw, g.sh, g.sw,
+                g.ph, g.pw, g.dh * 1000 + g.dw, groups};
+  thread_local std::map<Key, ConvPlan*> mine;  // Note [per-thread lookups]
+  if (auto it = mine.find(key); it != mine.end()) return *it->second;
+  static std::mutex m;
+  static auto* cache = new std::map<Key, std::unique_ptr<ConvPlan>>();
+  std::lock_guard<std::mutex> lk(m);
+  auto& slot = (*cache)[key];
+  if (!slot) slot = build_plan<T>(h, d, g, N, O, groups, policy);
+  mine.emplace(key, slot.get());
   return *slot;
 }
 
@@ -158,7 +237,8 @@ void conv_forward(const Window2d& g, std::int64_t N, std::int64_t O, std::int64_
   auto& p = plan<T>(h, d, g, N, O, groups);
   auto ws = workspace(d, p.fwd_ws);
   const T one = 1, zero = 0;
-  CHORUS_CUDNN_CHECK(cudnnConvolutionForward(h, &one, p.x, x, p.w, w, p.conv, p.fwd, ws_ptr(ws), p.fwd_ws, &zero, p.y, y));
+  CHORUS_CUDNN_CHECK(
+      cudnnConvolutionForward(h, &one, p.x, x, p.w, w, p.conv_fwd, p.fwd, ws_ptr(ws), p.fwd_ws, &zero, p.y, y));
 }
 
 /// gx = dL/dx (overwritten).
@@ -170,7 +250,7 @@ void conv_backward_data(const Window2d& g, std::int64_t N, std::int64_t O, std::
   auto& p = plan<T>(h, d, g, N, O, groups);
   auto ws = workspace(d, p.bwd_data_ws);
   const T one = 1, zero = 0;
-  CHORUS_CUDNN_CHECK(cudnnConvolutionBackwardData(h, &one, p.w, w, p.y, gy, p.conv, p.bwd_data, ws_ptr(ws),
+  CHORUS_CUDNN_CHECK(cudnnConvolutionBackwardData(h, &one, p.w, w, p.y, gy, p.conv_bwd_data, p.bwd_data, ws_ptr(ws),
                                                   p.bwd_data_ws, &zero, p.x, gx));
 }
 
@@ -183,7 +263,7 @@ void conv_backward_filter(const Window2d& g, std::int64_t N, std::int64_t O, std
   auto& p = plan<T>(h, d, g, N, O, groups);
   auto ws = workspace(d, p.bwd_filter_ws);
   const T one = 1, zero = 0;
-  CHORUS_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h, &one, p.x, x, p.y, gy, p.conv, p.bwd_filter, ws_ptr(ws),
+  CHORUS_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h, &one, p.x, x, p.y, gy, p.conv_bwd_filter, p.bwd_filter, ws_ptr(ws),
                                                     p.bwd_filter_ws, &zero, p.w, gw));
 }
 

@@ -1,12 +1,14 @@
 #pragma once
 // Host-side decisions of the CUDA backend that need no GPU to make or to test: the alignment
 // cuBLASLt may assume for an operand, when the fused bias epilogue is safe, the key under which
-// a cuBLASLt plan is cached, and checked narrowing of sizes to the `int` some CUDA APIs take.
+// a cuBLASLt plan is cached, which cuDNN algorithms may run under which math type, and checked
+// narrowing of sizes to the `int` some CUDA APIs take.
 // Plain C++ (no CUDA types), so tests/test_cuda_host.cpp checks it with g++ on any machine.
 #include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "../../error.hpp"
 
@@ -61,6 +63,57 @@ struct LtKeyHash {
     return h;
   }
 };
+
+/// cuDNN's math types (cudnnMathType_t, the same values: checked in cudnn.cuh).
+enum class ConvMath : int { Default = 0, TensorOp = 1, TensorOpAllowConversion = 2, Fma = 3 };
+
+/// What chorus lets a cuDNN convolution compute with.
+struct ConvMathPolicy {
+  bool fp32 = true;            // float data (else double)
+  bool tf32 = false;           // chorus::cuda::allow_tf32()
+  bool deterministic = false;  // cudnn::set_deterministic(true)
+};
+
+/// The math type the heuristic query runs under: FMA only for float without TF32 (cuDNN's
+/// default math lets Ampere and later use TF32 for float); the default otherwise.
+inline ConvMath conv_query_math(const ConvMathPolicy& p) {
+  return p.fp32 && !p.tf32 ? ConvMath::Fma : ConvMath::Default;
+}
+
+/// One entry of cuDNN's heuristic ranking (cudnnConvolution*AlgoPerf_t, reduced).
+struct ConvAlgoPerf {
+  int algo = 0;
+  bool ok = false;             // status == CUDNN_STATUS_SUCCESS
+  ConvMath math = ConvMath::Default;
+  bool deterministic = false;  // determinism == CUDNN_DETERMINISTIC
+};
+
+/// An entry to try: which one, and the math type to set on the convolution descriptor.
+struct ConvAlgoChoice {
+  std::size_t index = 0;
+  ConvMath math = ConvMath::Default;
+};
+
+/// Note [cuDNN algorithm choice]
+/// The heuristic's entries that may run, best first, each with the math type it is to run
+/// under: the entry's own (cuDNN reports the math type the ranking assumed; the descriptor must
+/// be set to it, or the algorithm runs under another one than the one ranked), except that float
+/// without TF32 stays on FMA math, and no entry may convert float data to half precision
+/// (TENSOR_OP_MATH_ALLOW_CONVERSION: TF32 stops at TENSOR_OP_MATH). Entries that failed, and
+/// nondeterministic ones when determinism is asked for, are left out. The caller takes the first
+/// whose workspace, asked of cuDNN for that algorithm and math type, fits its limit.
+inline std::vector<ConvAlgoChoice> conv_algo_order(const std::vector<ConvAlgoPerf>& perf, const ConvMathPolicy& p) {
+  std::vector<ConvAlgoChoice> out;
+  for (std::size_t i = 0; i < perf.size(); ++i) {
+    const auto& e = perf[i];
+    if (!e.ok || (p.deterministic && !e.deterministic)) continue;
+    ConvMath m = e.math;
+    if (p.fp32 && !p.tf32) m = ConvMath::Fma;
+    else if (m == ConvMath::TensorOpAllowConversion) m = ConvMath::TensorOp;
+    out.push_back({i, m});
+  }
+  return out;
+}
 
 /// `v` as an int for a CUDA API that takes one; throws naming `what` instead of wrapping.
 inline int checked_int(std::int64_t v, const char* what) {
