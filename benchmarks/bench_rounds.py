@@ -164,7 +164,8 @@ class Local:
     runs before every round: TF32 on or off, say)."""
 
     def __init__(self, meta, build, warmup, clock, prepare):
-        self.meta, self.build, self.warmup, self.clock, self.prepare, self.timed = meta, build, warmup, clock, prepare, None
+        self.meta, self.build, self.warmup, self.clock, self.prepare = meta, build, warmup, clock, prepare
+        self.timed = None
 
     def __call__(self, reps):
         if self.prepare:

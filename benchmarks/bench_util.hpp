@@ -113,10 +113,10 @@ class Timed {
     const double min_ms = !wall_ ? 0 : first_ ? kMinWarmupMs : kRoundWarmupMs;
     first_ = false;
     const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < calls ||
-                    std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() < min_ms;
-         ++i)
-      step_();
+    auto elapsed_ms = [&] {
+      return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    };
+    for (int i = 0; i < calls || elapsed_ms() < min_ms; ++i) step_();
     std::vector<double> t;
     for (int i = 0; i < reps; ++i) t.push_back(clock_(step_));
     return t;

@@ -238,8 +238,8 @@ int main(int argc, char** argv) try {
     for (std::size_t i = 0; i < samples.size(); ++i) {
       json r = bench::make_record(i < mine.size() ? mine[i].meta : theirs[i - mine.size()].meta, samples[i], "gflops",
                                   1e6);
-      std::fprintf(stderr, "  %-8s %-14s %-30s median %9.3f ms (rounds %.3f-%.3f)\n", r["impl"].get<std::string>().c_str(),
-                   w.c_str(), r["config"].get<std::string>().c_str(), r["median_ms"].get<double>(),
+      std::fprintf(stderr, "  %-8s %-14s %-30s median %9.3f ms (rounds %.3f-%.3f)\n",
+                   r["impl"].get<std::string>().c_str(), w.c_str(), r["config"].get<std::string>().c_str(), r["median_ms"].get<double>(),
                    r["min_ms"].get<double>(), r["max_ms"].get<double>());
       (i < mine.size() ? ours : peer_records).push_back(r);
     }

@@ -147,7 +147,8 @@ int main(int argc, char** argv) try {
   auto offers = [&](const std::string& w) {
     nlohmann::json meta = {{"impl", "libtorch"},
                            {"workload", w},
-                           {"config", std::to_string(threads) + " thread(s), " + std::to_string(omp_threads) + " intra-op"},
+                           {"config", std::to_string(threads) + " thread(s), " + std::to_string(omp_threads) +
+                                          " intra-op"},
                            {"devices", 1},
                            {"threads", threads},
                            {"omp_threads", omp_threads},
@@ -158,7 +159,8 @@ int main(int argc, char** argv) try {
   if (serve) return bench::serve(offers);
   nlohmann::json records = nlohmann::json::array();
   for (const auto& w : workloads) {
-    const int reps = repeats > 0 ? repeats : (w == "tutorial" ? 200 : w == "mlp-small" ? 10 : w == "resnet20-cifar" ? 3 : 5);
+    const int reps =
+        repeats > 0 ? repeats : (w == "tutorial" ? 200 : w == "mlp-small" ? 10 : w == "resnet20-cifar" ? 3 : 5);
     std::vector<bench::Entry> entries;
     for (auto& o : offers(w)) {
       auto timed = std::make_shared<bench::Timed>(o.make(), o.warmup);

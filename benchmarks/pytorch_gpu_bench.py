@@ -145,17 +145,23 @@ def offers(w):
         return [(meta("pytorch-dataparallel", "DataParallel 1 GPU"), build, 20)]
     if w == "mlp-small":
         flops = mlp_flops(256, [(784, 512), (512, 512), (512, 10)])
-        data = lambda: (torch.randn(256, 784, device="cuda"), torch.randint(0, 10, (256,), device="cuda"))
-        return [(meta("pytorch-eager", "1 GPU", flops), lambda: step_fn(mlp(784, 512, 10, 3), *data(), F.cross_entropy), 10),
-                (meta("pytorch-cudagraph", "1 GPU", flops), lambda: graphed(mlp(784, 512, 10, 3), *data(), F.cross_entropy), 10)]
+        def small():
+            return torch.randn(256, 784, device="cuda"), torch.randint(0, 10, (256,), device="cuda")
+        return [(meta("pytorch-eager", "1 GPU", flops),
+                 lambda: step_fn(mlp(784, 512, 10, 3), *small(), F.cross_entropy), 10),
+                (meta("pytorch-cudagraph", "1 GPU", flops),
+                 lambda: graphed(mlp(784, 512, 10, 3), *small(), F.cross_entropy), 10)]
     if w == "mlp-large":  # nn.DataParallel on [0, 0] is refused by PyTorch (duplicate device ids)
         flops = mlp_flops(8192, [(4096, 4096)] * 4)
-        data = lambda: (torch.randn(8192, 4096, device="cuda"), torch.randn(8192, 4096, device="cuda"))
+        def large():
+            return torch.randn(8192, 4096, device="cuda"), torch.randn(8192, 4096, device="cuda")
         out = []
-        for tf32 in (False, True):
+        for tf32 in (False, True):  # built under its setting (Local calls set_tf32 first)
             name = "1 GPU " + ("tf32" if tf32 else "fp32")
-            out += [(meta("pytorch-eager", name, flops, tf32), lambda: step_fn(mlp(4096, 4096, 4096, 4), *data(), F.mse_loss), 3),
-                    (meta("pytorch-cudagraph", name, flops, tf32), lambda: graphed(mlp(4096, 4096, 4096, 4), *data(), F.mse_loss), 3)]
+            out += [(meta("pytorch-eager", name, flops, tf32),
+                     lambda: step_fn(mlp(4096, 4096, 4096, 4), *large(), F.mse_loss), 3),
+                    (meta("pytorch-cudagraph", name, flops, tf32),
+                     lambda: graphed(mlp(4096, 4096, 4096, 4), *large(), F.mse_loss), 3)]
         return out
     if w == "resnet20-cifar":
         # Batch 128, SGD with momentum, eager, NCHW and channels_last (cuDNN's preferred NHWC
@@ -170,7 +176,8 @@ def offers(w):
                 x = torch.randn(128, 3, 32, 32, device="cuda").to(memory_format=fmt)
                 y = torch.randint(0, 10, (128,), device="cuda")
                 return step_fn(model, x, y, F.cross_entropy, momentum=0.9)
-            out.append((meta("pytorch-eager", "1 GPU fp32" + (" channels_last" if channels_last else ""), flops), build, 10))
+            name = "1 GPU fp32" + (" channels_last" if channels_last else "")
+            out.append((meta("pytorch-eager", name, flops), build, 10))
         return out
     raise ValueError(f"unknown workload '{w}'")
 

@@ -53,6 +53,42 @@ class Pairing(unittest.TestCase):
         self.assertEqual(len(calls), 7 + 1 + 2)
 
 
+class CompareBenchmarks(unittest.TestCase):
+    """scripts/compare_benchmarks.py pairs rounds only within one interleaved run."""
+
+    def docs(self, run_ids):
+        rec = lambda impl, w, c, rounds: br.make_record(dict(impl=impl, workload=w, config=c), [[x] for x in rounds])
+        chorus = dict(run_id=run_ids[0], records=[rec("chorus", "mlp-small", "1 GPU", [1, 4, 4]),
+                                                  rec("chorus", "mlp-large", "1 GPU fp32", [2, 2, 2]),
+                                                  rec("chorus", "mlp-large", "DataParallel {cuda:0, cuda:0} fp32",
+                                                      [2, 3, 2])])
+        torch = dict(run_id=run_ids[1], records=[rec("pytorch-eager", "mlp-small", "1 GPU", [2, 2, 8])])
+        return chorus, torch
+
+    def setUp(self):
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+        import compare_benchmarks
+        self.cb = compare_benchmarks
+
+    def test_paired_in_one_run(self):
+        rows = {(r["workload"], r["chorus_config"], r["peer"]): r for r in self.cb.compare(*self.docs(["x", "x"]))}
+        r = rows[("mlp-small", "1 GPU", "pytorch-eager 1 GPU")]
+        self.assertTrue(r["paired"])
+        self.assertEqual((r["ratio"], r["ratio_min"], r["ratio_max"]), (0.5, 0.5, 2))
+        self.assertEqual(r["round_ratios"], [0.5, 2, 0.5])
+        self.assertFalse(r["met"])  # target 0.25 against the median 0.5
+        # chorus against itself is always paired (one file, the same rounds)
+        dp = rows[("mlp-large", "DataParallel {cuda:0, cuda:0} fp32", "chorus 1 GPU fp32")]
+        self.assertEqual((dp["ratio"], dp["ratio_max"], dp["paired"], dp["met"]), (1.0, 1.5, True, True))
+
+    def test_unpaired_across_runs(self):
+        rows = self.cb.compare(*self.docs(["x", "y"]))
+        r = next(r for r in rows if r["peer"] == "pytorch-eager 1 GPU")
+        self.assertFalse(r["paired"])
+        self.assertEqual(r["ratio"], 4 / 2)  # the medians' ratio
+        self.assertEqual(r["round_ratios"], [])
+
+
 @unittest.skipUnless(os.environ.get("BENCH_UTIL_SERVER"), "BENCH_UTIL_SERVER not set (CTest sets it)")
 class DriveAgainstTheCppServer(unittest.TestCase):
     def peer(self):

@@ -69,7 +69,8 @@ TEST(BenchRounds, RunRoundsAlternatesTheSides) {
 }
 
 TEST(BenchRounds, RecordKeepsEveryRoundAndItsMedians) {
-  const auto r = bench::make_record({{"impl", "chorus"}, {"flops", 2e9}}, {{1, 9, 2}, {4, 4, 5}, {3, 1, 3}}, "gflops", 1e6);
+  const auto r =
+      bench::make_record({{"impl", "chorus"}, {"flops", 2e9}}, {{1, 9, 2}, {4, 4, 5}, {3, 1, 3}}, "gflops", 1e6);
   EXPECT_EQ(r["round_ms"], (std::vector<double>{2, 4, 3}));
   EXPECT_DOUBLE_EQ(r["median_ms"].get<double>(), 3);
   EXPECT_DOUBLE_EQ(r["min_ms"].get<double>(), 2);
