@@ -106,6 +106,11 @@ def set_tf32(on):
     torch.backends.cudnn.allow_tf32 = on
 
 
+def prepare(meta):
+    """Before every round of a PyTorch configuration: TF32 exactly as its label says."""
+    set_tf32(meta["tf32"])
+
+
 def cuda_clock(fn):
     """Milliseconds of one call, by CUDA events on the current stream."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -202,7 +207,7 @@ def main():
         chorus = PeerProcess([args.chorus, "--serve"], env=env)
     mine, theirs = drive(args.workloads.split(","), offers, lambda w: args.repeats or REPEATS.get(w, 5), args.rounds,
                          peer=chorus, peer_name="chorus", local_name="pytorch", clock=cuda_clock,
-                         prepare=lambda meta: set_tf32(meta["tf32"]), after_workload=torch.cuda.empty_cache,
+                         prepare=prepare, after_workload=torch.cuda.empty_cache,
                          paths=(args.json, args.chorus_json if chorus else None), rate=("tflops", 1e9))
     set_tf32(False)
     print(f"wrote {args.json}" + (f" and {args.chorus_json}" if chorus else ""))

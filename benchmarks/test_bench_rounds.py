@@ -89,6 +89,41 @@ class CompareBenchmarks(unittest.TestCase):
         self.assertEqual(r["round_ratios"], [])
 
 
+class PytorchGpuBenchTf32(unittest.TestCase):
+    """Like for like (issue 17, item 12): each PyTorch row runs with TF32 for matrix products and
+    for cuDNN exactly as its label says; PyTorch's own default leaves cuDNN's on. Checked against
+    a stand-in for torch (no GPU, no PyTorch here): the flags are all this touches."""
+
+    def test_every_row_sets_both_flags_as_labelled(self):
+        import types
+        from unittest import mock
+        torch = types.ModuleType("torch")
+        torch.__version__ = "stand-in"
+        torch.nn = types.ModuleType("torch.nn")
+        torch.nn.Module = object
+        torch.nn.functional = types.ModuleType("torch.nn.functional")
+        torch.channels_last, torch.contiguous_format = "channels_last", "contiguous"
+        ns = types.SimpleNamespace
+        torch.backends = ns(cuda=ns(matmul=ns(allow_tf32=False)), cudnn=ns(allow_tf32=True))  # PyTorch's defaults
+        with mock.patch.dict(sys.modules, {"torch": torch, "torch.nn": torch.nn,
+                                           "torch.nn.functional": torch.nn.functional}):
+            sys.modules.pop("pytorch_gpu_bench", None)
+            import pytorch_gpu_bench as pgb
+            rows = 0
+            for w in ("tutorial", "mlp-small", "mlp-large", "resnet20-cifar"):
+                for meta, _, _ in pgb.offers(w):
+                    for before in (False, True):  # whatever the row before left
+                        pgb.set_tf32(before)
+                        pgb.prepare(meta)
+                        want = meta["config"].endswith("tf32")
+                        self.assertEqual(meta["tf32"], want, meta)
+                        self.assertEqual(torch.backends.cuda.matmul.allow_tf32, want, meta)
+                        self.assertEqual(torch.backends.cudnn.allow_tf32, want, meta)
+                    rows += 1
+            self.assertEqual(rows, 9)
+            sys.modules.pop("pytorch_gpu_bench", None)
+
+
 @unittest.skipUnless(os.environ.get("BENCH_UTIL_SERVER"), "BENCH_UTIL_SERVER not set (CTest sets it)")
 class DriveAgainstTheCppServer(unittest.TestCase):
     def peer(self):

@@ -5,9 +5,11 @@ of per-round ratios with its min-max as an error bar (Note [paired rounds] in
 benchmarks/bench_util.hpp).
 
 usage: plot_benchmarks.py OUT.png BENCH.json [MORE.json ...]   (needs: pip install matplotlib)
+       plot_benchmarks.py --markdown CPU.json    the README's Performance table and scaling line
 """
 import json
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
@@ -47,7 +49,39 @@ def load(paths):
     return records, ratios, scaling
 
 
+def markdown(path):
+    """chorus_bench's JSON as the README's table: one row per chorus configuration, the peer at
+    the same thread count, the ratio's median and min-max over the rounds; then the scaling."""
+    with open(path) as f:
+        doc = json.load(f)
+    label = {"1 thread(s)": "1 thread", "2 thread(s)": "2 threads"}
+    lines = [f"| workload | chorus configuration | chorus ms | LibTorch ms | ratio (median of {doc['rounds']} rounds) "
+             "| min–max |", "|---|---|---:|---:|---:|---:|"]
+    for q in doc["ratios"]:
+        rec = next(r for r in doc["records"] if r["impl"] == "chorus" and r["workload"] == q["workload"]
+                   and r["config"] == q["config"])
+        m = re.match(r"DataParallel (\d+) dev x 1 thread", q["config"])
+        config = label.get(q["config"], q["config"]) if not m else (
+            "DataParallel, 1 device" if m[1] == "1" else f"DataParallel, {m[1]} devices × 1 thread")
+        if "gflops" in rec:
+            config += f" ({rec['gflops']:.0f} GFLOP/s)"
+        unit = "epoch" if q["workload"] == "tutorial" else "step"
+        ms = lambda v: f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 100 else f"{v:.1f}"
+        r = q["ratio"]
+        lines.append(f"| {q['workload']} ({unit}) | {config} | {ms(q['chorus_ms'])} | {ms(q['peer_ms'])} | "
+                     f"{r['median']:.2f}× | {r['min']:.2f}–{r['max']:.2f} |")
+    sc = [f"{s['workload']} {s['speedup']['median']:.2f}× ({s['speedup']['min']:.2f}–{s['speedup']['max']:.2f})"
+          for s in doc["scaling"]]
+    lines.append("")
+    lines.append(f"DataParallel over {doc['scaling'][0]['devices'] if doc['scaling'] else 2} virtual CPU devices against "
+                 f"one device, median of the per-round speed-ups (min–max): {', '.join(sc)}.")
+    return "\n".join(lines)
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--markdown":
+        print(markdown(sys.argv[2]))
+        return
     if len(sys.argv) < 3:
         sys.exit(__doc__)
     import matplotlib
@@ -88,7 +122,8 @@ def main():
     ax.set_xlabel("devices")
     ax.set_ylabel("speed-up over 1 device (median of rounds, min-max)")
     ax.set_title("DataParallel scaling")
-    ax.legend(fontsize=8)
+    if scaling:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(f"wrote {out} ({len(records)} records)")
