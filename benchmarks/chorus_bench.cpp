@@ -1,8 +1,10 @@
 // chorus benchmarks: the fixed workloads on one device and through DataParallel, side by side
-// with a peer (LibTorch on the CPU) run in the same invocation.
+// with a peer (LibTorch on the CPU) run in the same invocation, in alternating rounds (Note
+// [paired rounds] in bench_util.hpp): every ratio is the median of per-round ratios, with its
+// min-max.
 //
 //   chorus_bench [--threads 1,2] [--devices 1,2] [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar]
-//                [--repeats N] [--json FILE] [--peer LIBTORCH_BENCH]
+//                [--rounds R (7)] [--repeats N (timed steps per round)] [--json FILE] [--peer LIBTORCH_BENCH]
 //
 // Workloads (see benchmarks/README.md): tutorial = Linear(5, 2) forward over 100 samples in
 // batches of 30, data on the host, time per epoch; mlp-small = 784-512-512-10 ReLU MLP,
@@ -20,9 +22,11 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "../examples/resnet.hpp"
 #include "bench_util.hpp"
+#include "peer.hpp"
 
 using namespace chorus;
 namespace F = chorus::nn::functional;
@@ -122,9 +126,17 @@ double workload_flops(const std::string& w) {
   return 0;
 }
 
+/// Timed steps per round (Note [paired rounds]): about 0.05-1.5 s of work per configuration and round.
 int repeats_for(const std::string& w, int requested) {
   if (requested > 0) return requested;
-  return w == "tutorial" ? 200 : w == "mlp-small" ? 30 : w == "resnet20-cifar" ? 5 : 15;
+  return w == "tutorial" ? 200 : w == "mlp-small" ? 10 : w == "resnet20-cifar" ? 3 : 5;
+}
+
+std::string fmt_spread(const nlohmann::json& s) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2fx [%.2f-%.2f]", s["median"].get<double>(), s["min"].get<double>(),
+                s["max"].get<double>());
+  return buf;
 }
 
 }  // namespace
@@ -132,7 +144,7 @@ int repeats_for(const std::string& w, int requested) {
 int main(int argc, char** argv) try {
   std::vector<int> threads = {1, 2}, devices = {1, 2};
   std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar"};
-  int repeats = 0;
+  int repeats = 0, rounds = 7;
   std::string json_path = "chorus_bench.json", peer;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -148,6 +160,8 @@ int main(int argc, char** argv) try {
       for (auto& d : bench::split(next())) devices.push_back(std::stoi(d));
     } else if (a == "--workloads") {
       workloads = bench::split(next());
+    } else if (a == "--rounds") {
+      rounds = std::stoi(next());
     } else if (a == "--repeats") {
       repeats = std::stoi(next());
     } else if (a == "--json") {
@@ -157,99 +171,142 @@ int main(int argc, char** argv) try {
     } else {
       std::cerr << "usage: chorus_bench [--threads 1,2] [--devices 1,2]"
                    " [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar]"
-                   " [--repeats N] [--json FILE] [--peer LIBTORCH_BENCH]\n";
+                   " [--rounds R] [--repeats N] [--json FILE] [--peer LIBTORCH_BENCH]\n";
       return 2;
     }
   }
+  CHORUS_CHECK(rounds >= 1, "--rounds must be at least 1, got ", rounds);
   int max_dev = 1;
   for (int d : devices) max_dev = std::max(max_dev, d);
   set_cpu_device_count(max_dev);
 
-  nlohmann::json records = nlohmann::json::array();
-  auto record = [&](const std::string& impl, const std::string& w, const std::string& config, int ndev, int nthreads,
-                    const bench::Stats& s) {
-    nlohmann::json r = {{"impl", impl},          {"workload", w},        {"config", config},
-                        {"devices", ndev},       {"threads", nthreads},  {"median_ms", s.median_ms},
-                        {"min_ms", s.min_ms},    {"max_ms", s.max_ms},   {"repeats", s.repeats}};
-    if (double f = workload_flops(w); f > 0) r["gflops"] = f / (s.median_ms * 1e6);
-    records.push_back(r);
-    std::fprintf(stderr, "  %-10s %-10s %-28s median %9.3f ms\n", impl.c_str(), w.c_str(), config.c_str(), s.median_ms);
-  };
-
-  for (const auto& w : workloads) {
-    const int reps = repeats_for(w, repeats), warm = std::max(2, reps / 10);
-    for (int t : threads) {  // one device, no wrapper, t BLAS threads
-      backend::cpu::set_blas_threads(t);
-      auto step = make_workload(w, {});
-      record("chorus", w, std::to_string(t) + " thread(s)", 1, t, bench::measure(step, warm, reps));
-    }
-    backend::cpu::set_blas_threads(1);  // DataParallel: one BLAS thread per device
-    for (int k : devices) {
-      std::vector<Device> devs;
-      for (int d = 0; d < k; ++d) devs.push_back(Device::cpu(d));
-      auto step = make_workload(w, devs);
-      record("chorus", w, "DataParallel " + std::to_string(k) + " dev x 1 thread", k, k,
-             bench::measure(step, warm, reps));
-    }
-  }
-
-  if (!peer.empty()) {
-    // The peer at each thread count, run in this invocation. LibTorch splits threads between
-    // OpenMP (intra-op) and its BLAS; both splits are tried and the faster one is kept per
-    // workload, so chorus is compared with the peer's best at that thread count.
-    std::string ws;
-    for (auto& w : workloads) ws += (ws.empty() ? "" : ",") + w;
-    for (int t : threads) {
-      std::map<std::string, nlohmann::json> best;
+  // The peer: one server process per thread split (Note [peer protocol]). LibTorch splits its
+  // threads between OpenMP (intra-op) and its BLAS; at 2 threads both splits run in the rounds
+  // and each ratio is against the split that was faster on that workload, so chorus is compared
+  // with the peer's best at the same total thread count.
+  std::vector<std::unique_ptr<bench::PeerProcess>> peers;
+  if (!peer.empty())
+    for (int t : threads)
       for (int omp : {t, 1}) {
-        const std::string out = json_path + ".peer.json";
-        std::string cmd = "OMP_NUM_THREADS=" + std::to_string(omp) + " OPENBLAS_NUM_THREADS=" + std::to_string(t) +
-                          " '" + peer + "' --threads " + std::to_string(t) + " --omp-threads " + std::to_string(omp) +
-                          " --workloads " + ws + " --json '" + out + "'";
-        if (repeats > 0) cmd += " --repeats " + std::to_string(repeats);
-        CHORUS_CHECK(std::system(cmd.c_str()) == 0, "peer benchmark failed: ", cmd);
-        std::ifstream in(out);
-        for (auto& r : nlohmann::json::parse(in)) {
-          auto& b = best[r["workload"].get<std::string>()];
-          if (b.is_null() || r["median_ms"].get<double>() < b["median_ms"].get<double>()) b = r;
-        }
-        std::remove(out.c_str());
+        peers.push_back(std::make_unique<bench::PeerProcess>(
+            std::vector<std::string>{peer, "--serve", "--threads", std::to_string(t), "--omp-threads",
+                                     std::to_string(omp)},
+            std::vector<std::string>{"OMP_NUM_THREADS=" + std::to_string(omp),
+                                     "OPENBLAS_NUM_THREADS=" + std::to_string(t)}));
         if (t == 1) break;
       }
-      for (auto& [w, r] : best) records.push_back(r);
+
+  using nlohmann::json;
+  json records = json::array(), ratios = json::array(), scaling = json::array();
+  auto write_json = [&] {  // after every workload: an interrupted run keeps what it measured
+    json doc = {{"machine", {{"cores", std::thread::hardware_concurrency()}}},
+                {"rounds", rounds},
+                {"interleaved", !peers.empty()},
+                {"records", records},
+                {"ratios", ratios},
+                {"scaling", scaling}};
+    std::ofstream(json_path) << doc.dump(2) << "\n";
+  };
+  std::vector<std::string> table;
+  for (const auto& w : workloads) {
+    const int reps = repeats_for(w, repeats);
+    std::vector<bench::Entry> mine, theirs;
+    auto add = [&](std::string config, int ndev, int nthreads, int blas, const std::vector<Device>& devs) {
+      backend::cpu::set_blas_threads(blas);
+      auto timed = std::make_shared<bench::Timed>(make_workload(w, devs), 2);
+      json meta = {{"impl", "chorus"}, {"workload", w},         {"config", config},
+                   {"devices", ndev},  {"threads", nthreads}, {"flops", workload_flops(w)}};
+      mine.push_back({meta, [timed, blas](int n) {
+                        backend::cpu::set_blas_threads(blas);
+                        return timed->round(n);
+                      }});
+    };
+    for (int t : threads) add(std::to_string(t) + " thread(s)", 1, t, t, {});  // one device, no wrapper
+    for (int k : devices) {  // DataParallel: one BLAS thread per device
+      std::vector<Device> devs;
+      for (int d = 0; d < k; ++d) devs.push_back(Device::cpu(d));
+      add("DataParallel " + std::to_string(k) + " dev x 1 thread", k, k, 1, devs);
     }
+    for (auto& p : peers)
+      for (auto& e : p->entries(w)) theirs.push_back(e);
+    std::fprintf(stderr, "%s: %d rounds of %zu + %zu configurations, %d timed steps each\n", w.c_str(), rounds,
+                 mine.size(), theirs.size(), reps);
+    const auto samples = bench::run_rounds(mine, theirs, rounds, reps);
+    for (auto& p : peers) p->release(w);
+    backend::cpu::set_blas_threads(1);
+    std::vector<json> ours, peer_records;
+    for (std::size_t i = 0; i < samples.size(); ++i) {
+      json r = bench::make_record(i < mine.size() ? mine[i].meta : theirs[i - mine.size()].meta, samples[i], "gflops",
+                                  1e6);
+      std::fprintf(stderr, "  %-8s %-14s %-30s median %9.3f ms (rounds %.3f-%.3f)\n",
+                   r["impl"].get<std::string>().c_str(), w.c_str(), r["config"].get<std::string>().c_str(), r["median_ms"].get<double>(),
+                   r["min_ms"].get<double>(), r["max_ms"].get<double>());
+      (i < mine.size() ? ours : peer_records).push_back(r);
+    }
+    // The peer's faster split at each thread count.
+    std::map<int, std::size_t> best;
+    for (std::size_t i = 0; i < peer_records.size(); ++i) {
+      const int t = peer_records[i]["threads"];
+      if (!best.count(t) || peer_records[i]["median_ms"] < peer_records[best[t]]["median_ms"]) best[t] = i;
+    }
+    for (std::size_t i = 0; i < peer_records.size(); ++i)
+      peer_records[i]["best_split"] = best[peer_records[i]["threads"].get<int>()] == i;
+    // Each chorus configuration against the peer at the same total thread count, round by round.
+    for (const auto& r : ours) {
+      char row[256];
+      std::snprintf(row, sizeof row, "%-14s %-30s %10.3f ", w.c_str(), r["config"].get<std::string>().c_str(),
+                    r["median_ms"].get<double>());
+      std::string line = row;
+      const int t = r["threads"];
+      if (best.count(t)) {
+        const json& p = peer_records[best[t]];
+        json q = {{"workload", w},
+                  {"config", r["config"]},
+                  {"threads", t},
+                  {"peer_config", p["config"]},
+                  {"chorus_ms", r["median_ms"]},
+                  {"peer_ms", p["median_ms"]},
+                  {"ratio", bench::paired_json(r, p)}};
+        std::snprintf(row, sizeof row, "%10.3f  %-20s", p["median_ms"].get<double>(), fmt_spread(q["ratio"]).c_str());
+        line += row;
+        ratios.push_back(q);
+      } else {
+        std::snprintf(row, sizeof row, "%10s  %-20s", "-", "-");
+        line += row;
+      }
+      if (r.contains("gflops")) {
+        std::snprintf(row, sizeof row, " %8.1f", r["gflops"].get<double>());
+        line += row;
+      }
+      table.push_back(line);
+    }
+    // DataParallel scaling: 1 device against k devices, round by round.
+    const json* one = nullptr;
+    for (const auto& r : ours)
+      if (r["config"].get<std::string>().rfind("DataParallel 1 ", 0) == 0) one = &r;
+    for (const auto& r : ours)
+      if (one && r["config"].get<std::string>().rfind("DataParallel", 0) == 0 && r["devices"].get<int>() > 1) {
+        json q = {{"workload", w},
+                  {"devices", r["devices"]},
+                  {"one_device_ms", (*one)["median_ms"]},
+                  {"ms", r["median_ms"]},
+                  {"speedup", bench::paired_json(*one, r)}};
+        table.push_back("scaling " + w + ": DataParallel " + std::to_string(r["devices"].get<int>()) +
+                        " devices, speed-up over 1 device: " + fmt_spread(q["speedup"]));
+        scaling.push_back(q);
+      }
+    for (auto& r : ours) records.push_back(r);
+    for (auto& r : peer_records) records.push_back(r);
+    write_json();
   }
 
-  // The table: each chorus configuration against the peer at the same total thread count.
-  std::printf("\n%-11s %-30s %12s %12s %8s %9s\n", "workload", "chorus configuration", "chorus ms", "peer ms",
+  std::printf("\n%d rounds; ratio = chorus / peer per round: median [min-max]; the peer at the same total thread "
+              "count (its faster thread split)\n",
+              rounds);
+  std::printf("%-14s %-30s %10s %10s  %-20s %8s\n", "workload", "chorus configuration", "chorus ms", "peer ms",
               "ratio", "GFLOP/s");
-  for (const auto& r : records) {
-    if (r["impl"] != "chorus") continue;
-    double peer_ms = 0;
-    for (const auto& p : records)
-      if (p["impl"] != "chorus" && p["workload"] == r["workload"] && p["threads"] == r["threads"])
-        peer_ms = p["median_ms"].get<double>();
-    const double ms = r["median_ms"].get<double>();
-    std::printf("%-11s %-30s %12.3f ", r["workload"].get<std::string>().c_str(), r["config"].get<std::string>().c_str(),
-                ms);
-    if (peer_ms > 0) std::printf("%12.3f %7.2fx", peer_ms, ms / peer_ms);
-    else std::printf("%12s %8s", "-", "-");
-    if (r.contains("gflops")) std::printf(" %9.1f", r["gflops"].get<double>());
-    std::printf("\n");
-  }
-  // DataParallel scaling on each workload: time on 1 device / time on k devices.
-  for (const auto& w : workloads) {
-    double one = 0;
-    for (const auto& r : records)
-      if (r["impl"] == "chorus" && r["workload"] == w && r["config"].get<std::string>().rfind("DataParallel 1 ", 0) == 0)
-        one = r["median_ms"].get<double>();
-    for (const auto& r : records)
-      if (one > 0 && r["impl"] == "chorus" && r["workload"] == w && r["devices"].get<int>() > 1)
-        std::printf("scaling %-10s DataParallel %d devices: %.2fx faster than 1 device\n", w.c_str(),
-                    r["devices"].get<int>(), one / r["median_ms"].get<double>());
-  }
-  nlohmann::json doc = {{"machine", {{"cores", std::thread::hardware_concurrency()}}}, {"records", records}};
-  std::ofstream(json_path) << doc.dump(2) << "\n";
+  for (const auto& line : table) std::printf("%s\n", line.c_str());
+  write_json();
   std::printf("wrote %s\n", json_path.c_str());
   return 0;
 } catch (const std::exception& e) {

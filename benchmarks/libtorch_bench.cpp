@@ -1,5 +1,8 @@
-// The same workloads as chorus_bench, in LibTorch (the CPU peer). Writes JSON records.
-//   libtorch_bench --threads T [--workloads ...] [--repeats N] --json FILE
+// The same workloads as chorus_bench, in LibTorch (the CPU peer). chorus_bench starts one per
+// thread split and runs its rounds between its own (Note [peer protocol] in peer.hpp):
+//   libtorch_bench --serve --threads T [--omp-threads O]
+// Alone, it runs its own rounds and writes JSON records:
+//   libtorch_bench --threads T [--omp-threads O] [--workloads ...] [--rounds R] [--repeats N] [--json FILE]
 #include <torch/torch.h>
 
 #include <fstream>
@@ -8,6 +11,7 @@
 #include <sstream>
 
 #include "bench_util.hpp"
+#include "peer.hpp"
 
 namespace {
 // ResNet-20 as examples/resnet.hpp builds it (option-A shortcuts: subsample and zero-pad).
@@ -116,31 +120,59 @@ std::function<void()> make_workload(const std::string& w) {
 }  // namespace
 
 int main(int argc, char** argv) try {
-  int threads = 1, omp_threads = 0, repeats = 0;
+  int threads = 1, omp_threads = 0, repeats = 0, rounds = 7;
+  bool serve = false;
   std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar"};
   std::string json_path = "libtorch_bench.json";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i], v = argv[i + 1];
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--serve") {
+      serve = true;
+      continue;
+    }
+    if (i + 1 >= argc) throw std::runtime_error("missing value after " + a);
+    const std::string v = argv[++i];
     if (a == "--threads") threads = std::stoi(v);
     else if (a == "--omp-threads") omp_threads = std::stoi(v);
     else if (a == "--workloads") workloads = bench::split(v);
+    else if (a == "--rounds") rounds = std::stoi(v);
     else if (a == "--repeats") repeats = std::stoi(v);
     else if (a == "--json") json_path = v;
+    else throw std::runtime_error("unknown option " + a);
   }
   // Intra-op threads (OpenMP); the BLAS threads come from OPENBLAS_NUM_THREADS (set by the driver).
   if (omp_threads == 0) omp_threads = threads;
   torch::set_num_threads(omp_threads);
   torch::manual_seed(0);
+  auto offers = [&](const std::string& w) {
+    nlohmann::json meta = {{"impl", "libtorch"},
+                           {"workload", w},
+                           {"config", std::to_string(threads) + " thread(s), " + std::to_string(omp_threads) +
+                                          " intra-op"},
+                           {"devices", 1},
+                           {"threads", threads},
+                           {"omp_threads", omp_threads},
+                           {"version", TORCH_VERSION}};
+    make_workload(w);  // an unknown workload fails here, when it is offered
+    return std::vector<bench::Offer>{{meta, [w] { return make_workload(w); }, 2}};
+  };
+  if (serve) return bench::serve(offers);
   nlohmann::json records = nlohmann::json::array();
   for (const auto& w : workloads) {
-    const int reps = repeats > 0 ? repeats
-                                 : (w == "tutorial" ? 200 : w == "mlp-small" ? 30 : w == "resnet20-cifar" ? 5 : 15);
-    auto s = bench::measure(make_workload(w), std::max(2, reps / 10), reps);
-    records.push_back({{"impl", "libtorch"}, {"workload", w}, {"config", std::to_string(threads) + " thread(s), " + std::to_string(omp_threads) + " intra-op"},
-                       {"devices", 1}, {"threads", threads}, {"median_ms", s.median_ms}, {"min_ms", s.min_ms},
-                       {"max_ms", s.max_ms}, {"repeats", s.repeats}, {"version", TORCH_VERSION}});
-    std::fprintf(stderr, "  %-10s %-10s %-28s median %9.3f ms\n", "libtorch", w.c_str(),
-                 (std::to_string(threads) + " thread(s)").c_str(), s.median_ms);
+    const int reps =
+        repeats > 0 ? repeats : (w == "tutorial" ? 200 : w == "mlp-small" ? 10 : w == "resnet20-cifar" ? 3 : 5);
+    std::vector<bench::Entry> entries;
+    for (auto& o : offers(w)) {
+      auto timed = std::make_shared<bench::Timed>(o.make(), o.warmup);
+      entries.push_back({o.meta, [timed](int n) { return timed->round(n); }});
+    }
+    const auto samples = bench::run_rounds(entries, {}, rounds, reps);
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      auto r = bench::make_record(entries[i].meta, samples[i], "gflops", 1e6);
+      std::fprintf(stderr, "  %-10s %-14s %-28s median %9.3f ms\n", "libtorch", w.c_str(),
+                   r["config"].get<std::string>().c_str(), r["median_ms"].get<double>());
+      records.push_back(r);
+    }
   }
   std::ofstream(json_path) << records.dump(2) << "\n";
   return 0;

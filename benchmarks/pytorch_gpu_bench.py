@@ -1,31 +1,29 @@
-"""The GPU peer: chorus_gpu_bench's workloads in PyTorch — eager, nn.DataParallel and
-CUDA-graph captured — timed with CUDA events. Writes JSON records.
+"""The GPU peer: chorus_gpu_bench's workloads in PyTorch — eager, nn.DataParallel and CUDA-graph
+captured — timed with CUDA events, in rounds. With --chorus it also drives `chorus_gpu_bench
+--serve` (Note [peer protocol] in benchmarks/peer.hpp) and alternates rounds with it (Note
+[paired rounds] in benchmarks/bench_util.hpp), writing chorus's records too; then
+scripts/compare_benchmarks.py takes every ratio round by round (median, min-max).
 
-usage: pytorch_gpu_bench.py [--repeats N] [--json FILE]
+usage: pytorch_gpu_bench.py [--workloads tutorial,mlp-small,mlp-large,resnet20-cifar] [--rounds R]
+                            [--repeats N] [--json FILE]
+                            [--chorus CHORUS_GPU_BENCH [--chorus-env NAME=VALUE ...] [--chorus-json FILE]]
+
+--chorus-env sets variables for chorus_gpu_bench only (its LD_LIBRARY_PATH, say); PyTorch keeps
+this process's environment. Exit status 1 when any configuration of either side failed.
+
+TF32: every row runs with TF32 off, for matrix products and for cuDNN's convolutions alike
+(PyTorch's cuDNN default is on), except the rows labelled tf32, where both are on; chorus's rows
+do the same (chorus::cuda::set_allow_tf32 covers cuBLAS and cuDNN).
 """
 import argparse
-import json
 import os
-import statistics
+import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-def measure(fn, warmup, repeats):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times), min(times), max(times)
+from bench_rounds import PeerProcess, drive
 
 
 def mlp(i, h, o, layers):
@@ -36,15 +34,15 @@ def mlp(i, h, o, layers):
     return nn.Sequential(*mods).cuda()
 
 
-def step_fn(model, x, y, loss):
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def step_fn(model, x, y, loss, momentum=0.0):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=momentum)
 
     def step():
         l = loss(model(x), y)
         opt.zero_grad(set_to_none=True)
         l.backward()
         opt.step()
-    return step, opt
+    return step
 
 
 def graphed(model, x, y, loss):
@@ -102,24 +100,25 @@ class ResNet20(nn.Module):
         return self.fc(F.adaptive_avg_pool2d(out, 1).flatten(1))
 
 
-def resnet20_bench(add, repeats):
-    """resnet20-cifar: batch 128, SGD with momentum, eager, NCHW and channels_last (cuDNN's
-    preferred NHWC layout; the input and the weights converted once, outside the step)."""
-    flops = 6.0 * 40551040 * 128  # as bench::resnet20_step_flops
-    for channels_last in (False, True):
-        fmt = torch.channels_last if channels_last else torch.contiguous_format
-        model = ResNet20().cuda().to(memory_format=fmt)
-        x = torch.randn(128, 3, 32, 32, device="cuda").to(memory_format=fmt)
-        y = torch.randint(0, 10, (128,), device="cuda")
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+def set_tf32(on):
+    """TF32 for matrix products and cuDNN convolutions together, as chorus's flag."""
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
 
-        def step():
-            l = F.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            l.backward()
-            opt.step()
-        add("pytorch-eager", "resnet20-cifar", "1 GPU fp32" + (" channels_last" if channels_last else ""), 1,
-            measure(step, 10, repeats or 50), flops)
+
+def prepare(meta):
+    """Before every round of a PyTorch configuration: TF32 exactly as its label says."""
+    set_tf32(meta["tf32"])
+
+
+def cuda_clock(fn):
+    """Milliseconds of one call, by CUDA events on the current stream."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
 
 
 def mlp_flops(batch, layers):
@@ -129,66 +128,91 @@ def mlp_flops(batch, layers):
     return f
 
 
+# Timed steps per round (and untimed calls before the first): the same as chorus_gpu_bench's.
+REPEATS = {"tutorial": 40, "mlp-small": 20, "mlp-large": 4, "resnet20-cifar": 10}
+
+
+def offers(w):
+    """PyTorch's configurations of workload w: (record fields, build -> step, warm-up calls)."""
+    def meta(impl, config, flops=0.0, tf32=False):
+        return dict(impl=impl, workload=w, config=config, devices=1, threads=0, flops=flops, tf32=tf32,
+                    version=torch.__version__)
+    if w == "tutorial":  # Linear(5, 2), 100 samples on the host, batches of 30, forward only
+        def build():
+            data = torch.randn(100, 5)
+            model = nn.DataParallel(nn.Linear(5, 2).cuda(), device_ids=[0])
+
+            def epoch():
+                perm = torch.randperm(100)
+                for s in range(0, 100, 30):
+                    model(data[perm[s:s + 30]])
+            return epoch
+        return [(meta("pytorch-dataparallel", "DataParallel 1 GPU"), build, 20)]
+    if w == "mlp-small":
+        flops = mlp_flops(256, [(784, 512), (512, 512), (512, 10)])
+        def small():
+            return torch.randn(256, 784, device="cuda"), torch.randint(0, 10, (256,), device="cuda")
+        return [(meta("pytorch-eager", "1 GPU", flops),
+                 lambda: step_fn(mlp(784, 512, 10, 3), *small(), F.cross_entropy), 10),
+                (meta("pytorch-cudagraph", "1 GPU", flops),
+                 lambda: graphed(mlp(784, 512, 10, 3), *small(), F.cross_entropy), 10)]
+    if w == "mlp-large":  # nn.DataParallel on [0, 0] is refused by PyTorch (duplicate device ids)
+        flops = mlp_flops(8192, [(4096, 4096)] * 4)
+        def large():
+            return torch.randn(8192, 4096, device="cuda"), torch.randn(8192, 4096, device="cuda")
+        out = []
+        for tf32 in (False, True):  # built under its setting (Local calls set_tf32 first)
+            name = "1 GPU " + ("tf32" if tf32 else "fp32")
+            out += [(meta("pytorch-eager", name, flops, tf32),
+                     lambda: step_fn(mlp(4096, 4096, 4096, 4), *large(), F.mse_loss), 3),
+                    (meta("pytorch-cudagraph", name, flops, tf32),
+                     lambda: graphed(mlp(4096, 4096, 4096, 4), *large(), F.mse_loss), 3)]
+        return out
+    if w == "resnet20-cifar":
+        # Batch 128, SGD with momentum, eager, NCHW and channels_last (cuDNN's preferred NHWC
+        # layout; the input and the weights converted once, outside the step).
+        flops = 6.0 * 40551040 * 128  # as bench::resnet20_step_flops
+        out = []
+        for channels_last in (False, True):
+            fmt = torch.channels_last if channels_last else torch.contiguous_format
+
+            def build(fmt=fmt):
+                model = ResNet20().cuda().to(memory_format=fmt)
+                x = torch.randn(128, 3, 32, 32, device="cuda").to(memory_format=fmt)
+                y = torch.randint(0, 10, (128,), device="cuda")
+                return step_fn(model, x, y, F.cross_entropy, momentum=0.9)
+            name = "1 GPU fp32" + (" channels_last" if channels_last else "")
+            out.append((meta("pytorch-eager", name, flops), build, 10))
+        return out
+    raise ValueError(f"unknown workload '{w}'")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--repeats", type=int, default=0)
+    ap.add_argument("--workloads", default="tutorial,mlp-small,mlp-large,resnet20-cifar")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=0, help="timed steps per round (default: per workload)")
     ap.add_argument("--json", default="pytorch_gpu_bench.json")
+    ap.add_argument("--chorus", help="chorus_gpu_bench, run as a server whose rounds alternate with these")
+    ap.add_argument("--chorus-env", action="append", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--chorus-json", default="chorus_gpu_bench.json")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     torch.manual_seed(0)
-    records = []
-
-    def add(impl, workload, config, devices, res, flops=0.0):
-        med, lo, hi = res
-        r = dict(impl=impl, workload=workload, config=config, devices=devices, threads=0, median_ms=med, min_ms=lo,
-                 max_ms=hi, version=torch.__version__)
-        if flops:
-            r["tflops"] = flops / (med * 1e9)
-        records.append(r)
-        print(f"  {impl:22s} {workload:10s} {config:34s} median {med:9.3f} ms", flush=True)
-        write()  # after every record: a timeout later still leaves what was measured
-
-    def write():
-        with open(args.json + ".tmp", "w") as f:
-            json.dump({"records": records}, f, indent=2)
-        os.replace(args.json + ".tmp", args.json)
-
-    # tutorial: Linear(5, 2), 100 samples on the host, batches of 30, forward only, nn.DataParallel on 1 GPU.
-    reps = args.repeats or 200
-    data = torch.randn(100, 5)
-    model = nn.DataParallel(nn.Linear(5, 2).cuda(), device_ids=[0])
-
-    def epoch():
-        perm = torch.randperm(100)
-        for s in range(0, 100, 30):
-            model(data[perm[s:s + 30]])
-    add("pytorch-dataparallel", "tutorial", "DataParallel 1 GPU", 1, measure(epoch, 20, reps))
-
-    # mlp-small: eager and CUDA graph.
-    reps = args.repeats or 100
-    flops = mlp_flops(256, [(784, 512), (512, 512), (512, 10)])
-    x, y = torch.randn(256, 784, device="cuda"), torch.randint(0, 10, (256,), device="cuda")
-    step, _ = step_fn(mlp(784, 512, 10, 3), x, y, F.cross_entropy)
-    add("pytorch-eager", "mlp-small", "1 GPU", 1, measure(step, 10, reps), flops)
-    add("pytorch-cudagraph", "mlp-small", "1 GPU", 1, measure(graphed(mlp(784, 512, 10, 3), x, y, F.cross_entropy), 10, reps),
-        flops)
-
-    # mlp-large: fp32 and TF32, eager and CUDA graph; nn.DataParallel on [0, 0] is refused by
-    # PyTorch (duplicate device ids), so its peer there is the one-GPU eager step.
-    reps = args.repeats or 20
-    flops = mlp_flops(8192, [(4096, 4096)] * 4)
-    x, y = torch.randn(8192, 4096, device="cuda"), torch.randn(8192, 4096, device="cuda")
-    for tf32 in (False, True):
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        name = "1 GPU " + ("tf32" if tf32 else "fp32")
-        step, _ = step_fn(mlp(4096, 4096, 4096, 4), x, y, F.mse_loss)
-        add("pytorch-eager", "mlp-large", name, 1, measure(step, 3, reps), flops)
-        add("pytorch-cudagraph", "mlp-large", name, 1, measure(graphed(mlp(4096, 4096, 4096, 4), x, y, F.mse_loss), 3, reps),
-            flops)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    resnet20_bench(add, args.repeats)
-    write()
-    print(f"wrote {args.json}")
+    chorus = None
+    if args.chorus:
+        env = dict(os.environ)
+        env.update(kv.split("=", 1) for kv in args.chorus_env)
+        chorus = PeerProcess([args.chorus, "--serve"], env=env)
+    mine, theirs = drive(args.workloads.split(","), offers, lambda w: args.repeats or REPEATS.get(w, 5), args.rounds,
+                         peer=chorus, peer_name="chorus", local_name="pytorch", clock=cuda_clock,
+                         prepare=prepare, after_workload=torch.cuda.empty_cache,
+                         paths=(args.json, args.chorus_json if chorus else None), rate=("tflops", 1e9))
+    set_tf32(False)
+    print(f"wrote {args.json}" + (f" and {args.chorus_json}" if chorus else ""))
+    return 1 if mine["errors"] or theirs["errors"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

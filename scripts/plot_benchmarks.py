@@ -1,72 +1,132 @@
 #!/usr/bin/env python3
-"""Plots benchmark JSON (from chorus_bench, and from pytorch_gpu_bench.py) as one PNG:
-time per workload for chorus and its peer, and DataParallel scaling against device count.
+"""Plots benchmark JSON (from chorus_bench, pytorch_gpu_bench.py) as one PNG: the ratio of each
+chorus configuration to its peer, and DataParallel's speed-up over one device, each as the median
+of per-round ratios with its min-max as an error bar (Note [paired rounds] in
+benchmarks/bench_util.hpp).
 
 usage: plot_benchmarks.py OUT.png BENCH.json [MORE.json ...]   (needs: pip install matplotlib)
+       plot_benchmarks.py --markdown CPU.json    the README's Performance table and scaling line
 """
 import json
+import os
+import re
 import sys
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_rounds import paired  # noqa: E402
 
 
 def load(paths):
-    records = []
+    """(records, ratios, scaling) of all files; ratios and scaling as chorus_bench writes them,
+    or paired here from the records where a file has none (the GPU files)."""
+    records, ratios, scaling, docs = [], [], [], []
     for p in paths:
         with open(p) as f:
             doc = json.load(f)
-        records += doc["records"] if isinstance(doc, dict) else doc
-    return records
+        if isinstance(doc, list):
+            doc = {"records": doc}
+        docs.append(doc)
+        records += doc["records"]
+        ratios += doc.get("ratios", [])
+        scaling += doc.get("scaling", [])
+    if not ratios:  # the GPU pair: chorus's file and PyTorch's, compared as compare_benchmarks.py does
+        ours = [d for d in docs if any(r["impl"] == "chorus" for r in d["records"])]
+        peers = [d for d in docs if any(r["impl"] != "chorus" for r in d["records"])]
+        if ours and peers:
+            from compare_benchmarks import compare
+            for row in compare(ours[0], peers[0]):
+                ratios.append(dict(workload=row["workload"], config=f"{row['chorus_config']} / {row['peer']}",
+                                   ratio=dict(median=row["ratio"], min=row["ratio_min"], max=row["ratio_max"])))
+    if not scaling:  # DataParallel k devices against 1, round by round
+        for r in records:
+            if r["impl"] != "chorus" or not r["config"].startswith("DataParallel") or r["devices"] < 2:
+                continue
+            one = [o for o in records if o["impl"] == "chorus" and o["workload"] == r["workload"]
+                   and o["config"].startswith("DataParallel 1 ")]
+            if one and len(one[0].get("round_ms", [])) == len(r.get("round_ms", [])) > 0:
+                scaling.append(dict(workload=r["workload"], devices=r["devices"], speedup=paired(one[0], r)))
+    return records, ratios, scaling
+
+
+def markdown(path):
+    """chorus_bench's JSON as the README's table: one row per chorus configuration, the peer at
+    the same thread count, the ratio's median and min-max over the rounds; then the scaling."""
+    with open(path) as f:
+        doc = json.load(f)
+    label = {"1 thread(s)": "1 thread", "2 thread(s)": "2 threads"}
+    lines = [f"| workload | chorus configuration | chorus ms | LibTorch ms | ratio (median of {doc['rounds']} rounds) "
+             "| min–max |", "|---|---|---:|---:|---:|---:|"]
+    for q in doc["ratios"]:
+        rec = next(r for r in doc["records"] if r["impl"] == "chorus" and r["workload"] == q["workload"]
+                   and r["config"] == q["config"])
+        m = re.match(r"DataParallel (\d+) dev x 1 thread", q["config"])
+        config = label.get(q["config"], q["config"]) if not m else (
+            "DataParallel, 1 device" if m[1] == "1" else f"DataParallel, {m[1]} devices × 1 thread")
+        if "gflops" in rec:
+            config += f" ({rec['gflops']:.0f} GFLOP/s)"
+        unit = "epoch" if q["workload"] == "tutorial" else "step"
+        ms = lambda v: f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 100 else f"{v:.1f}"
+        r = q["ratio"]
+        lines.append(f"| {q['workload']} ({unit}) | {config} | {ms(q['chorus_ms'])} | {ms(q['peer_ms'])} | "
+                     f"{r['median']:.2f}× | {r['min']:.2f}–{r['max']:.2f} |")
+    sc = [f"{s['workload']} {s['speedup']['median']:.2f}× ({s['speedup']['min']:.2f}–{s['speedup']['max']:.2f})"
+          for s in doc["scaling"]]
+    lines.append("")
+    lines.append(f"DataParallel over {doc['scaling'][0]['devices'] if doc['scaling'] else 2} virtual CPU devices against "
+                 f"one device, median of the per-round speed-ups (min–max): {', '.join(sc)}.")
+    return "\n".join(lines)
 
 
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--markdown":
+        print(markdown(sys.argv[2]))
+        return
     if len(sys.argv) < 3:
         sys.exit(__doc__)
-    out, records = sys.argv[1], load(sys.argv[2:])
-    workloads = list(dict.fromkeys(r["workload"] for r in records))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    import matplotlib
 
-    # Left: median time per workload and configuration, chorus next to its peer.
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = sys.argv[1]
+    records, ratios, scaling = load(sys.argv[2:])
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5))
+
+    # Left: chorus / peer per configuration, median of the rounds with min-max.
     ax = axes[0]
-    labels, chorus_ms, peer_ms = [], [], []
-    for w in workloads:
-        for r in records:
-            if r["impl"] != "chorus" or r["workload"] != w:
-                continue
-            peer = [p for p in records if p["impl"] != "chorus" and p["workload"] == w and p["threads"] == r["threads"]]
-            labels.append(f"{w}\n{r['config']}")
-            chorus_ms.append(r["median_ms"])
-            peer_ms.append(min(p["median_ms"] for p in peer) if peer else 0)
-    x = range(len(labels))
-    ax.barh([i + 0.2 for i in x], chorus_ms, height=0.4, label="chorus")
-    ax.barh([i - 0.2 for i in x], peer_ms, height=0.4, label="peer (LibTorch / PyTorch)")
-    ax.set_yticks(list(x))
+    labels = [f"{q['workload']}: {q['config']}" for q in ratios]
+    med = [q["ratio"]["median"] for q in ratios]
+    err = [[m - q["ratio"]["min"] for m, q in zip(med, ratios)], [q["ratio"]["max"] - m for m, q in zip(med, ratios)]]
+    y = list(range(len(labels)))
+    ax.barh(y, med, xerr=err, capsize=3, color=["tab:green" if m <= 1 else "tab:red" for m in med])
+    ax.axvline(1.0, color="k", linestyle=":")
+    ax.set_yticks(y)
     ax.set_yticklabels(labels, fontsize=7)
-    ax.set_xscale("log")
-    ax.set_xlabel("median time per step / epoch (ms, log scale)")
-    ax.set_title("chorus and its peer, same thread count")
-    ax.legend(fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("chorus time / peer time (median of rounds, min-max; < 1: chorus faster)")
+    ax.set_title("chorus against its peer at the same thread count")
 
     # Right: DataParallel speed-up against device count.
     ax = axes[1]
-    for w in workloads:
-        dp = sorted((r["devices"], r["median_ms"]) for r in records
-                    if r["impl"] == "chorus" and r["workload"] == w and r["config"].startswith("DataParallel"))
-        if len(dp) < 2:
-            continue
-        base = dict(dp).get(1, dp[0][1])
-        ax.plot([d for d, _ in dp], [base / t for _, t in dp], marker="o", label=w)
-    ax.plot([1, 2], [1, 2], "k:", label="ideal")
+    for w in dict.fromkeys(s["workload"] for s in scaling):
+        pts = sorted((s["devices"], s["speedup"]) for s in scaling if s["workload"] == w)
+        ds = [1] + [d for d, _ in pts]
+        m = [1.0] + [s["median"] for _, s in pts]
+        lo = [0.0] + [s["median"] - s["min"] for _, s in pts]
+        hi = [0.0] + [s["max"] - s["median"] for _, s in pts]
+        ax.errorbar(ds, m, yerr=[lo, hi], marker="o", capsize=3, label=w)
+    if scaling:
+        top = max(s["devices"] for s in scaling)
+        ax.plot([1, top], [1, top], "k:", label="ideal")
     ax.set_xlabel("devices")
-    ax.set_ylabel("speed-up over 1 device")
+    ax.set_ylabel("speed-up over 1 device (median of rounds, min-max)")
     ax.set_title("DataParallel scaling")
-    ax.legend(fontsize=8)
+    if scaling:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
+    print(f"wrote {out} ({len(records)} records)")
 
 
 if __name__ == "__main__":
