@@ -12,9 +12,8 @@
 // collectives are templates over the scalar type, a virtual function cannot be.
 //
 // Note [watchdog]
-// Work::wait() gives up after the group's timeout (Options::timeout, default 10 minutes like
-// PyTorch's NCCL watchdog; CHORUS_DIST_TIMEOUT_S overrides it) with a chorus::Error naming the
-// collective, and marks the group broken: a collective that never completes cannot be
+// Work::wait() gives up after the group's timeout (Note [timeout precedence]) with a
+// chorus::Error naming the collective (NCCL: the watchdog does, Note [NCCL watchdog]), and marks the group broken: a collective that never completes cannot be
 // cancelled, so every later collective fails at once, and shutdown() skips MPI_Finalize (the
 // launcher then ends the job with a non-zero status instead of hanging in its final fence).
 // At exit, shutdown() first meets the other ranks in a barrier on a second private
@@ -24,8 +23,10 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -56,9 +57,17 @@ enum class ReduceOp { Sum, Avg };
 
 inline const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
 
+// Note [timeout precedence]
+// A timeout set in code wins. CHORUS_DIST_TIMEOUT_S (seconds) is used only where the code leaves
+// Options::timeout unset, and 10 minutes (PyTorch's default) where neither says: an operator can
+// tune the watchdog of a program that does not choose, but never silently overrides one that
+// does. A field left unset also means "no preference" to a second dist::init(options), which
+// refuses only options that contradict the group's (Note [one process group]).
 struct Options {
-  /// How long a collective may take before it is declared stalled (Note [watchdog]).
-  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+  /// How long a collective may take before it is declared stalled (Note [watchdog]); unset:
+  /// CHORUS_DIST_TIMEOUT_S, else 10 minutes (Note [timeout precedence]).
+  std::optional<std::chrono::milliseconds> timeout;
+  bool operator==(const Options&) const = default;
 };
 
 /// How the job was launched.
@@ -68,8 +77,9 @@ namespace detail {
 class GroupState;
 }
 
-/// A collective in flight. wait() returns once it completed (the result is then in the
-/// tensors: CPU, or ordered before later work on the current stream for CUDA) or throws.
+/// A collective in flight. wait() returns once the result is in the tensors (CPU tensors,
+/// and barrier) or ordered before later work on the calling thread's current stream (CUDA
+/// tensors: Note [NCCL work]), or throws (Note [watchdog]).
 class Work {
  public:
   explicit Work(std::string what) : what_(std::move(what)), start_(std::chrono::steady_clock::now()) {}
@@ -123,6 +133,15 @@ inline bool mpi_launcher_present() {
   return false;
 }
 inline bool torchrun_present() { return std::getenv("RANK") && std::getenv("WORLD_SIZE"); }
+
+// Note [MPI counts]
+// MPI takes element counts as int: a tensor of 2^31 or more elements would wrap in the cast.
+// MPI collectives refuse it (NCCL's counts are size_t and take it).
+inline int checked_int_count(std::int64_t n, const std::string& what) {
+  CHORUS_CHECK(n >= 0 && n <= std::int64_t{std::numeric_limits<int>::max()}, "dist: ", what, " of ", n,
+               " elements: MPI takes at most 2^31 - 1 elements per call; split the tensor");
+  return static_cast<int>(n);
+}
 
 template <class T>
 void divide_in_place(const Tensor<T>& t, std::int64_t n) {

@@ -196,19 +196,19 @@ class MpiBackend final : public Backend {
   void all_reduce(const std::shared_ptr<Work>& work, const AnyTensor& t, ReduceOp op) override {
     t.visit([&](const auto& x) {
       using T = typename std::decay_t<decltype(x)>::value_type;
-      const int world = state_.world;
+      const int world = state_.world, n = checked_int_count(x.numel(), work->what());
       if (op == ReduceOp::Avg) work->on_done = [x, world] { divide_in_place(x, world); };
-      submit(work, [x, comm = comm_](MPI_Request* r) {
-        return MPI_Iallreduce(MPI_IN_PLACE, x.data(), static_cast<int>(x.numel()), mpi_type(dtype_of<T>()), MPI_SUM,
-                              comm, r);
+      submit(work, [x, n, comm = comm_](MPI_Request* r) {
+        return MPI_Iallreduce(MPI_IN_PLACE, x.data(), n, mpi_type(dtype_of<T>()), MPI_SUM, comm, r);
       });
     });
   }
   void broadcast(const std::shared_ptr<Work>& work, const AnyTensor& t, int root) override {
     t.visit([&](const auto& x) {
       using T = typename std::decay_t<decltype(x)>::value_type;
-      submit(work, [x, root, comm = comm_](MPI_Request* r) {
-        return MPI_Ibcast(x.data(), static_cast<int>(x.numel()), mpi_type(dtype_of<T>()), root, comm, r);
+      const int n = checked_int_count(x.numel(), work->what());
+      submit(work, [x, n, root, comm = comm_](MPI_Request* r) {
+        return MPI_Ibcast(x.data(), n, mpi_type(dtype_of<T>()), root, comm, r);
       });
     });
   }
@@ -216,7 +216,7 @@ class MpiBackend final : public Backend {
     in.visit([&](const auto& x) {
       using T = typename std::decay_t<decltype(x)>::value_type;
       const auto o = out.template as<T>();
-      const int n = static_cast<int>(x.numel());
+      const int n = checked_int_count(x.numel(), work->what());
       submit(work, [x, o, n, comm = comm_](MPI_Request* r) {
         return MPI_Iallgather(x.data(), n, mpi_type(dtype_of<T>()), o.data(), n, mpi_type(dtype_of<T>()), comm, r);
       });

@@ -16,6 +16,7 @@
 //  - otherwise (no MPI in the build, no torchrun): a world of 1 that needs nothing installed.
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,11 +33,7 @@ inline namespace CHORUS_DIST_NS {
 class ProcessGroup {
  public:
   explicit ProcessGroup(Options options = {}) {
-    state_.timeout = options.timeout;
-    const int t = detail::env_int("CHORUS_DIST_TIMEOUT_S", -1);
-    if (t > 0) state_.timeout = std::chrono::seconds(t);
-    CHORUS_CHECK(state_.timeout.count() > 0, "dist::init: timeout must be positive, got ", state_.timeout.count(),
-                 " ms");
+    state_.timeout = resolve_timeout(options);
 #if CHORUS_DIST_MPI
     if (!(detail::torchrun_present() && !detail::mpi_launcher_present())) {
       mpi_ = std::make_unique<detail::MpiBackend>(state_);
@@ -166,6 +163,12 @@ class ProcessGroup {
   MPI_Comm mpi_comm() const { return mpi_ ? mpi_->comm() : MPI_COMM_NULL; }
 #endif
 
+#if CHORUS_CUDA
+  /// The stream NCCL collectives run on (null before the first one): for ordering one's own work
+  /// before or after the group's.
+  cudaStream_t nccl_stream() const { return nccl_ ? nccl_->stream() : nullptr; }
+#endif
+
   void check_usable(const std::string& what) const {
     const auto broken = state_.broken_reason();
     CHORUS_CHECK(broken.empty(), "dist: ", what, " on rank ", state_.rank, ": the process group is broken (", broken,
@@ -180,8 +183,7 @@ class ProcessGroup {
     CHORUS_CHECK(t.defined(), "dist: ", what, " of an undefined tensor");
     CHORUS_CHECK(t.is_contiguous(), "dist: ", what, " needs a contiguous tensor, got shape ", t.shape(),
                  " with strides ", Shape(std::vector<std::int64_t>(t.strides().begin(), t.strides().end())));
-    CHORUS_CHECK(t.numel() <= std::int64_t{1} << 31, "dist: ", what, " of ", t.numel(),
-                 " elements: more than 2^31 per call is not supported");
+    // Size limits are the backends' (MPI counts are int: Note [MPI counts]; NCCL's are size_t).
   }
   template <class T>
   std::shared_ptr<Work> make_work(const std::string& what, const Tensor<T>& t) {
@@ -199,6 +201,19 @@ class ProcessGroup {
   static std::shared_ptr<Work> done(std::shared_ptr<Work> w) {
     w->finish();
     return w;
+  }
+  // Note [timeout precedence].
+  static std::chrono::milliseconds resolve_timeout(const Options& o) {
+    std::chrono::milliseconds t = std::chrono::minutes(10);
+    if (o.timeout) {
+      t = *o.timeout;
+      CHORUS_CHECK(t.count() > 0, "dist::init: timeout must be positive, got ", t.count(), " ms");
+    } else if (!detail::env("CHORUS_DIST_TIMEOUT_S").empty()) {
+      const int s = detail::env_int("CHORUS_DIST_TIMEOUT_S", 0);
+      CHORUS_CHECK(s > 0, "dist::init: CHORUS_DIST_TIMEOUT_S must be a positive number of seconds, got ", s);
+      t = std::chrono::seconds(s);
+    }
+    return t;
   }
   bool has_mpi() const {
 #if CHORUS_DIST_MPI
@@ -257,7 +272,7 @@ class ProcessGroup {
 #endif
   }
 
-  // Declared first, destroyed last: the backends refer to it.
+  // Declared before the backends, destroyed after them: they refer to it.
   detail::GroupState state_;
   bool shut_down_ = false;
 #if CHORUS_DIST_MPI
@@ -275,11 +290,24 @@ inline std::unique_ptr<ProcessGroup>& global_group() {
 }
 }  // namespace detail
 
-/// Joins the job's process group (Note [process group bootstrap]); later calls return the same
-/// group. Every rank calls it.
+// Note [one process group]
+// dist::init() makes the job's one group; later calls return it (DistributedDataParallel calls
+// init() for a program that did not). A later init(options) whose options contradict the
+// group's as in effect is an error naming both, not a silent no-op: the program would otherwise
+// run with a timeout it did not ask for. Unset fields contradict nothing.
+
+/// Joins the job's process group (Note [process group bootstrap], [one process group]). Every
+/// rank calls it.
 inline ProcessGroup& init(Options options = {}) {
   auto& g = detail::global_group();
-  if (!g) g = std::make_unique<ProcessGroup>(options);
+  if (!g) {
+    g = std::make_unique<ProcessGroup>(options);
+    return *g;
+  }
+  if (options.timeout && *options.timeout != g->timeout())
+    CHORUS_FAIL("dist::init: the process group already exists, with a timeout of ", g->timeout().count(),
+                " ms; a second init() asks for ", options.timeout->count(),
+                " ms. Call init() once with the options you want (or change it with group().set_timeout())");
   return *g;
 }
 inline bool is_initialized() { return detail::global_group() != nullptr; }
