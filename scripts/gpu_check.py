@@ -588,7 +588,8 @@ class Run:
         limit = self.timeout(90 if not self.dry else 60, reserve=300 if not self.dry else 0)
         # The script's own limits stay inside this one (Note: a stage past its limit is killed
         # with its whole session, gpu-check-distributed.sh's children included).
-        extra = {"CHORUS_DIST_TIMEOUT_S": "60", "CHORUS_DIST_BUDGET_S": str(int(max(5, limit - 10)))}
+        extra = {"CHORUS_DIST_TIMEOUT_S": "60", "CHORUS_DIST_CHECK_TIMEOUT_S": "40",
+                 "CHORUS_DIST_BUDGET_S": str(int(max(5, limit - 10)))}
         if self.dry:
             extra["CHORUS_DIST_CHECK_EPOCHS"] = "1"
         rc, to, secs, _ = self.run("distributed", ["bash", os.path.join(HERE, "gpu-check-distributed.sh"), dist_out,
@@ -625,9 +626,16 @@ class Run:
         if not any(n.endswith("_tests") and "not_run" not in r for n, r in runs.items()):
             ok = False  # at least the torchrun-environment tests must have run
         result["counts"] = counts(total)
-        result["verdict"] = "passed" if ok else ("timed out" if to else "failed (" + ", ".join(
-            f"{n}: {r['verdict']}" for n, r in sorted(result["runs"].items()) if not r["verdict"].startswith(
-                ("passed", "not run"))) + ")" if runs else "did not start")
+        bad = [f"{n}: {r['verdict']}" for n, r in sorted(result["runs"].items())
+               if not r["verdict"].startswith(("passed", "not run (no "))]
+        if ok:
+            result["verdict"] = "passed"
+        elif to:
+            result["verdict"] = "timed out" + (" (" + "; ".join(bad) + ")" if bad else "")
+        elif not runs:
+            result["verdict"] = "did not start (no distributed.json)"
+        else:
+            result["verdict"] = "failed (" + ("; ".join(bad) or "no test run ran") + ")"
         self.stage("distributed", result, ok)
 
     def bench_stage(self):
