@@ -31,10 +31,22 @@ BINARIES = TEST_BINARIES + ["examples/data_parallel_tutorial_cuda", "benchmarks/
 # allocator or NCCL (slowed ten- to a hundredfold they time nothing and use up the budget: all of
 # test_cuda does not finish under memcheck in the ~150 s the stages before leave it).
 MEMCHECK_PLAN = [
-    ("tests/test_cuda", "CudaOps.*:Cuda.MoreThan65535RowsAndTwoDimensionalReductions:Cuda.AnMlpTrainingStepMatchesTheCpu:"
+    ("tests/test_cuda", "CudaOps/*:Cuda.MoreThan65535RowsAndTwoDimensionalReductions:Cuda.AnMlpTrainingStepMatchesTheCpu:"
                         "Cuda.LinearOnMisalignedOperandsFallsBackOrRunsAligned:Cuda.AmsgradMaxKeepsNaN"),
-    ("tests/test_cuda_layers", "CudaLayers.*"),
-]
+    ("tests/test_cuda_layers", "CudaLayers/*"),
+]  # typed tests are named Suite/0.Test: "Suite/*" (the dry run checks that each pattern matches)
+
+
+def memcheck_plan_problems(build, env, plan=None):
+    """Each pattern of the memcheck plan must name tests of its binary (a typo would run none)."""
+    problems = []
+    for rel, gtest_filter in plan or MEMCHECK_PLAN:
+        for pattern in gtest_filter.split(":"):
+            r = subprocess.run([os.path.join(build, rel), "--gtest_list_tests", "--gtest_filter=" + pattern],
+                               capture_output=True, text=True, env=env)
+            if r.returncode != 0 or not any(l.startswith("  ") for l in r.stdout.splitlines()):
+                problems.append(f"memcheck plan: {rel} has no test matching {pattern!r}")
+    return problems
 
 # The device tool's limits (/work/.library/device/README.md).
 TREE_LIMIT = 64 << 20       # the working tree that travels, carried paths included
@@ -749,6 +761,7 @@ def dry_run(out, build):
         r = run.tests_stage(rel)
         if not r["ok"]:
             problems.append(f"{rel}: {r['verdict']}")
+    problems += memcheck_plan_problems(carry, chorus_env(carry))
     # The distributed stage's script with the carried binaries (the tests skip, train_mlp_cuda runs
     # on the CPU): its environment, launchers and report files work before a GPU is lent.
     run.distributed_stage()

@@ -31,6 +31,12 @@ TESTS = ["Fake.A", "Fake.B"]
 out = next((a[len("--gtest_output=json:"):] for a in sys.argv if a.startswith("--gtest_output=json:")), None)
 filt = next((a[len("--gtest_filter="):] for a in sys.argv if a.startswith("--gtest_filter=")), "*")
 excluded = filt.split("-", 1)[1].split(":") if "-" in filt else []
+if "--gtest_list_tests" in sys.argv:
+    import fnmatch
+    for t in TESTS:
+        if any(fnmatch.fnmatchcase(t, p) for p in filt.split("-")[0].split(":")):
+            print(t.split(".")[0] + ".\n  " + t.split(".")[1])
+    sys.exit(0)
 if os.environ.get("FAKE_LD_OUT"):
     with open(os.environ["FAKE_LD_OUT"], "a") as f:
         f.write(os.environ.get("LD_LIBRARY_PATH", "") + "\n")
@@ -222,6 +228,13 @@ class TestMemcheck(Base):
         _, m = self.memcheck([("tests/fake_pass", "Fake.*")], errors=3)
         self.assertFalse(m["ok"])
         self.assertIn("errors found (3 memcheck error(s))", m["verdict"])
+
+    def test_the_dry_run_finds_a_pattern_that_names_no_test(self):
+        env = dict(os.environ)
+        self.assertEqual(gpu_check.memcheck_plan_problems(self.build, env, [("tests/fake_pass", "Fake.*:Fake.B")]), [])
+        problems = gpu_check.memcheck_plan_problems(self.build, env, [("tests/fake_pass", "Fake.*:Fake/*")])
+        self.assertEqual(len(problems), 1, problems)
+        self.assertIn("'Fake/*'", problems[0])
 
     def test_a_timeout_is_its_own_verdict(self):
         orig = gpu_check.BUDGET_S
