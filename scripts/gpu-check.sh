@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
 # The GPU check, in one device call: the CUDA tests (test_cuda, test_cuda_layers; each failing
-# one rerun alone with CHORUS_DEBUG_SYNC=1; a skipped test counts as a failure on a GPU machine),
-# the tutorial on the GPUs, DistributedDataParallel over NCCL on one GPU
-# (scripts/gpu-check-distributed.sh), the GPU benchmarks side by side with PyTorch, and last
-# compute-sanitizer memcheck of the
-# tests with the caching allocator off ("device not supported" = skipped). All stages share a
-# 540 s budget; OUTDIR/summary.json and OUTDIR/logs.tar.gz are rewritten after every stage, so a
-# timeout still returns what ran, and OUTDIR never holds more than those two files.
+# one rerun alone with CHORUS_DEBUG_SYNC=1), the tutorial on the GPUs, DistributedDataParallel
+# over NCCL on one GPU (scripts/gpu-check-distributed.sh), the GPU benchmarks side by side with
+# PyTorch, and last compute-sanitizer memcheck of the kernel tests (MEMCHECK_PLAN in gpu_check.py)
+# with the caching allocator off. All stages share a 540 s budget; OUTDIR/summary.json and
+# OUTDIR/logs.tar.gz are rewritten after every stage, so a timeout still returns what ran, and
+# OUTDIR never holds more than those two files.
+#
+# Verdicts (summary.json: "verdicts", one line per stage; "stages": the details and "counts":
+# ran / passed / failed / skipped / crashed / timed_out). A test stage passes only when its binary
+# exited 0, wrote its GoogleTest JSON report and passed at least one test, with none failed,
+# crashed or (on a GPU machine) skipped; otherwise it says "did not start" (no report, no test:
+# exit 127 for a missing library), "crashed", "failed (exit status -11 after writing its
+# report)", "failed (ran no test)", "failed (N test(s) skipped on the GPU)" or "timed out".
+# Memcheck adds "errors found" and reports a cut by the time limit as "timed out", not as an
+# error. The exit status is non-zero unless every stage passed. tests/scripts/test_gpu_check.py
+# checks these verdicts with fake binaries (CTest: gpu_check_verdicts).
 #
 #   scripts/gpu-check.sh --dry-run OUTDIR BUILD   here, without a GPU: packs BUILD's CUDA
 #       binaries (BINARIES in gpu_check.py) and the libraries they need that the GPU machine may lack (OpenBLAS, gfortran,

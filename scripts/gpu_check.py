@@ -26,6 +26,27 @@ TEST_BINARIES = ["tests/test_cuda", "tests/test_cuda_layers"]
 # torchrun's environment, which needs no MPI launcher, and under mpirun where it exists).
 DIST_BINARIES = ["tests/distributed/test_distributed_cuda", "examples/train_mlp_cuda"]
 BINARIES = TEST_BINARIES + ["examples/data_parallel_tutorial_cuda", "benchmarks/chorus_gpu_bench"] + DIST_BINARIES
+# What compute-sanitizer memcheck runs: the tests whose kernels index memory (elementwise,
+# reductions, products, copies and views, the layers), not the ones about streams, events, the
+# allocator or NCCL (slowed ten- to a hundredfold they time nothing and use up the budget: all of
+# test_cuda does not finish under memcheck in the ~150 s the stages before leave it).
+MEMCHECK_PLAN = [
+    ("tests/test_cuda", "CudaOps/*:Cuda.MoreThan65535RowsAndTwoDimensionalReductions:Cuda.AnMlpTrainingStepMatchesTheCpu:"
+                        "Cuda.LinearOnMisalignedOperandsFallsBackOrRunsAligned:Cuda.AmsgradMaxKeepsNaN"),
+    ("tests/test_cuda_layers", "CudaLayers/*"),
+]  # typed tests are named Suite/0.Test: "Suite/*" (the dry run checks that each pattern matches)
+
+
+def memcheck_plan_problems(build, env, plan=None):
+    """Each pattern of the memcheck plan must name tests of its binary (a typo would run none)."""
+    problems = []
+    for rel, gtest_filter in plan or MEMCHECK_PLAN:
+        for pattern in gtest_filter.split(":"):
+            r = subprocess.run([os.path.join(build, rel), "--gtest_list_tests", "--gtest_filter=" + pattern],
+                               capture_output=True, text=True, env=env)
+            if r.returncode != 0 or not any(l.startswith("  ") for l in r.stdout.splitlines()):
+                problems.append(f"memcheck plan: {rel} has no test matching {pattern!r}")
+    return problems
 
 # The device tool's limits (/work/.library/device/README.md).
 TREE_LIMIT = 64 << 20       # the working tree that travels, carried paths included
@@ -141,6 +162,39 @@ def ldd(binary, env):
             name = line.split()[0]
             libs[os.path.basename(name)] = name
     return libs
+
+
+def session_members(sid):
+    """Pids of the processes in session `sid` (from /proc: field 6 of stat is the session)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp session ...
+        if len(fields) > 3 and int(fields[3]) == sid:
+            pids.append(int(d))
+    return pids
+
+
+def kill_session(sid):
+    """SIGKILLs every process of the session a stage started (start_new_session=True makes one per
+    command). Not the process group: GNU timeout (and mpirun) put their children into groups of
+    their own, which a killpg misses; they stay in the session."""
+    for _ in range(20):  # members may fork while we look
+        pids = [p for p in session_members(sid) if p != os.getpid()]
+        if not pids:
+            return
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
 
 
 def has_gpu():
@@ -276,6 +330,53 @@ def check_out_dir(out):
 # The stages
 
 
+def gtest_verdict(r, gpu, dry=False):
+    """(verdict, ok) of one gtest run (gtest() or parse_gtest results). A run passes only with
+    exit status 0, its JSON report, no failed or crashed test, at least one test passed, and on a
+    GPU machine no skipped test; a dry run (no GPU) may skip every test. Anything else says what
+    happened: a binary that cannot start (exit 127: a missing library) wrote no report; one that
+    crashed after writing it (SIGSEGV at exit) has a report and a bad exit status."""
+    rc, ran = r.get("rc", 0), r["passed"] + len(r["failed"])
+    if r.get("timed_out"):
+        return "timed out", False
+    if not r.get("report") and not ran and not r["skipped"] and not r["crashed"]:
+        return f"did not start (exit status {rc})", False
+    if r["crashed"]:
+        return f"crashed ({len(r['crashed'])} test(s), exit status {rc})", False
+    if r["failed"]:
+        return f"failed ({len(r['failed'])} test(s))", False
+    if rc != 0:
+        return f"failed (exit status {rc}{' after writing its report' if r.get('report') else ''})", False
+    if not r.get("report"):
+        return "failed (no JSON report)", False
+    if r["skipped"] and gpu:
+        return f"failed ({len(r['skipped'])} test(s) skipped on the GPU)", False
+    if not r["passed"]:
+        if dry and r["skipped"]:
+            return "passed (dry run: every test skipped, no GPU)", True
+        return "failed (ran no test)", False
+    if not gpu and not dry:
+        return "failed (no GPU: the tests skipped)", False
+    return "passed", True
+
+
+def program_verdict(rc, timed_out, ok, why):
+    """The verdict of a program that is not a test binary (tutorial, benchmarks, train_mlp)."""
+    if timed_out:
+        return "timed out"
+    if ok:
+        return "passed"
+    if rc == 127:
+        return "did not start (exit status 127: a missing library?)"
+    return f"failed (exit status {rc}{', ' + why if why and rc == 0 else ''})"
+
+
+def counts(r):
+    """The counts every test stage reports."""
+    return {"ran": r["passed"] + len(r["failed"]), "passed": r["passed"], "failed": len(r["failed"]),
+            "skipped": len(r["skipped"]), "crashed": len(r["crashed"]), "timed_out": bool(r.get("timed_out"))}
+
+
 class Run:
     def __init__(self, out, build, gpu, dry):
         self.out, self.build, self.gpu, self.dry = out, build, gpu, dry
@@ -311,16 +412,23 @@ class Run:
                 rc = p.wait(timeout=timeout)
                 timed_out = False
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+                kill_session(p.pid)
                 rc = p.wait()
                 timed_out = True
                 f.write(f"\n[gpu-check: killed after {timeout:.0f} s]\n".encode())
+            kill_session(p.pid)  # what it left running (a background child) goes too
         return rc, timed_out, time.monotonic() - t, path
 
     def stage(self, name, result, ok):
         result["ok"] = ok
+        result.setdefault("verdict", "passed" if ok else "failed")
         result["elapsed_total_s"] = round(time.monotonic() - self.t0, 1)
         self.summary["stages"][name] = result
+        c = result.get("counts")
+        self.summary.setdefault("verdicts", {})[name] = result["verdict"] + (
+            f" (ran {c['ran']}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
+            f"{', ' + str(c['crashed']) + ' crashed' if c['crashed'] else ''}"
+            f"{', timed out' if c['timed_out'] else ''})" if c else "")
         if not ok:
             self.failed = True
         self.save()
@@ -348,7 +456,8 @@ class Run:
         passed, failed, skipped, seen = [], [], [], []
         if json_path and os.path.isfile(json_path):
             try:
-                t = json.load(open(json_path))
+                with open(json_path) as f:
+                    t = json.load(f)
                 for s in t.get("testsuites", []):
                     for c in s.get("testsuite", []):
                         name = f"{s['name']}.{c['name']}"
@@ -362,7 +471,10 @@ class Run:
                 return passed, failed, skipped, seen, None
             except Exception:
                 pass
-        text = open(log_path, errors="replace").read() if os.path.isfile(log_path) else ""
+        text = ""
+        if os.path.isfile(log_path):
+            with open(log_path, errors="replace") as f:
+                text = f.read()
         running = None
         for line in text.splitlines():
             m = re.match(r"^\[ RUN      \] (\S+)", line)
@@ -377,20 +489,24 @@ class Run:
                     running = None
         return passed, failed, skipped, seen, running
 
-    def gtest(self, label, binary, env, cap, extra_args=(), prefix=()):
-        """Runs a gtest binary; after a crash, records the crashed test and resumes after it."""
+    def gtest(self, label, binary, env, cap, extra_args=(), prefix=(), gtest_filter=None):
+        """Runs a gtest binary; after a crash, records the crashed test and resumes after it.
+        `report` says whether the last run wrote its JSON report; `rc` is the first non-zero exit
+        status (negative: killed by that signal)."""
         passed, failed, skipped, crashed, excluded = [], [], [], [], []
         attempt = 0
         rc_all = 0
         timed_out = False
+        report = False
         while True:
             attempt += 1
             jpath = os.path.join(self.logs, f"{label}-{attempt}.json")
             args = list(prefix) + [binary, f"--gtest_output=json:{jpath}"] + list(extra_args)
-            if excluded:
-                args.append("--gtest_filter=-" + ":".join(excluded))
+            if gtest_filter or excluded:
+                args.append("--gtest_filter=" + (gtest_filter or "*") + ("-" + ":".join(excluded) if excluded else ""))
             rc, to, _, lpath = self.run(label, args, self.timeout(cap), env=env, log_name=f"{label}-{attempt}.log")
             p, f, s, seen, crash = self.parse_gtest(jpath, lpath)
+            report = os.path.isfile(jpath)
             passed += p
             failed += f
             skipped += s
@@ -400,14 +516,14 @@ class Run:
                 if crash:
                     crashed.append(crash + " (timed out)")
                 break
-            if os.path.isfile(jpath) or not crash or attempt >= 4 or self.left() < 30:
-                if crash and not os.path.isfile(jpath):
+            if report or not crash or attempt >= 4 or self.left() < 30:
+                if crash and not report:
                     crashed.append(crash)
                 break
             crashed.append(crash)  # resume with the rest
             excluded += seen
         return {"passed": len(passed), "failed": failed, "skipped": skipped, "crashed": crashed, "rc": rc_all,
-                "timed_out": timed_out, "runs": attempt}
+                "timed_out": timed_out, "report": report, "runs": attempt}
 
     # -- stages
 
@@ -428,10 +544,9 @@ class Run:
         label = os.path.basename(rel)
         r = self.gtest(label, self.exe(rel), chorus_env(self.build), cap=cap)
         r["binary"] = rel
-        # On a GPU machine a skipped test is a test that did not run: a failure.
-        ok = not r["failed"] and not r["crashed"] and not r["timed_out"] and (not self.gpu or not r["skipped"])
-        if not self.gpu and not self.dry:
-            ok = False
+        # On a GPU machine a skipped test is a test that did not run: a failure (gtest_verdict).
+        verdict, ok = gtest_verdict(r, self.gpu, self.dry)
+        r.update(verdict=verdict, counts=counts(r))
         self.stage("tests" if label == "test_cuda" else label, r, ok)
         return r
 
@@ -457,8 +572,11 @@ class Run:
                 results[name] = "skipped" if sk else (f"crashed (rc {rc})" if crash or not f else f"failed (rc {rc})")
         if todo:
             label = os.path.basename(r.get("binary", "tests/test_cuda"))
-            self.stage("rerun_alone_debug_sync" + ("" if label == "test_cuda" else "_" + label), {"results": results},
-                       all(v == "passed" for v in results.values()))
+            good = sum(v == "passed" for v in results.values())
+            self.stage("rerun_alone_debug_sync" + ("" if label == "test_cuda" else "_" + label),
+                       {"results": results, "verdict": f"{good} of {len(results)} passed alone (a diagnosis: the "
+                                                       f"stage before keeps its verdict)"},
+                       good == len(results))
 
     def tutorial_stage(self):
         rc, to, secs, path = self.run("tutorial", [self.exe("examples/data_parallel_tutorial_cuda"), "--gpus"],
@@ -467,24 +585,70 @@ class Run:
         batches = len(re.findall(r"^Outside: input size", text, re.M))
         ok = rc == 0 and not to and "GPUs!" in text and batches > 0
         self.stage("tutorial", {"rc": rc, "timed_out": to, "seconds": round(secs, 1), "batches": batches,
-                                "head": text.splitlines()[1:4]}, ok)
+                                "head": text.splitlines()[1:4],
+                                "verdict": program_verdict(rc, to, ok, "no GPU batch printed")}, ok)
 
     def distributed_stage(self):
         """DDP over NCCL on one GPU: scripts/gpu-check-distributed.sh (torchrun's environment, and
-        mpirun / torchrun where the machine has them), with the chorus binaries' environment."""
+        mpirun / torchrun where the machine has them), with the chorus binaries' environment. Each
+        test run is judged from its GoogleTest report as the test stages are (gtest_verdict),
+        each program by its exit status; a launcher the machine lacks is reported, not failed."""
         if not all(os.path.isfile(self.exe(b)) for b in DIST_BINARIES):
-            self.stage("distributed", {"skipped": "not built (no MPI where the build ran)"}, not self.gpu)
+            self.stage("distributed", {"verdict": "did not start (not built: no MPI where the build ran)"}, False)
             return
         dist_out = os.path.join(self.logs, "distributed")
+        limit = self.timeout(90 if not self.dry else 60, reserve=300 if not self.dry else 0)
+        # The script's own limits stay inside this one (Note: a stage past its limit is killed
+        # with its whole session, gpu-check-distributed.sh's children included).
+        extra = {"CHORUS_DIST_TIMEOUT_S": "60", "CHORUS_DIST_CHECK_TIMEOUT_S": "40",
+                 "CHORUS_DIST_BUDGET_S": str(int(max(5, limit - 10)))}
+        if self.dry:
+            extra["CHORUS_DIST_CHECK_EPOCHS"] = "1"
         rc, to, secs, _ = self.run("distributed", ["bash", os.path.join(HERE, "gpu-check-distributed.sh"), dist_out,
-                                                   self.build], self.timeout(90, reserve=300),
-                                   env=chorus_env(self.build, {"CHORUS_DIST_TIMEOUT_S": "60"}))
+                                                   self.build], limit, env=chorus_env(self.build, extra))
+        result = {"rc": rc, "timed_out": to, "seconds": round(secs, 1), "runs": {}}
         try:
-            results = json.load(open(os.path.join(dist_out, "distributed.json")))
+            with open(os.path.join(dist_out, "distributed.json")) as f:
+                runs = json.load(f)
         except Exception as e:
-            results = f"unreadable: {e}"
-        self.stage("distributed", {"rc": rc, "timed_out": to, "seconds": round(secs, 1), "results": results},
-                   rc == 0 and not to)
+            runs = {}
+            result["error"] = f"distributed.json unreadable: {e}"
+        ok = bool(runs) and not to
+        total = {"passed": 0, "failed": [], "skipped": [], "crashed": [], "timed_out": to}
+        for name, run in sorted(runs.items()):
+            if "not_run" in run:  # a launcher the machine lacks is reported; a run cut for time fails
+                result["runs"][name] = {"verdict": "not run (" + run["not_run"] + ")"}
+                ok = ok and run["not_run"].startswith("no ")
+                continue
+            if name.endswith("_tests"):
+                jpath = os.path.join(dist_out, name + ".json")
+                p, f, sk, _, crash = self.parse_gtest(jpath, os.path.join(dist_out, name + ".log"))
+                r = {"passed": len(p), "failed": f, "skipped": sk, "crashed": [crash] if crash else [],
+                     "rc": run.get("rc", -1), "timed_out": run.get("timed_out", False), "report": os.path.isfile(jpath)}
+                verdict, good = gtest_verdict(r, self.gpu, self.dry)
+                for k in ("failed", "skipped", "crashed"):
+                    total[k] += [f"{name}: {t}" for t in r[k]]
+                total["passed"] += r["passed"]
+                result["runs"][name] = {"verdict": verdict, "counts": counts(r)}
+            else:
+                good = run.get("rc") == 0 and not run.get("timed_out")
+                result["runs"][name] = {"verdict": program_verdict(run.get("rc", -1), run.get("timed_out"), good, ""),
+                                        "rc": run.get("rc")}
+            ok = ok and good
+        if not any(n.endswith("_tests") and "not_run" not in r for n, r in runs.items()):
+            ok = False  # at least the torchrun-environment tests must have run
+        result["counts"] = counts(total)
+        bad = [f"{n}: {r['verdict']}" for n, r in sorted(result["runs"].items())
+               if not r["verdict"].startswith(("passed", "not run (no "))]
+        if ok:
+            result["verdict"] = "passed"
+        elif to:
+            result["verdict"] = "timed out" + (" (" + "; ".join(bad) + ")" if bad else "")
+        elif not runs:
+            result["verdict"] = "did not start (no distributed.json)"
+        else:
+            result["verdict"] = "failed (" + ("; ".join(bad) or "no test run ran") + ")"
+        self.stage("distributed", result, ok)
 
     def bench_stage(self):
         cj, pj, cmp_json = (os.path.join(self.logs, n) for n in ("chorus_gpu.json", "pytorch_gpu.json", "compare.json"))
@@ -507,40 +671,71 @@ class Run:
             errors = json.load(open(cj)).get("errors", [])
         except Exception:
             pass
+        ok = rc1 == 0 and rc2 == 0 and not to1 and not to2 and isinstance(rows, list) and bool(rows)
+        verdict = "passed" if ok else ("timed out" if to1 or to2 else
+                                       f"failed (chorus exit {rc1}, PyTorch exit {rc2}, "
+                                       f"{len(rows) if isinstance(rows, list) else 0} rows compared)")
         self.stage("benchmarks", {"chorus_rc": rc1, "chorus_timed_out": to1, "chorus_s": round(s1, 1),
                                   "chorus_errors": errors, "pytorch_rc": rc2, "pytorch_timed_out": to2,
-                                  "pytorch_s": round(s2, 1), "ratios": rows},
-                   rc1 == 0 and rc2 == 0 and not to1 and not to2 and isinstance(rows, list) and rows)
+                                  "pytorch_s": round(s2, 1), "ratios": rows, "verdict": verdict}, ok)
 
-    def memcheck_stage(self):
+    def memcheck_stage(self, plan=None):
+        """compute-sanitizer memcheck of MEMCHECK_PLAN within the time left, the caching allocator
+        off. Each binary's verdict: its gtest verdict, unless memcheck found errors ("errors
+        found") or did not print its ERROR SUMMARY; a cut by the time limit is "timed out", with
+        what passed before it (Note: a timeout is not reported as an error found)."""
         san = find_sanitizer()
         if not san:
-            self.stage("memcheck", {"skipped": "compute-sanitizer not found (looked next to nvcc, on PATH, "
-                                               "/usr/local/cuda/bin)"}, not self.gpu)
+            self.stage("memcheck", {"verdict": "did not start (compute-sanitizer not found next to nvcc, on PATH "
+                                               "or in /usr/local/cuda/bin)"}, not self.gpu)
             return
         env = chorus_env(self.build, {"CHORUS_CUDA_CACHING_ALLOCATOR": "0"})
-        # No --leak-check: cuBLAS workspaces, the device-assert guard and pooled events live for
-        # the process by design (as PyTorch's do), and would be reported as leaks.
-        r = self.gtest("memcheck", self.exe("tests/test_cuda"), env, cap=max(30, (self.left() - 10) * 0.6),
-                       prefix=[san, "--tool", "memcheck", "--error-exitcode", "86"])
-        r2 = self.gtest("memcheck-layers", self.exe("tests/test_cuda_layers"), env, cap=max(30, self.left() - 10),
-                        prefix=[san, "--tool", "memcheck", "--error-exitcode", "86"])
-        for k in ("failed", "skipped", "crashed"):
-            r[k] = r[k] + ["test_cuda_layers: " + n for n in r2[k]]
-        r["passed"] += r2["passed"]
-        r["timed_out"] = r["timed_out"] or r2["timed_out"]
-        text = ""
-        for f in sorted(os.listdir(self.logs)):
-            if f.startswith("memcheck-") and f.endswith(".log"):
-                text += open(os.path.join(self.logs, f), errors="replace").read()
-        if re.search(r"device not supported", text, re.I):
-            self.stage("memcheck", {"skipped": "compute-sanitizer: device not supported (e.g. under gVisor)",
-                                    "sanitizer": san}, True)
-            return
-        errors = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
-        r.update({"sanitizer": san, "error_summaries": errors})
-        ok = bool(errors) and sum(errors) == 0 and not r["failed"] and not r["crashed"] and not r["timed_out"]
-        self.stage("memcheck", r, ok)
+        result = {"sanitizer": san, "runs": {}}
+        total = {"passed": 0, "failed": [], "skipped": [], "crashed": [], "timed_out": False}
+        ok = True
+        plan = plan or MEMCHECK_PLAN
+        for k, (rel, gtest_filter) in enumerate(plan):
+            label = "memcheck-" + os.path.basename(rel)
+            # An even share of what is left for each binary still to come.
+            cap = max(30, (self.left() - 10) / (len(plan) - k))
+            # No --leak-check: cuBLAS workspaces, the device-assert guard and pooled events live for
+            # the process by design (as PyTorch's do), and would be reported as leaks.
+            r = self.gtest(label, self.exe(rel), env, cap=cap, gtest_filter=gtest_filter,
+                           prefix=[san, "--tool", "memcheck", "--error-exitcode", "86"])
+            text = ""
+            for f in sorted(os.listdir(self.logs)):
+                if f.startswith(label + "-") and f.endswith(".log"):
+                    with open(os.path.join(self.logs, f), errors="replace") as fh:
+                        text += fh.read()
+            errors = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
+            if re.search(r"device not supported", text, re.I):
+                result["runs"][rel] = {"verdict": "not run: compute-sanitizer says the device is not supported "
+                                                  "(e.g. under gVisor)"}
+                continue
+            verdict, good = gtest_verdict(r, self.gpu, self.dry)
+            if sum(errors):
+                verdict, good = f"errors found ({sum(errors)} memcheck error(s))", False
+            elif r["timed_out"]:
+                verdict = f"timed out ({r['passed']} test(s) passed under memcheck before the cut, no error in them)"
+            elif good and len(errors) < r["runs"]:
+                verdict, good = "failed (compute-sanitizer printed no ERROR SUMMARY)", False
+            for key in ("failed", "skipped", "crashed"):
+                total[key] += [f"{os.path.basename(rel)}: {t}" for t in r[key]]
+            total["passed"] += r["passed"]
+            total["timed_out"] = total["timed_out"] or r["timed_out"]
+            result["runs"][rel] = {"verdict": verdict, "filter": gtest_filter, "counts": counts(r),
+                                   "error_summaries": errors, "rc": r["rc"]}
+            ok = ok and good
+        result["counts"] = counts(total)
+        bad = [f"{os.path.basename(n)}: {v['verdict']}" for n, v in result["runs"].items()
+               if not v["verdict"].startswith(("passed", "not run"))]
+        if ok:
+            result["verdict"] = "passed" if result["counts"]["ran"] else "not run (device not supported)"
+        elif all("timed out" in b for b in bad):
+            result["verdict"] = "timed out (" + "; ".join(bad) + ")"
+        else:
+            result["verdict"] = "failed (" + "; ".join(bad) + ")"
+        self.stage("memcheck", result, ok)
 
 
 def dry_run(out, build):
@@ -560,11 +755,18 @@ def dry_run(out, build):
     # carried environment, its tests skip (no GPU), and $OUT holds what the tool returns.
     os.makedirs(out, exist_ok=True)
     run = Run(out, carry, gpu=has_gpu(), dry=True)
-    run.ldd_stage()
+    if not run.ldd_stage():
+        problems.append("libraries: " + json.dumps(run.summary["stages"]["libraries"]["missing"]))
     for rel in TEST_BINARIES:
         r = run.tests_stage(rel)
-        if not r["passed"] and not r["skipped"]:
-            problems.append(f"{rel} ran no test in the dry run")
+        if not r["ok"]:
+            problems.append(f"{rel}: {r['verdict']}")
+    problems += memcheck_plan_problems(carry, chorus_env(carry))
+    # The distributed stage's script with the carried binaries (the tests skip, train_mlp_cuda runs
+    # on the CPU): its environment, launchers and report files work before a GPU is lent.
+    run.distributed_stage()
+    if not run.summary["stages"]["distributed"]["ok"]:
+        problems.append("distributed: " + run.summary["stages"]["distributed"]["verdict"])
     run.summary["dry_run_problems"] = problems
     run.save(final=True)
     shutil.rmtree(run.logs)

@@ -68,14 +68,62 @@ TEST(ProcessGroupLocal, TorchrunWithoutNcclIsRefusedClearly) {
   EXPECT_THROW(dist::ProcessGroup bad, Error);
 }
 
-TEST(ProcessGroupLocal, TimeoutFromTheEnvironment) {
+// Note [timeout precedence]: a timeout set in code wins over CHORUS_DIST_TIMEOUT_S, which
+// applies only where the code leaves it unset.
+TEST(ProcessGroupLocal, ATimeoutSetInCodeWinsOverTheEnvironment) {
   EnvGuard env;
   env.set("CHORUS_DIST_TIMEOUT_S", "7");
   dist::ProcessGroup g;
   EXPECT_EQ(g.timeout(), std::chrono::seconds(7));
-  EXPECT_EQ(dist::ProcessGroup({.timeout = std::chrono::seconds(600)}).timeout().count(), 7000);
-  env.set("CHORUS_DIST_TIMEOUT_S", "x");
-  EXPECT_THROW(dist::ProcessGroup bad, Error);
+  EXPECT_EQ(dist::ProcessGroup({.timeout = std::chrono::seconds(600)}).timeout(), std::chrono::seconds(600));
+  EXPECT_EQ(dist::ProcessGroup({.timeout = std::chrono::milliseconds(1500)}).timeout().count(), 1500);
+  env.set("CHORUS_DIST_TIMEOUT_S", nullptr);
+  EXPECT_EQ(dist::ProcessGroup().timeout(), std::chrono::minutes(10));
+  EXPECT_THROW(dist::ProcessGroup({.timeout = std::chrono::milliseconds(0)}), Error);
+  for (const char* bad : {"x", "-3", "0"}) {
+    env.set("CHORUS_DIST_TIMEOUT_S", bad);
+    EXPECT_THROW(dist::ProcessGroup(), Error) << bad;
+    EXPECT_NO_THROW(dist::ProcessGroup({.timeout = std::chrono::seconds(1)})) << "not read when the code sets it";
+  }
+}
+
+// Note [one process group]: init() again returns the group; init(options) that contradict it
+// is an error, not silently ignored.
+TEST(ProcessGroupLocal, ASecondInitWithOtherOptionsIsAnError) {
+  dist::detail::global_group().reset();  // this test makes the group itself
+  EnvGuard env;
+  env.set("CHORUS_DIST_TIMEOUT_S", "9");
+  auto& g = dist::init({.timeout = std::chrono::seconds(42)});
+  EXPECT_EQ(g.timeout(), std::chrono::seconds(42));
+  EXPECT_EQ(&dist::init(), &g);  // no options (what DistributedDataParallel calls): the group as it is
+  EXPECT_EQ(&dist::init({.timeout = std::chrono::seconds(42)}), &g);
+  try {
+    dist::init({.timeout = std::chrono::seconds(5)});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("42000 ms"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("5000 ms"), std::string::npos) << msg;
+  }
+  EXPECT_EQ(dist::group().timeout(), std::chrono::seconds(42));
+  dist::detail::global_group().reset();
+  auto& d = dist::init();  // made without a timeout: the environment's, which a later init() may repeat
+  EXPECT_EQ(d.timeout(), std::chrono::seconds(9));
+  EXPECT_EQ(&dist::init({.timeout = std::chrono::seconds(9)}), &d);
+  EXPECT_THROW(dist::init({.timeout = std::chrono::seconds(10)}), Error);
+  dist::detail::global_group().reset();
+}
+
+// Note [MPI counts]: MPI takes int counts; 2^31 elements would wrap in the cast.
+TEST(ProcessGroupLocal, MpiCountsStopBelowTwoToThe31) {
+  EXPECT_EQ(dist::detail::checked_int_count((std::int64_t{1} << 31) - 1, "all_reduce"), 2147483647);
+  EXPECT_EQ(dist::detail::checked_int_count(0, "all_reduce"), 0);
+  try {
+    dist::detail::checked_int_count(std::int64_t{1} << 31, "all_reduce of 8589934592 bytes");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("2147483648 elements"), std::string::npos) << e.what();
+  }
 }
 
 struct Net : nn::Module {

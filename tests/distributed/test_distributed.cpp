@@ -2,14 +2,19 @@
 // Every rank runs every test; only rank 0 prints GoogleTest's report, and a failure on any
 // rank makes mpirun fail.
 #include <chorus/distributed.hpp>
+#include <chorus/distributed/watchdog.hpp>
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <mutex>
 #include <set>
+#include <thread>
 
 using namespace chorus;
 
@@ -126,6 +131,107 @@ TEST(ProcessGroup, BadArgumentsAreRefused) {
   }
   auto ok = zeros<float>({2});
   EXPECT_THROW(pg().broadcast(ok, pg().world_size()), Error);
+}
+
+// ---- the watchdog of collectives the host does not wait for (Note [NCCL watchdog]) ----
+// Generic over "done", so that what the NCCL backend relies on runs here (and under TSan).
+
+struct FakeCollective final : dist::detail::Watchdog::Entry {
+  FakeCollective(std::string what, std::chrono::milliseconds limit)
+      : Entry(std::move(what), std::chrono::steady_clock::now() + limit) {}
+  std::atomic<int> state{0};  // 0 running, 1 done, 2 failed
+  std::atomic<int> polls{0};
+  dist::detail::Watchdog::Poll poll(std::string& error) override {
+    ++polls;
+    if (state == 2) error = "device-side failure";
+    return state == 0 ? dist::detail::Watchdog::Poll::Running
+                      : state == 1 ? dist::detail::Watchdog::Poll::Done : dist::detail::Watchdog::Poll::Failed;
+  }
+};
+
+template <class F>
+bool eventually(F&& f, std::chrono::milliseconds limit = std::chrono::seconds(10)) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    if (f()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return f();
+}
+
+struct Fired {
+  std::mutex m;
+  std::vector<std::string> reasons;
+  void add(const std::string& r) {
+    std::lock_guard<std::mutex> lk(m);
+    reasons.push_back(r);
+  }
+  std::vector<std::string> get() {
+    std::lock_guard<std::mutex> lk(m);
+    return reasons;
+  }
+};
+
+TEST(Watchdog, DropsCompletedWorkAndFiresOnceForAStall) {
+  Fired fired;
+  dist::detail::Watchdog wd([] { return std::string(); }, [&](const std::string& r) { fired.add(r); },
+                            std::chrono::milliseconds(1));
+  auto quick = std::make_shared<FakeCollective>("all_reduce of bucket 0", std::chrono::seconds(60));
+  wd.watch(quick);
+  ASSERT_TRUE(eventually([&] { return quick->polls > 0; }));
+  quick->state = 1;
+  ASSERT_TRUE(eventually([&] { return wd.in_flight() == 0; })) << "a completed collective is dropped";
+  EXPECT_TRUE(fired.get().empty());
+  EXPECT_TRUE(quick->failure().empty());
+  // A stalled collective fires once; what else is in flight is failed with the same reason.
+  auto stuck = std::make_shared<FakeCollective>("all_reduce of bucket 1", std::chrono::milliseconds(30));
+  auto later = std::make_shared<FakeCollective>("all_reduce of bucket 2", std::chrono::seconds(60));
+  wd.watch(stuck);
+  wd.watch(later);
+  ASSERT_TRUE(eventually([&] { return !fired.get().empty(); }));
+  EXPECT_NE(fired.get()[0].find("all_reduce of bucket 1 timed out"), std::string::npos) << fired.get()[0];
+  EXPECT_NE(later->failure().find("bucket 1 timed out"), std::string::npos) << later->failure();
+  EXPECT_NE(stuck->failure().find("timed out"), std::string::npos);
+  EXPECT_EQ(wd.in_flight(), 0u);
+  auto again = std::make_shared<FakeCollective>("all_reduce of bucket 3", std::chrono::milliseconds(1));
+  wd.watch(again);
+  ASSERT_TRUE(eventually([&] { return !again->failure().empty(); }));
+  EXPECT_EQ(fired.get().size(), 1u) << "the group breaks once";
+}
+
+TEST(Watchdog, AFailedCollectiveOrACommunicatorErrorFires) {
+  Fired fired;
+  std::atomic<bool> comm_failed{false};
+  dist::detail::Watchdog wd([&] { return comm_failed ? std::string("remote process exited") : std::string(); },
+                            [&](const std::string& r) { fired.add(r); }, std::chrono::milliseconds(1));
+  auto bad = std::make_shared<FakeCollective>("broadcast of 'fc.weight'", std::chrono::seconds(60));
+  bad->state = 2;
+  wd.watch(bad);
+  ASSERT_TRUE(eventually([&] { return !fired.get().empty(); }));
+  EXPECT_NE(fired.get()[0].find("broadcast of 'fc.weight' failed: device-side failure"), std::string::npos)
+      << fired.get()[0];
+
+  Fired fired2;
+  dist::detail::Watchdog wd2([&] { return comm_failed ? std::string("remote process exited") : std::string(); },
+                             [&](const std::string& r) { fired2.add(r); }, std::chrono::milliseconds(1));
+  auto running = std::make_shared<FakeCollective>("all_gather", std::chrono::seconds(60));
+  wd2.watch(running);
+  ASSERT_TRUE(eventually([&] { return running->polls > 2; }));
+  EXPECT_TRUE(fired2.get().empty());
+  comm_failed = true;
+  ASSERT_TRUE(eventually([&] { return !fired2.get().empty(); }));
+  EXPECT_NE(fired2.get()[0].find("remote process exited"), std::string::npos) << fired2.get()[0];
+  EXPECT_NE(running->failure().find("remote process exited"), std::string::npos);
+}
+
+TEST(Watchdog, StopsPromptlyWithWorkInFlight) {
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    dist::detail::Watchdog wd([] { return std::string(); }, [](const std::string&) {},
+                              std::chrono::milliseconds(50));
+    wd.watch(std::make_shared<FakeCollective>("all_reduce", std::chrono::seconds(60)));
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
 }
 
 // ---- DistributedDataParallel ----

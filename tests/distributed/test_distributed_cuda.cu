@@ -5,7 +5,9 @@
 #include <chorus/distributed.hpp>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdio>
+#include <thread>
 
 using namespace chorus;
 
@@ -15,6 +17,26 @@ namespace {
   do {                                                                      \
     if (cuda_device_count() == 0) GTEST_SKIP() << "no GPU on this machine"; \
   } while (0)
+
+/// Keeps `stream` busy for about `ms` milliseconds (to observe what waits for what).
+__global__ void spin_kernel(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+void spin(cudaStream_t stream, int device, double ms) {
+  cuda::DeviceGuard g(device);
+  int khz = 0;
+  CHORUS_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, device));
+  if (khz <= 0) khz = 2'000'000;  // not reported: assume 2 GHz (an H200 boosts to 1.98)
+  spin_kernel<<<1, 1, 0, stream>>>(static_cast<long long>(ms * khz));
+  CHORUS_CUDA_CHECK(cudaGetLastError());
+}
+void spin(Device d, double ms) { spin(current_stream(d).handle(), d.index, ms); }
+
+double ms_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t).count();
+}
 
 struct Mlp : nn::Module {
   nn::Linear fc1, fc2;
@@ -80,6 +102,137 @@ TEST(DistributedCuda, DdpOnTheGpuEqualsPlainTraining) {
     auto u = a[i].as<float>().to(Device::cpu()).to_vector(), v = b[i].as<float>().to(Device::cpu()).to_vector();
     for (std::size_t k = 0; k < u.size(); ++k) ASSERT_NEAR(u[k], v[k], 1e-4) << "parameter " << i;
   }
+}
+
+// Issue 17, item 1: waiting for a collective whose GPU work is still queued must not leave
+// cudaErrorNotReady in the last-error slot (the next check_launch would throw "device not
+// ready"): the device stays busy behind a spin while each kind of wait happens.
+TEST(DistributedCuda, WaitingLeavesNoErrorInTheLastErrorSlot) {
+  REQUIRE_GPU();
+  auto& pg = dist::group();
+  const Device dev = pg.default_device();
+  const int w = pg.world_size();
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  auto t = full<float>({256}, 1.0f, dev);
+  spin(dev, 100);
+  pg.all_reduce(t, dist::ReduceOp::Sum);  // CUDA tensor: the stream waits
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  spin(dev, 100);
+  auto c = full<float>({4}, 2.0f);
+  pg.all_reduce(c, dist::ReduceOp::Sum);  // CPU tensor: MPI, or staged through the GPU and waited for on the host
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  spin(dev, 100);
+  pg.barrier();
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_NO_THROW(cuda::check_launch("the launch after the collectives"));
+  auto after = full<double>({8}, 3.0, dev);  // the first DDP step's next allocation and kernel
+  EXPECT_EQ(t.to(Device::cpu()).to_vector()[255], float(w));
+  EXPECT_EQ(c.to_vector()[3], 2.0f * w);
+  EXPECT_EQ(after.to(Device::cpu()).to_vector()[7], 3.0);
+}
+
+// Predicted slow (issue 17): wait() on a CUDA collective orders the stream and returns; it does
+// not spin on the host until the GPU is done, and makes no CUDA event per collective.
+TEST(DistributedCuda, WaitOrdersTheStreamWithoutHoldingTheHost) {
+  REQUIRE_GPU();
+  auto& pg = dist::group();
+  const Device dev = pg.default_device();
+  const int w = pg.world_size();
+  auto t = full<float>({1024}, 1.0f, dev);
+  pg.all_reduce(t);  // the communicator exists
+  spin(dev, 400);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto work = pg.all_reduce_async(t, dist::ReduceOp::Sum);
+  work->wait(pg.timeout());
+  EXPECT_LT(ms_since(t0), 200.0) << "wait() held the host until the GPU finished";
+  Event e;
+  e.record(current_stream(dev));
+  EXPECT_FALSE(e.query()) << "the stream was not kept busy: the timing above proves nothing";
+  EXPECT_EQ(t.to(Device::cpu()).to_vector()[1023], float(w * w)) << "the result is ordered on the stream";
+  // The steady state creates no events (they come from the pool; the watchdog hands each back
+  // once it saw it complete, so the measured loop lets it catch up every time).
+  auto step = [&] {
+    pg.all_reduce_async(t)->wait(pg.timeout());
+    synchronize(dev);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  };
+  for (int k = 0; k < 5; ++k) step();
+  const auto created = cuda::EventPool::get().created();
+  for (int k = 0; k < 20; ++k) step();
+  EXPECT_EQ(cuda::EventPool::get().created(), created);
+}
+
+// Issue 17, item 7: a Work dropped without wait() must not free buffers that NCCL's stream still
+// uses: the free is ordered after the communicator's stream, not only the issuing stream.
+TEST(DistributedCuda, AnUnwaitedCollectiveKeepsItsBuffersUntilNcclIsDone) {
+  REQUIRE_GPU();
+  if (!::chorus::detail::caching_allocator_enabled())
+    GTEST_SKIP() << "CHORUS_CUDA_CACHING_ALLOCATOR=0: frees are synchronous, nothing to order";
+  auto& pg = dist::group();
+  const Device dev = pg.default_device();
+  {
+    auto warm = full<float>({4}, 1.0f, dev);
+    pg.all_reduce(warm);
+  }
+  synchronize(dev);
+  ASSERT_NE(pg.nccl_stream(), nullptr);
+  spin(pg.nccl_stream(), dev.index, 300);  // NCCL's stream is busy; the current stream is not
+  {
+    auto t = full<float>({1 << 16}, 1.0f, dev);
+    (void)pg.all_reduce_async(t, dist::ReduceOp::Sum);  // dropped at once, with t
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // what the current stream has runs meanwhile
+  Event e;
+  e.record(current_stream(dev));
+  EXPECT_FALSE(e.query()) << "t's block was freed for reuse on the current stream while NCCL's stream still had it";
+  synchronize(dev);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// Issue 17, item 4: a non-blocking communicator is finalised, polled until done, then destroyed.
+// A second group in the same process comes and goes twice, and the job's group still works.
+TEST(DistributedCuda, AGroupTearsDownItsCommunicatorCleanly) {
+  REQUIRE_GPU();
+  auto& pg = dist::group();
+  if (pg.world_size() != 1) GTEST_SKIP() << "a second communicator per process is tested in a world of one";
+  for (int round = 0; round < 2; ++round) {
+    dist::ProcessGroup second;
+    auto t = full<float>({16}, 2.0f, second.default_device());
+    second.all_reduce(t, dist::ReduceOp::Avg);
+    EXPECT_EQ(t.to(Device::cpu()).to_vector()[15], 2.0f);
+    second.barrier();
+  }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  auto t = full<float>({2}, 1.0f, pg.default_device());
+  pg.all_reduce(t);
+  EXPECT_EQ(t.to(Device::cpu()).to_vector()[0], 1.0f);
+}
+
+// Note [NCCL watchdog]: a CUDA collective that does not finish within the timeout breaks the group
+// although no host thread waits for it. (Last: it leaves its own group broken, not the job's.)
+TEST(DistributedCuda, TheWatchdogBreaksAGroupWhoseCollectiveStalls) {
+  REQUIRE_GPU();
+  if (dist::group().world_size() != 1) GTEST_SKIP() << "a second communicator per process is tested in a world of one";
+  dist::ProcessGroup g({.timeout = std::chrono::milliseconds(300)});
+  const Device dev = g.default_device();
+  auto t = full<float>({4}, 1.0f, dev);
+  g.all_reduce(t);
+  synchronize(dev);
+  spin(dev, 1500);  // the next all-reduce (in place, Sum: no NCCL kernel in a world of one) waits behind it
+  auto work = g.all_reduce_async(t, dist::ReduceOp::Sum);
+  const auto t0 = std::chrono::steady_clock::now();
+  work->wait(g.timeout());  // orders the stream; returns at once
+  EXPECT_LT(ms_since(t0), 200.0);
+  while (!g.broken() && ms_since(t0) < 1200) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_TRUE(g.broken()) << "the watchdog did not notice the stalled all_reduce";
+  try {
+    g.all_reduce(t);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("timed out"), std::string::npos) << e.what();
+  }
+  synchronize(dev);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
 }
 
 }  // namespace

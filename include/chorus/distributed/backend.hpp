@@ -1,0 +1,244 @@
+#pragma once
+// The interface between a process group and its transports: a collective in flight (Work), the
+// state a group shares with its backends, and the backend interface itself.
+//
+// Note [process group backends]
+// As PyTorch's ProcessGroupMPI / ProcessGroupNCCL behind c10d's Backend, each transport is one
+// class in its own file behind detail::Backend: mpi_backend.hpp (CPU tensors, MPI non-blocking
+// collectives on a communication thread) and nccl_backend.hpp (CUDA tensors, and every tensor
+// under torchrun, which has no MPI). ProcessGroup (process_group.hpp) checks the arguments, does
+// the world-of-one shortcut and picks the backend by the tensor's device and the launcher; the
+// backend starts the collective and fills in the Work. Tensors cross the interface as AnyTensor:
+// collectives are templates over the scalar type, a virtual function cannot be.
+//
+// Note [watchdog]
+// Work::wait() gives up after the group's timeout (Note [timeout precedence]) with a
+// chorus::Error naming the collective (NCCL: the watchdog does, Note [NCCL watchdog]), and marks the group broken: a collective that never completes cannot be
+// cancelled, so every later collective fails at once, and shutdown() skips MPI_Finalize (the
+// launcher then ends the job with a non-zero status instead of hanging in its final fence).
+// At exit, shutdown() first meets the other ranks in a barrier on a second private
+// communicator; a rank that gets no answer within the timeout (the others are stuck in a
+// collective that this rank left, say after an exception) also exits without MPI_Finalize.
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../core/any_tensor.hpp"
+#include "../core/runtime.hpp"
+#include "../core/tensor.hpp"
+
+#if defined(CHORUS_WITH_MPI) && CHORUS_WITH_MPI
+#define CHORUS_DIST_MPI 1
+#else
+#define CHORUS_DIST_MPI 0
+#endif
+
+// A program whose translation units disagree about MPI would break the ODR silently: make it a
+// link error instead (see DESIGN.md, "Host and device compilation").
+#if CHORUS_DIST_MPI
+#define CHORUS_DIST_NS with_mpi
+#else
+#define CHORUS_DIST_NS without_mpi
+#endif
+
+CHORUS_NAMESPACE_BEGIN
+namespace dist {
+inline namespace CHORUS_DIST_NS {
+
+enum class ReduceOp { Sum, Avg };
+
+inline const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
+
+// Note [timeout precedence]
+// A timeout set in code wins. CHORUS_DIST_TIMEOUT_S (seconds) is used only where the code leaves
+// Options::timeout unset, and 10 minutes (PyTorch's default) where neither says: an operator can
+// tune the watchdog of a program that does not choose, but never silently overrides one that
+// does. A field left unset also means "no preference" to a second dist::init(options), which
+// refuses only options that contradict the group's (Note [one process group]).
+struct Options {
+  /// How long a collective may take before it is declared stalled (Note [watchdog]); unset:
+  /// CHORUS_DIST_TIMEOUT_S, else 10 minutes (Note [timeout precedence]).
+  std::optional<std::chrono::milliseconds> timeout;
+  bool operator==(const Options&) const = default;
+};
+
+/// How the job was launched.
+enum class Launcher { None, Mpi, Torchrun };
+
+namespace detail {
+class GroupState;
+}
+
+/// A collective in flight. wait() returns once the result is in the tensors (CPU tensors,
+/// and barrier) or ordered before later work on the calling thread's current stream (CUDA
+/// tensors: Note [NCCL work]), or throws (Note [watchdog]).
+class Work {
+ public:
+  explicit Work(std::string what) : what_(std::move(what)), start_(std::chrono::steady_clock::now()) {}
+  const std::string& what() const { return what_; }
+
+  void wait(std::chrono::milliseconds timeout);
+  bool completed() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return done_;
+  }
+
+  // Called by the communication thread.
+  void finish(std::string error = {}) {
+    std::lock_guard<std::mutex> lk(m_);
+    done_ = true;
+    error_ = std::move(error);
+    cv_.notify_all();
+  }
+  std::function<void()> on_done;  ///< run by the communication thread before finish() (avg)
+  /// Run by the waiter after completion, with the deadline (CUDA: watches the GPU side).
+  std::function<void(std::chrono::steady_clock::time_point)> on_wait;
+  std::vector<AnyTensor> keep;    ///< tensors the collective reads or writes, alive until done
+  detail::GroupState* group = nullptr;
+
+ private:
+  std::string what_;
+  std::chrono::steady_clock::time_point start_;
+  mutable std::mutex m_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::string error_;
+};
+
+namespace detail {
+inline std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::string(v) : std::string();
+}
+inline int env_int(const char* name, int fallback) {
+  const auto v = env(name);
+  if (v.empty()) return fallback;
+  try {
+    return std::stoi(v);
+  } catch (...) {
+    CHORUS_FAIL("dist: environment variable ", name, "='", v, "' is not an integer");
+  }
+}
+inline bool mpi_launcher_present() {
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "MPI_LOCALNRANKS"})
+    if (std::getenv(v)) return true;
+  return false;
+}
+inline bool torchrun_present() { return std::getenv("RANK") && std::getenv("WORLD_SIZE"); }
+
+// Note [MPI counts]
+// MPI takes element counts as int: a tensor of 2^31 or more elements would wrap in the cast.
+// MPI collectives refuse it (NCCL's counts are size_t and take it).
+inline int checked_int_count(std::int64_t n, const std::string& what) {
+  CHORUS_CHECK(n >= 0 && n <= std::int64_t{std::numeric_limits<int>::max()}, "dist: ", what, " of ", n,
+               " elements: MPI takes at most 2^31 - 1 elements per call; split the tensor");
+  return static_cast<int>(n);
+}
+
+template <class T>
+void divide_in_place(const Tensor<T>& t, std::int64_t n) {
+  T* p = t.data();
+  for (std::int64_t i = 0, e = t.numel(); i < e; ++i) p[i] /= static_cast<T>(n);
+}
+
+/// One transport of a process group (Note [process group backends]). The group has checked the
+/// tensors (defined, contiguous, within the size limit) and made `work`; a backend starts the
+/// collective and either finishes `work` or leaves it to its own thread / Work::on_wait.
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  /// t = the sum (or mean) of t over all ranks, in place.
+  virtual void all_reduce(const std::shared_ptr<Work>& work, const AnyTensor& t, ReduceOp op) = 0;
+  /// t = rank root's t, in place.
+  virtual void broadcast(const std::shared_ptr<Work>& work, const AnyTensor& t, int root) = 0;
+  /// out ([world, *in.shape()]) = every rank's `in`, in rank order, once `work` is waited for;
+  /// returns the tensor that holds it then (out).
+  virtual void all_gather(const std::shared_ptr<Work>& work, const AnyTensor& in, const AnyTensor& out) = 0;
+  /// Completes once every rank has called it.
+  virtual void barrier(const std::shared_ptr<Work>& work) = 0;
+  /// The group was marked broken (Note [watchdog]): cancel what can be cancelled. Called with
+  /// the group's lock held; must not call back into the group.
+  virtual void abort() noexcept {}
+};
+
+/// What a process group shares with its backends: who this process is, the timeout, and whether
+/// the group is broken (Note [watchdog]).
+class GroupState {
+ public:
+  int rank = 0, world = 1, local_rank = 0, local_world = 1;
+  Launcher launcher = Launcher::None;
+  std::chrono::milliseconds timeout{std::chrono::minutes(10)};
+
+  /// Marks the group unusable: later collectives throw, shutdown skips MPI_Finalize, and every
+  /// backend aborts what it can.
+  void mark_broken(const std::string& why) {
+    std::lock_guard<std::mutex> lk(m_);
+    if (broken_.empty()) broken_ = why;
+    for (auto* b : backends_) b->abort();
+  }
+  bool broken() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return !broken_.empty();
+  }
+  std::string broken_reason() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return broken_;
+  }
+  /// Backends to abort when the group breaks (they outlive their registration).
+  void add_backend(Backend* b) {
+    std::lock_guard<std::mutex> lk(m_);
+    backends_.push_back(b);
+  }
+
+  /// The device this process should use: cuda:local_rank when there are GPUs, else cpu:0.
+  Device default_device() const {
+    const auto devs = available_devices();
+    if (!devs.empty() && devs[0].is_cuda()) {
+      const int n = static_cast<int>(devs.size());
+      return Device::cuda(local_rank % n);
+    }
+    return Device::cpu(0);
+  }
+  /// "... on rank r of w", for messages.
+  std::string where() const { return " on rank " + std::to_string(rank) + " of " + std::to_string(world); }
+
+ private:
+  mutable std::mutex m_;
+  std::string broken_;
+  std::vector<Backend*> backends_;
+};
+}  // namespace detail
+
+inline void Work::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(m_);
+  const auto deadline = start_ + timeout;
+  if (!cv_.wait_until(lk, deadline, [this] { return done_; })) {
+    lk.unlock();
+    std::ostringstream msg;
+    msg << "dist: " << what_ << " did not complete within " << std::chrono::duration<double>(timeout).count()
+        << " s (a rank stopped participating?); the process group is now broken";
+    if (group) group->mark_broken(what_ + " timed out");
+    CHORUS_FAIL(msg.str());
+  }
+  if (!error_.empty()) {
+    lk.unlock();
+    if (group) group->mark_broken(what_ + ": " + error_);
+    CHORUS_FAIL("dist: ", what_, " failed: ", error_);
+  }
+  auto f = std::move(on_wait);
+  on_wait = nullptr;
+  lk.unlock();
+  if (f) f(deadline);
+}
+
+}  // namespace CHORUS_DIST_NS
+}  // namespace dist
+CHORUS_NAMESPACE_END

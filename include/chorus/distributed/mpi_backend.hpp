@@ -1,0 +1,286 @@
+#pragma once
+// The MPI backend of the process group (Note [process group backends]): CPU tensors, through
+// MPI's non-blocking collectives on a private communicator. Empty without MPI.
+//
+// Note [communication thread]
+// MPI's non-blocking collectives progress only while some thread calls into MPI. Every
+// collective on CPU tensors is therefore queued to one communication thread, which starts the
+// MPI_I* calls in queue order (the order every rank issued them in, which MPI requires) and
+// then tests the requests in flight until they complete. The caller gets a Work to wait on;
+// several collectives (gradient buckets) are in flight at once while the caller goes on.
+#include "backend.hpp"
+
+#if CHORUS_DIST_MPI
+#include <algorithm>
+#include <deque>
+#include <thread>
+
+#include "../core/stream.hpp"
+
+// chorus uses MPI's C interface only (the deprecated C++ bindings need another library).
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+CHORUS_NAMESPACE_BEGIN
+namespace dist {
+inline namespace CHORUS_DIST_NS {
+namespace detail {
+
+inline std::string mpi_error_string(int code) {
+  char buf[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, buf, &len) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(buf, static_cast<std::size_t>(len));
+}
+#define CHORUS_MPI_CHECK(expr)                                                                         \
+  do {                                                                                                 \
+    const int chorus_mpi_rc_ = (expr);                                                                 \
+    if (chorus_mpi_rc_ != MPI_SUCCESS) [[unlikely]]                                                    \
+      ::chorus::detail::throw_error("MPI error: ", ::chorus::dist::detail::mpi_error_string(chorus_mpi_rc_), \
+                                    " in ", #expr);                                                    \
+  } while (0)
+
+inline MPI_Datatype mpi_type(DType d) {
+  switch (d) {
+    case DType::Float32: return MPI_FLOAT;
+    case DType::Float64: return MPI_DOUBLE;
+    case DType::Int64: return MPI_INT64_T;
+  }
+  return MPI_BYTE;
+}
+
+/// The communication thread (Note [communication thread]).
+class CommThread {
+ public:
+  /// Starts the MPI call for one collective (on the communication thread) and returns its request.
+  using Start = std::function<int(MPI_Request*)>;
+
+  CommThread() : thread_([this] { run(); }) {}
+  ~CommThread() { stop(); }
+  CommThread(const CommThread&) = delete;
+  CommThread& operator=(const CommThread&) = delete;
+
+  void submit(Start start, std::shared_ptr<Work> work) {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      queue_.push_back({std::move(start), std::move(work), MPI_REQUEST_NULL});
+      ++outstanding_;
+    }
+    cv_.notify_one();
+  }
+  /// Collectives queued or in flight.
+  std::size_t pending() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return outstanding_;
+  }
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      if (stopped_) return;
+      stopped_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+
+ private:
+  struct Op {
+    Start start;
+    std::shared_ptr<Work> work;
+    MPI_Request request;
+  };
+
+  void run() {
+    std::vector<Op> active;
+    int idle_polls = 0;
+    for (;;) {
+      std::deque<Op> fresh;
+      {
+        std::unique_lock<std::mutex> lk(m_);
+        if (active.empty()) cv_.wait(lk, [&] { return stopped_ || !queue_.empty(); });
+        if (stopped_) return;  // requests still in flight are abandoned (Note [watchdog])
+        fresh.swap(queue_);
+      }
+      for (auto& op : fresh) {
+        const int rc = op.start(&op.request);
+        if (rc != MPI_SUCCESS) {
+          complete(op, "MPI error: " + mpi_error_string(rc));
+          continue;
+        }
+        active.push_back(std::move(op));
+      }
+      bool progressed = false;
+      for (std::size_t i = 0; i < active.size();) {
+        int flag = 0;
+        const int rc = MPI_Test(&active[i].request, &flag, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS || flag) {
+          std::string err;
+          if (rc != MPI_SUCCESS) err = "MPI error: " + mpi_error_string(rc);
+          else if (active[i].work->on_done) active[i].work->on_done();
+          complete(active[i], std::move(err));
+          active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
+          progressed = true;
+        } else {
+          ++i;
+        }
+      }
+      // Poll quickly while things move, then back off (up to 200 us) so that a rank waiting
+      // for a slow peer leaves the cores to the computation (Note [communication thread]).
+      idle_polls = progressed ? 0 : idle_polls + 1;
+      if (!active.empty()) {
+        if (idle_polls < 16) std::this_thread::yield();
+        else std::this_thread::sleep_for(std::chrono::microseconds(std::min(200, 5 * (idle_polls - 15))));
+      }
+    }
+  }
+
+  void complete(Op& op, std::string error) {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      --outstanding_;
+    }
+    op.work->finish(std::move(error));
+  }
+
+  mutable std::mutex m_;
+  std::condition_variable cv_;
+  std::deque<Op> queue_;
+  std::size_t outstanding_ = 0;  // submitted, not yet finished
+  bool stopped_ = false;
+  std::thread thread_;
+};
+
+/// CPU tensors over MPI (Note [process group bootstrap]: MPI initialised here unless the program
+/// did so; a private MPI_Comm_dup with MPI_ERRORS_RETURN).
+class MpiBackend final : public Backend {
+ public:
+  /// Initialises MPI (or joins the program's), and fills in the group's rank and world.
+  explicit MpiBackend(GroupState& state) : state_(state) {
+    int initialized = 0;
+    CHORUS_MPI_CHECK(MPI_Initialized(&initialized));
+    int provided = 0;
+    if (!initialized) {
+      CHORUS_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
+      owns_mpi_ = true;
+    } else {
+      CHORUS_MPI_CHECK(MPI_Query_thread(&provided));
+    }
+    // The communication thread calls MPI while the user's threads may too.
+    CHORUS_CHECK(provided >= MPI_THREAD_MULTIPLE, "dist::init: MPI provides thread level ", provided,
+                 " but chorus needs MPI_THREAD_MULTIPLE (", MPI_THREAD_MULTIPLE,
+                 "); initialise MPI with MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)");
+    CHORUS_MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &comm_));
+    CHORUS_MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+    CHORUS_MPI_CHECK(MPI_Comm_dup(comm_, &exit_comm_));
+    CHORUS_MPI_CHECK(MPI_Comm_rank(comm_, &state_.rank));
+    CHORUS_MPI_CHECK(MPI_Comm_size(comm_, &state_.world));
+    MPI_Comm local;
+    CHORUS_MPI_CHECK(MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, state_.rank, MPI_INFO_NULL, &local));
+    CHORUS_MPI_CHECK(MPI_Comm_rank(local, &state_.local_rank));
+    CHORUS_MPI_CHECK(MPI_Comm_size(local, &state_.local_world));
+    CHORUS_MPI_CHECK(MPI_Comm_free(&local));
+    state_.launcher = state_.world > 1 || mpi_launcher_present() ? Launcher::Mpi : Launcher::None;
+    comm_thread_ = std::make_unique<CommThread>();
+  }
+  MpiBackend(const MpiBackend&) = delete;
+  MpiBackend& operator=(const MpiBackend&) = delete;
+
+  /// The private communicator (a duplicate of MPI_COMM_WORLD).
+  MPI_Comm comm() const { return comm_; }
+
+  void all_reduce(const std::shared_ptr<Work>& work, const AnyTensor& t, ReduceOp op) override {
+    t.visit([&](const auto& x) {
+      using T = typename std::decay_t<decltype(x)>::value_type;
+      const int world = state_.world, n = checked_int_count(x.numel(), work->what());
+      if (op == ReduceOp::Avg) work->on_done = [x, world] { divide_in_place(x, world); };
+      submit(work, [x, n, comm = comm_](MPI_Request* r) {
+        return MPI_Iallreduce(MPI_IN_PLACE, x.data(), n, mpi_type(dtype_of<T>()), MPI_SUM, comm, r);
+      });
+    });
+  }
+  void broadcast(const std::shared_ptr<Work>& work, const AnyTensor& t, int root) override {
+    t.visit([&](const auto& x) {
+      using T = typename std::decay_t<decltype(x)>::value_type;
+      const int n = checked_int_count(x.numel(), work->what());
+      submit(work, [x, n, root, comm = comm_](MPI_Request* r) {
+        return MPI_Ibcast(x.data(), n, mpi_type(dtype_of<T>()), root, comm, r);
+      });
+    });
+  }
+  void all_gather(const std::shared_ptr<Work>& work, const AnyTensor& in, const AnyTensor& out) override {
+    in.visit([&](const auto& x) {
+      using T = typename std::decay_t<decltype(x)>::value_type;
+      const auto o = out.template as<T>();
+      const int n = checked_int_count(x.numel(), work->what());
+      submit(work, [x, o, n, comm = comm_](MPI_Request* r) {
+        return MPI_Iallgather(x.data(), n, mpi_type(dtype_of<T>()), o.data(), n, mpi_type(dtype_of<T>()), comm, r);
+      });
+    });
+  }
+  void barrier(const std::shared_ptr<Work>& work) override {
+    submit(work, [comm = comm_](MPI_Request* r) { return MPI_Ibarrier(comm, r); });
+  }
+
+  /// The first half of leaving (Note [watchdog]): meets the other ranks within the timeout and
+  /// stops the communication thread. Returns false when MPI must not be finalised.
+  bool leave() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) {  // the program finalised MPI itself (it should have called dist::shutdown() first)
+      comm_thread_->stop();
+      finalized_by_program_ = true;
+      return false;
+    }
+    bool clean = !state_.broken() && comm_thread_->pending() == 0;
+    if (clean && state_.world > 1) {
+      // Note [watchdog]: a barrier on a communicator nothing else uses, so that it cannot be
+      // confused with a collective some other rank is still stuck in.
+      auto work = std::make_shared<Work>("shutdown barrier");
+      work->group = &state_;
+      comm_thread_->submit([comm = exit_comm_](MPI_Request* r) { return MPI_Ibarrier(comm, r); }, work);
+      try {
+        work->wait(state_.timeout);
+      } catch (const Error&) {
+        clean = false;
+      }
+    }
+    comm_thread_->stop();
+    return clean;
+  }
+  /// The second half: frees the communicators and finalises MPI if chorus initialised it.
+  void finalize(bool clean) {
+    if (finalized_by_program_ || !clean) return;  // no MPI_Finalize: the launcher ends the job (Note [watchdog])
+    (void)MPI_Comm_free(&comm_);
+    (void)MPI_Comm_free(&exit_comm_);
+    if (owns_mpi_) MPI_Finalize();
+  }
+
+ private:
+  void submit(const std::shared_ptr<Work>& work, CommThread::Start start) {
+    // The tensor's pending work (a CPU device's worker) finishes before MPI reads it.
+    for (auto& k : work->keep) {
+      Event e;
+      e.record(current_stream(k.device()));
+      e.synchronize();
+    }
+    comm_thread_->submit(std::move(start), work);
+  }
+
+  GroupState& state_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm exit_comm_ = MPI_COMM_NULL;
+  bool owns_mpi_ = false;
+  bool finalized_by_program_ = false;
+  std::unique_ptr<CommThread> comm_thread_;
+};
+
+}  // namespace detail
+}  // namespace CHORUS_DIST_NS
+}  // namespace dist
+CHORUS_NAMESPACE_END
+#endif  // CHORUS_DIST_MPI
