@@ -431,6 +431,7 @@ TEST(DataLoaderWorkers, EndingAnEpochEarlyDoesNotHangAndBoundsPrefetch) {
 #include <cstdio>
 #include <cstdlib>
 #include <future>
+#include <limits>
 
 namespace {
 // Runs `body` on a thread of its own: a hang becomes a clear failure (and an abort, since a hung
@@ -488,6 +489,13 @@ TEST(DataLoader, OptionsAreCheckedAtConstruction) {
                           {"prefetch_factor (4) needs num_workers > 0"}));
   EXPECT_NO_THROW(make({.num_workers = 2}));  // prefetch_factor 2 by default
   EXPECT_NO_THROW(make({.num_workers = 2, .prefetch_factor = 1}));
+  // A size() beyond what the order can hold: a chorus::Error at begin(), not std::length_error.
+  struct Endless {
+    std::size_t size() const { return std::numeric_limits<std::size_t>::max(); }
+    Tensor<float> get(std::size_t) const { return zeros<float>({1}); }
+  };
+  data::DataLoader endless(Endless{}, {.batch_size = 1 << 20});
+  EXPECT_TRUE(throws_with([&] { endless.begin(); }, {"size() is 18446744073709551615", "more indices than"}));
 }
 
 // An iterator at or past end() used to wait forever for a batch no worker builds (or, without

@@ -26,7 +26,6 @@
 #include <numeric>
 #include <optional>
 #include <random>
-#include <system_error>
 #include <thread>
 #include <type_traits>
 #include <typeinfo>
@@ -156,7 +155,7 @@ class DataLoader {
       workers_.reserve(threads);
       try {
         for (std::size_t w = 0; w < threads; ++w) workers_.emplace_back([this, w] { work(w); });
-      } catch (const std::system_error& e) {
+      } catch (const std::exception& e) {
         stop();  // the started workers are joined: a joinable std::thread's destructor would terminate
         CHORUS_FAIL("DataLoader: could not start worker thread ", workers_.size(), " of ", threads, ": ", e.what());
       }
@@ -211,7 +210,8 @@ class DataLoader {
     };
 
     void work(std::size_t w) {
-      // b + stride_ cannot wrap: both are below 2^63 (int64 options, a batch count of a size_t).
+      // b + stride_ cannot wrap: stride_ is an int64 option and b < num_batches_ <= order_.size(),
+      // the length of a vector (both below 2^63).
       for (std::size_t b = w; b < num_batches_; b += stride_) {
         {
           std::unique_lock lk(m_);
@@ -311,6 +311,8 @@ class DataLoader {
         CHORUS_CHECK(i < dataset_->size(), "DataLoader: the sampler picked index ", i, ", the dataset has ",
                      dataset_->size(), " examples");
     } else {
+      CHORUS_CHECK(dataset_->size() <= order.max_size(), "DataLoader: the dataset's size() is ", dataset_->size(),
+                   ", more indices than a vector holds");
       order.resize(dataset_->size());
       std::iota(order.begin(), order.end(), std::size_t{0});
       if (options_.shuffle) std::shuffle(order.begin(), order.end(), rng_);
