@@ -94,10 +94,11 @@ int train_distributed(int epochs, int batch) {
   if (rank == 0)
     std::printf("training with %d process(es) (%s), global batch %d; rank 0 on %s\n", world, pg.backend().c_str(),
                 batch, device.str().c_str());
-  data::DistributedSampler sampler(train.size(), world, rank, {.seed = 3});
+  // Shared with the loader, so that set_epoch reaches it; rank and world from the process group.
+  auto sampler = std::make_shared<data::DistributedSampler>(train, data::DistributedSamplerOptions{.seed = 3});
   data::DataLoader loader(train, {.batch_size = batch / world}, sampler);
   for (int epoch = 1; epoch <= epochs; ++epoch) {
-    sampler.set_epoch(static_cast<std::uint64_t>(epoch));
+    sampler->set_epoch(static_cast<std::uint64_t>(epoch));
     auto start = std::chrono::steady_clock::now();
     std::size_t seen = 0, step = 0;
     double loss_avg = 0;

@@ -100,13 +100,11 @@ TEST(DataLoader, ASamplerIsCheckedAgainstItselfAndTheDataset) {
       return v;
     }
   };
-  Lying short_one{10, 4, 4}, beyond{3, 3, 12};
-  data::DataLoader a(RandomDataset(5, 10), {.batch_size = 3}, short_one);
+  data::DataLoader a(RandomDataset(5, 10), {.batch_size = 3}, Lying{10, 4, 4});
   EXPECT_TRUE(throws_with([&] { a.begin(); }, {"4 indices", "size() says 10"}));
-  data::DataLoader b(RandomDataset(5, 10), {.batch_size = 3}, beyond);
+  data::DataLoader b(RandomDataset(5, 10), {.batch_size = 3}, Lying{3, 3, 12});
   EXPECT_TRUE(throws_with([&] { b.begin(); }, {"index 10", "10 examples"}));
-  Lying fine{4, 4, 4};
-  data::DataLoader c(RandomDataset(5, 10), {.batch_size = 3}, fine);
+  data::DataLoader c(RandomDataset(5, 10), {.batch_size = 3}, Lying{4, 4, 4});
   EXPECT_EQ(c.num_batches(), 2u);
   std::size_t rows = 0;
   for (auto batch : c) rows += static_cast<std::size_t>(batch.size(0));
@@ -426,4 +424,224 @@ TEST(DataLoaderWorkers, EndingAnEpochEarlyDoesNotHangAndBoundsPrefetch) {
     (void)it2;
   }  // the loader and its running epoch are destroyed mid-epoch
   SUCCEED();
+}
+
+// ---- Issue 16: options checked, sizes that wrap, hangs, the sampler's ownership -----------------
+
+#include <cstdio>
+#include <cstdlib>
+#include <future>
+#include <limits>
+
+namespace {
+// Runs `body` on a thread of its own: a hang becomes a clear failure (and an abort, since a hung
+// loader's workers cannot be joined) instead of a test that never ends.
+void finishes_within(int seconds, std::function<void()> body, const char* what) {
+  std::packaged_task<void()> task(std::move(body));
+  auto done = task.get_future();
+  std::thread t(std::move(task));
+  if (done.wait_for(std::chrono::seconds(seconds)) == std::future_status::timeout) {
+    std::fprintf(stderr, "HUNG: %s did not finish within %d s\n", what, seconds);
+    std::abort();
+  }
+  t.join();
+  done.get();  // the body's exception, if any
+}
+std::vector<float> firsts(data::DataLoader<Flaky>& loader) {
+  std::vector<float> out;
+  for (const auto& b : loader) out.push_back(b.to_vector()[0]);
+  return out;
+}
+}  // namespace
+
+// `W * prefetch_factor` and `b < next + W * prefetch_factor` wrapped: a huge prefetch_factor (a
+// "no limit" guess) stopped every worker after the first batch or before any.
+TEST(DataLoaderWorkers, AHugePrefetchFactorMeansNoLimitNotAHang) {
+  const std::vector<float> want{0, 4, 8, 12, 16, 20, 24, 28, 32, 36};
+  for (auto [w, f] : {std::pair<std::int64_t, std::int64_t>{2, INT64_MAX}, {4, std::int64_t{1} << 62},
+                      {3, INT64_MAX / 3 + 1}, {1, INT64_MAX}}) {
+    finishes_within(60, [&, w = w, f = f] {
+      data::DataLoader loader(Flaky{.bad = 1000}, {.batch_size = 4, .num_workers = w, .prefetch_factor = f});
+      EXPECT_EQ(firsts(loader), want) << w << " workers, prefetch_factor " << f;
+      EXPECT_EQ(firsts(loader), want) << "second epoch";
+    }, "a DataLoader with a huge prefetch_factor");
+  }
+}
+
+// Worker w builds batches w, w + W, …: a num_workers beyond the batch count starts no more
+// threads than there are batches (it used to try 2^40 threads, and a failed start terminated).
+TEST(DataLoaderWorkers, AHugeNumWorkersStartsNoMoreThreadsThanBatches) {
+  finishes_within(60, [] {
+    data::DataLoader loader(Flaky{.n = 12, .bad = 1000}, {.batch_size = 4, .num_workers = std::int64_t{1} << 40});
+    EXPECT_EQ(firsts(loader), (std::vector<float>{0, 4, 8}));
+  }, "a DataLoader with num_workers = 2^40");
+}
+
+// Nonsense options are refused when the loader is made, with PyTorch's rules.
+TEST(DataLoader, OptionsAreCheckedAtConstruction) {
+  auto make = [](data::DataLoaderOptions o) { data::DataLoader(RandomDataset(2, 10), o); };
+  EXPECT_TRUE(throws_with([&] { make({.num_workers = 2, .prefetch_factor = 0}); },
+                          {"prefetch_factor must be positive", "0"}));
+  EXPECT_TRUE(throws_with([&] { make({.num_workers = 2, .prefetch_factor = -4}); }, {"prefetch_factor", "-4"}));
+  EXPECT_TRUE(throws_with([&] { make({.num_workers = -1}); }, {"num_workers must not be negative", "-1"}));
+  // PyTorch: "prefetch_factor option could only be specified in multiprocessing".
+  EXPECT_TRUE(throws_with([&] { make({.num_workers = 0, .prefetch_factor = 4}); },
+                          {"prefetch_factor (4) needs num_workers > 0"}));
+  EXPECT_NO_THROW(make({.num_workers = 2}));  // prefetch_factor 2 by default
+  EXPECT_NO_THROW(make({.num_workers = 2, .prefetch_factor = 1}));
+  // A size() beyond what the order can hold: a chorus::Error at begin(), not std::length_error.
+  struct Endless {
+    std::size_t size() const { return std::numeric_limits<std::size_t>::max(); }
+    Tensor<float> get(std::size_t) const { return zeros<float>({1}); }
+  };
+  data::DataLoader endless(Endless{}, {.batch_size = 1 << 20});
+  EXPECT_TRUE(throws_with([&] { endless.begin(); }, {"size() is 18446744073709551615", "more indices than"}));
+}
+
+// An iterator at or past end() used to wait forever for a batch no worker builds (or, without
+// workers, to read past the order); skipping batches still works.
+TEST(DataLoaderWorkers, AnIteratorPastTheLastBatchIsAnErrorNotAHang) {
+  for (std::int64_t w : {0, 2}) {
+    finishes_within(60, [w] {
+      data::DataLoader loader(Flaky{.n = 12, .bad = 1000}, {.batch_size = 4, .num_workers = w});
+      auto it = loader.begin();
+      ++it;
+      ++it;
+      EXPECT_EQ((*it).to_vector()[0], 8.0f);  // batches 0 and 1 skipped
+      ++it;
+      EXPECT_TRUE(it == loader.end());
+      EXPECT_TRUE(throws_with([&] { *it; }, {"batch 3 requested from an epoch of 3 batches"})) << w;
+      EXPECT_TRUE(throws_with([&] { *loader.end(); }, {"dereferencing end()"}));
+    }, "dereferencing a DataLoader iterator at end()");
+  }
+}
+
+namespace {
+struct Fixed {  // a sampler: these indices every epoch
+  std::vector<std::size_t> order;
+  std::size_t size() const { return order.size(); }
+  std::vector<std::size_t> indices() const { return order; }
+};
+struct Rotating {  // a sampler whose order depends on its epoch
+  std::size_t n = 6;
+  std::uint64_t epoch = 0;
+  void set_epoch(std::uint64_t e) { epoch = e; }
+  std::size_t size() const { return n; }
+  std::vector<std::size_t> indices() const {
+    std::vector<std::size_t> v(n);
+    for (std::size_t i = 0; i < n; ++i) v[i] = (i + epoch) % n;
+    return v;
+  }
+};
+using Ids = data::TensorDataset<float, std::int64_t>;
+Ids ids(std::int64_t n) { return Ids(arange<float>(n).view({n, 1}), arange<std::int64_t>(n)); }
+std::vector<std::int64_t> targets(data::DataLoader<Ids>& loader) {
+  std::vector<std::int64_t> out;
+  for (const auto& b : loader)
+    for (auto t : b.target.to_vector()) out.push_back(t);
+  return out;
+}
+}  // namespace
+
+// One DataLoader<D> type with or without a sampler; the sampler owned (by value) or shared
+// (std::shared_ptr); an lvalue refused at compile time (Note [sampler ownership]).
+TEST(DataLoader, OneTypeOwnsOrSharesItsSampler) {
+  using L = data::DataLoader<Ids>;
+  static_assert(std::is_constructible_v<L, Ids, data::DataLoaderOptions, Fixed&&>);
+  static_assert(std::is_constructible_v<L, Ids, data::DataLoaderOptions, std::shared_ptr<Fixed>>);
+  static_assert(std::is_constructible_v<L, Ids, data::DataLoaderOptions, std::shared_ptr<const Fixed>>);
+  static_assert(!std::is_constructible_v<L, Ids, data::DataLoaderOptions, Fixed&>);  // a copy would miss set_epoch
+  static_assert(!std::is_constructible_v<L, Ids, data::DataLoaderOptions, const Fixed&>);
+  data::DataLoader plain(ids(6), {.batch_size = 4});
+  data::DataLoader owned(ids(6), {.batch_size = 2}, Fixed{{5, 0, 3}});
+  static_assert(std::is_same_v<decltype(plain), decltype(owned)>);
+  EXPECT_FALSE(plain.has_sampler());
+  EXPECT_EQ(owned.num_batches(), 2u);
+  EXPECT_EQ(targets(owned), (std::vector<std::int64_t>{5, 0, 3}));
+  owned.sampler<Fixed>().order = {1};  // PyTorch's loader.sampler
+  EXPECT_EQ(targets(owned), (std::vector<std::int64_t>{1}));
+  EXPECT_TRUE(throws_with([&] { owned.sampler<Rotating>(); }, {"the sampler is a", "not a"}));
+  EXPECT_TRUE(throws_with([&] { plain.sampler<Fixed>(); }, {"has no sampler"}));
+
+  // Shared: the caller's set_epoch reaches the loader, as in PyTorch's loop.
+  auto rotating = std::make_shared<Rotating>();
+  data::DataLoader shared(ids(6), {.batch_size = 4, .num_workers = 2}, rotating);
+  EXPECT_EQ(targets(shared), (std::vector<std::int64_t>{0, 1, 2, 3, 4, 5}));
+  rotating->set_epoch(2);
+  EXPECT_EQ(targets(shared), (std::vector<std::int64_t>{2, 3, 4, 5, 0, 1}));
+  EXPECT_EQ(&shared.sampler<Rotating>(), rotating.get());
+  data::DataLoader read_only(ids(6), {.batch_size = 4}, std::shared_ptr<const Fixed>(new Fixed{{2}}));
+  EXPECT_EQ(read_only.sampler<const Fixed>().order, (std::vector<std::size_t>{2}));
+  EXPECT_TRUE(throws_with([&] { read_only.sampler<Fixed>(); }, {"given as const"}));
+  EXPECT_TRUE(throws_with([] { data::DataLoader(ids(6), {}, std::shared_ptr<Fixed>()); }, {"null shared_ptr"}));
+  EXPECT_TRUE(throws_with([] { data::DataLoader(ids(6), {.shuffle = true}, Fixed{{1}}); }, {"shuffle and a sampler"}));
+  // A moved loader keeps its sampler.
+  data::DataLoader moved = std::move(owned);
+  EXPECT_EQ(targets(moved), (std::vector<std::int64_t>{1}));
+}
+
+// read_idx checked the element count after each multiplication: dims whose product wraps
+// (65536 x 131072 x 2^31 = 2^64 = 0 mod 2^64) passed with no data at all.
+TEST(Mnist, DimensionsWhoseProductWrapsAreRefused) {
+  TempDir dir;
+  write_file(dir.file("wrap"), idx_header(0x08, {65536, 131072, 2147483648u}));
+  EXPECT_TRUE(throws_with([&] { data::read_idx(dir.file("wrap")); },
+                          {"wrap", "[65536, 131072, 2147483648]", "too many elements"}));
+  auto labels = idx_header(0x08, {65536});
+  labels.resize(labels.size() + 65536, 1);
+  write_file(dir.file("labels"), labels);
+  EXPECT_TRUE(throws_with([&] { data::read_mnist(dir.file("wrap"), dir.file("labels")); }, {"too many elements"}));
+  write_file(dir.file("big"), idx_header(0x08, {4294967295u, 4294967295u}));  // 2^64 - 2^33 + 1 does not wrap
+  EXPECT_TRUE(throws_with([&] { data::read_idx(dir.file("big")); }, {"too many elements"}));
+  // A size of 0 holds nothing however large the others are (as a tensor's shape).
+  write_file(dir.file("empty"), idx_header(0x08, {0, 4294967295u, 4294967295u}));
+  EXPECT_EQ(data::read_idx(dir.file("empty")).dims, (std::vector<std::int64_t>{0, 4294967295, 4294967295}));
+}
+
+// ImageDataset checked pixels.size() == size() * image_bytes() in wrapping arithmetic: 4 images
+// of 2^62 bytes "need" 0 bytes, and every image(i) then read far outside the buffer.
+TEST(ImageDataset, ASizeCheckThatWouldWrapIsRefused) {
+  const std::int64_t big = std::int64_t{1} << 31;
+  EXPECT_TRUE(throws_with([&] { data::ImageDataset(data::ImageSet{1, big, big, {}, {0, 0, 0, 0}}); },
+                          {"ImageDataset", "4 images of 1x2147483648x2147483648", "more than a size_t counts"}));
+  EXPECT_TRUE(throws_with([&] { data::ImageDataset(data::ImageSet{1, big * big, 4, {}, {0}}); },
+                          {"more elements than an int64"}));
+  EXPECT_TRUE(throws_with([] { data::ImageDataset(data::ImageSet{-1, -1, 1, {7}, {0}}); },
+                          {"ImageDataset", "negative size", "-1x-1x1"}));
+  EXPECT_TRUE(throws_with([] { data::ImageDataset(data::ImageSet{1, 2, 2, {1, 2, 3}, {0}}); },
+                          {"3 pixel bytes for 1 images of 1x2x2 (4 bytes)"}));
+  EXPECT_EQ(data::ImageDataset(data::ImageSet{}).size(), 0u);  // an empty set is fine
+}
+
+// read_cifar10_file appends: appending 3x32x32 records to other images relabelled them all.
+TEST(Cifar10, AppendingToImagesOfAnotherSizeIsRefused) {
+  TempDir dir;
+  write_file(dir.file("one.bin"), cifar_record(4, 0));
+  data::ImageSet mnist_like{1, 28, 28, std::vector<std::uint8_t>(784), {3}};
+  EXPECT_TRUE(throws_with([&] { data::read_cifar10_file(dir.file("one.bin"), mnist_like); },
+                          {"cannot append", "one.bin", "1x28x28"}));
+  EXPECT_EQ(mnist_like.channels, 1);  // unchanged
+  data::ImageSet torn{3, 32, 32, std::vector<std::uint8_t>(100), {3}};
+  EXPECT_TRUE(throws_with([&] { data::read_cifar10_file(dir.file("one.bin"), torn); }, {"100 pixel bytes"}));
+  data::ImageSet set;
+  data::read_cifar10_file(dir.file("one.bin"), set);
+  data::read_cifar10_file(dir.file("one.bin"), set);
+  EXPECT_EQ(set.size(), 2u);
+  EXPECT_EQ(set.pixels.size(), 2u * 3072);
+}
+
+// A hand-built Image whose sizes disagree with its pixels was indexed out of bounds; a huge
+// RandomCrop padding overflowed an int64.
+TEST(Transforms, ImagesAreCheckedBeforeTheyAreIndexed) {
+  data::TransformRng rng(0);
+  const data::Image torn{3, 4, 4, std::vector<float>(10)};
+  EXPECT_TRUE(throws_with([&] { data::transforms::Normalize({0, 0, 0}, {1, 1, 1})(torn, rng); },
+                          {"Normalize", "3x4x4 image needs 48 pixels, it holds 10"}));
+  EXPECT_TRUE(throws_with([&] { data::transforms::RandomCrop(2)(torn, rng); }, {"RandomCrop", "needs 48"}));
+  EXPECT_TRUE(throws_with([&] { data::transforms::RandomHorizontalFlip{1.0}(torn, rng); },
+                          {"RandomHorizontalFlip", "needs 48"}));
+  EXPECT_TRUE(throws_with([&] { data::transforms::RandomCrop(4, INT64_MAX / 2 + 1)(ramp(1, 4, 4), rng); },
+                          {"RandomCrop: padding", "overflows an int64"}));
+  EXPECT_TRUE(throws_with([&] { data::transforms::RandomCrop(4, INT64_MAX / 2 - 1)(ramp(1, 4, 4), rng); },
+                          {"overflows an int64"}));  // 2 * padding fits, + the height does not
 }

@@ -224,6 +224,15 @@ TEST(LRScheduler, CosineAnnealingFollowsPyTorchsRecurrence) {
     EXPECT_NEAR(m.opt.lr(0), lr, 1e-12) << "epoch " << t;
   }
   EXPECT_NEAR(m.opt.lr(0), eta_min, 1e-15);
+  // Past T_max PyTorch goes on (no end, no error): back up over the next T_max epochs, with its
+  // special case where the ratio's denominator 1 + cos(pi) is 0.
+  for (int t = 11; t <= 35; ++t) {
+    s.step();
+    if ((t - 1 - 10) % 20 == 0) lr = lr + (0.5 - eta_min) * (1 - std::cos(M_PI / T)) / 2;
+    else lr = eta_min + (lr - eta_min) * (1 + std::cos(M_PI * t / T)) / (1 + std::cos(M_PI * (t - 1) / T));
+    EXPECT_NEAR(m.opt.lr(0), lr, 1e-12) << "epoch " << t;
+  }
+  EXPECT_NEAR(m.opt.lr(0), eta_min + (0.5 - eta_min) * (1 + std::cos(M_PI * 35 / T)) / 2, 1e-12);
 }
 
 TEST(LRScheduler, LinearWarmupFollowsPyTorchsRecurrence) {
@@ -280,6 +289,57 @@ TEST(LRScheduler, OneCycleLinearThreePhaseOnAdam) {
   OneParam<optim::SGD> plain(optim::SGDOptions{.lr = 0.1});
   optim::OneCycleLR ok(plain.opt, {.max_lr = 1.0, .total_steps = 5});  // SGD has a momentum, even if 0
   EXPECT_TRUE(throws_with([&] { optim::OneCycleLR(plain.opt, {.total_steps = 0}); }, {"total_steps"}));
+}
+
+// Issue 16: PyTorch's loop (optimizer.step(); scheduler.step(); total_steps times) with the
+// linear anneal died at its last scheduler step: epoch total_steps extrapolated the lr below the
+// final one, negative, and set_lr refused it. Step total_steps + 1 still raises, as in PyTorch
+// (Note [one-cycle end]).
+TEST(LRScheduler, OneCycleLinearRunsPyTorchsLoopToTheEnd) {
+  OneParam<optim::SGD> m(optim::SGDOptions{.lr = 0.001, .momentum = 0.9});
+  optim::OneCycleLR s(m.opt, {.max_lr = 1.0, .total_steps = 10, .cos_anneal = false});
+  // Phases end at steps 2 and 9; initial 0.04, final 0.04 / 1e4.
+  const double init = 0.04, mn = 0.04 / 1e4;
+  auto linear = [](double a, double b, double pct) { return (b - a) * pct + a; };
+  for (int t = 0; t < 10; ++t) {
+    const double lr = t <= 2 ? linear(init, 1.0, t / 2.0) : linear(1.0, mn, (t - 2) / 7.0);  // PyTorch's values
+    const double mom = t <= 2 ? linear(0.95, 0.85, t / 2.0) : linear(0.85, 0.95, (t - 2) / 7.0);
+    EXPECT_NEAR(m.opt.lr(0), lr, 1e-15) << "step " << t;
+    EXPECT_NEAR(m.opt.momentum(0), mom, 1e-15) << "step " << t;
+    m.p.set_grad(from_vector<double>({1.0}));
+    m.opt.step();
+    EXPECT_NO_THROW(s.step()) << "scheduler step " << t + 1;
+  }
+  EXPECT_EQ(s.last_epoch(), 10);
+  EXPECT_NEAR(m.opt.lr(0), mn, 1e-15);  // PyTorch: 1 + (mn - 1) * 8 / 7 < 0; the anneal holds its end instead
+  EXPECT_NEAR(m.opt.momentum(0), 0.95, 1e-15);
+  EXPECT_TRUE(throws_with([&] { s.step(); }, {"OneCycleLR", "stepped 11 times", "total_steps = 10"}));
+
+  // Adam, two steps: PyTorch's beta1 at step 2 would be 0.85 + 0.1 * 2.4 / 1.4 > 1, and the
+  // three-phase cycle's last phase overshoots the same way.
+  for (bool three : {false, true}) {
+    OneParam<optim::Adam> a(optim::AdamOptions{});
+    optim::OneCycleLR sa(a.opt, {.max_lr = 0.5, .total_steps = 2, .cos_anneal = false, .three_phase = three});
+    EXPECT_NO_THROW(sa.step());
+    EXPECT_NO_THROW(sa.step());
+    EXPECT_NEAR(a.opt.lr(0), 0.5 / 25 / 1e4, 1e-16) << three;
+    EXPECT_NEAR(a.opt.momentum(0), 0.95, 1e-15) << three;
+    EXPECT_TRUE(throws_with([&] { sa.step(); }, {"stepped 3 times"}));
+  }
+}
+
+// SequentialLR did not ask the scheduler in charge whether its schedule goes on: a OneCycleLR
+// after a warmup ran past its total_steps (PyTorch's SequentialLR steps it, and it raises).
+TEST(LRScheduler, SequentialLRStopsWhereItsOneCycleStops) {
+  OneParam<optim::SGD> m(optim::SGDOptions{.lr = 0.4});
+  auto warm = std::make_shared<optim::LinearLR>(m.opt, 0.1, 1.0, 3);
+  auto cycle = std::make_shared<optim::OneCycleLR>(
+      m.opt, optim::OneCycleOptions{.max_lr = 0.4, .total_steps = 5, .cycle_momentum = false});
+  optim::SequentialLR s(m.opt, {warm, cycle}, {3});
+  for (int e = 1; e <= 8; ++e) EXPECT_NO_THROW(s.step()) << "epoch " << e;  // the cycle's epochs 0..5
+  EXPECT_TRUE(throws_with([&] { s.step(); }, {"OneCycleLR", "stepped 6 times", "total_steps = 5"}));
+  EXPECT_EQ(s.last_epoch(), 8);
+  EXPECT_TRUE(throws_with([&] { s.load_state(9, {0.4}); }, {"stepped 6 times"}));
 }
 
 TEST(LRScheduler, SequentialWarmupThenCosine) {

@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <limits>
+
+#include "../test_util.hpp"
 
 using namespace chorus;
 
@@ -239,9 +242,47 @@ TEST(DistributedSamplerLocal, BadArgumentsAreRefused) {
   EXPECT_THROW(data::DistributedSampler(10, 0, 0), Error);
   EXPECT_THROW(data::DistributedSampler(10, 2, 2), Error);
   EXPECT_THROW(data::DistributedSampler(10, 2, -1), Error);
-  data::DistributedSampler s(4, 1, 0);
   data::TensorDataset<float, float> ds(zeros<float>({4, 1}), zeros<float>({4, 1}));
-  EXPECT_THROW(data::DataLoader(ds, {.batch_size = 2, .shuffle = true}, s), Error);
+  EXPECT_THROW(data::DataLoader(ds, {.batch_size = 2, .shuffle = true}, data::DistributedSampler(4, 1, 0)), Error);
+}
+
+// ---- Issue 16: DistributedSampler(dataset) from the default process group; sizes that wrap ----
+
+TEST(DistributedSamplerLocal, FromTheDatasetAndTheDefaultGroup) {
+  data::TensorDataset<float, float> ds(arange<float>(10).view({10, 1}), zeros<float>({10, 1}));
+  if (!dist::is_initialized()) {  // run alone (as CTest runs each test): no group yet
+    EXPECT_TRUE(chorus::testing::throws_with([&] { data::DistributedSampler{ds}; },
+                                             {"DistributedSampler", "not initialised", "dist::init()"}));
+  }
+  auto& g = dist::init();
+  data::DistributedSampler s(ds, {.shuffle = false});
+  EXPECT_EQ(s.num_replicas(), g.world_size());
+  EXPECT_EQ(s.rank(), g.rank());
+  EXPECT_EQ(s.size(), 10u);
+  data::DistributedSampler explicit_one(ds, 3, 2, {.shuffle = false});  // PyTorch's num_replicas, rank
+  EXPECT_EQ(explicit_one.indices(), (V{2, 5, 8, 1}));
+  // The loader shares it: set_epoch between epochs reaches the loader.
+  auto shared = std::make_shared<data::DistributedSampler>(ds, data::DistributedSamplerOptions{.seed = 4});
+  data::DataLoader loader(ds, {.batch_size = 4}, shared);
+  auto epoch = [&] {
+    V seen;
+    for (const auto& b : loader)
+      for (float v : b.data.to_vector()) seen.push_back(static_cast<std::size_t>(v));
+    return seen;
+  };
+  const V first = epoch();
+  EXPECT_EQ(first, shared->indices());
+  shared->set_epoch(1);
+  EXPECT_EQ(epoch(), shared->indices());
+  EXPECT_NE(shared->indices(), first);
+}
+
+// ceil(n / w) was (n + w - 1) / w, which wraps to 0 samples for n near SIZE_MAX.
+TEST(DistributedSamplerLocal, HugeDatasetSizesDoNotWrap) {
+  constexpr std::size_t kMax = std::numeric_limits<std::size_t>::max();
+  EXPECT_EQ(data::DistributedSampler(kMax - 1, 3, 0, {.shuffle = false}).size(), (kMax - 1) / 3 + 1);
+  EXPECT_EQ(data::DistributedSampler(kMax, 2, 1, {.shuffle = false, .drop_last = true}).size(), kMax / 2);
+  EXPECT_TRUE(chorus::testing::throws_with([] { data::DistributedSampler(kMax, 2, 0); }, {"overflow a size_t"}));
 }
 
 }  // namespace

@@ -504,18 +504,45 @@ TEST(DistributedSampler, WorksWithDataLoader) {
   std::vector<float> ids(n);
   std::iota(ids.begin(), ids.end(), 0.0f);
   data::TensorDataset<float, float> ds(from_vector(ids).view({n, 1}), from_vector(ids).view({n, 1}));
-  data::DistributedSampler sampler(ds.size(), w, r, {.seed = 1, .drop_last = true});
+  auto sampler = std::make_shared<data::DistributedSampler>(ds.size(), w, r,
+                                                            data::DistributedSamplerOptions{.seed = 1, .drop_last = true});
   data::DataLoader loader(ds, {.batch_size = 2}, sampler);
   std::vector<std::int64_t> seen;
   for (auto b : loader)
     for (auto v : b.data.to_vector()) seen.push_back(static_cast<std::int64_t>(v));
   std::vector<std::int64_t> want;
-  for (auto i : sampler.indices()) want.push_back(static_cast<std::int64_t>(i));
+  for (auto i : sampler->indices()) want.push_back(static_cast<std::int64_t>(i));
   EXPECT_EQ(seen, want);
   auto all = concat(gather_all(seen));
   std::set<std::int64_t> distinct(all.begin(), all.end());
   EXPECT_EQ(distinct.size(), all.size());  // drop_last: no repeats
   EXPECT_EQ(all.size(), static_cast<std::size_t>(n / w * w));
+}
+
+// ---- Issue 16: DistributedSampler(dataset) takes num_replicas and rank from the default group ----
+
+TEST(DistributedSamplerFromGroup, EqualsTheExplicitOneAndFeedsTheLoader) {
+  const int w = pg().world_size(), r = pg().rank();
+  const std::int64_t n = 23;
+  data::TensorDataset<float, float> ds(arange<float>(n).view({n, 1}), zeros<float>({n, 1}));
+  auto from_group = std::make_shared<data::DistributedSampler>(ds, data::DistributedSamplerOptions{.seed = 9});
+  const data::DistributedSampler explicit_one(ds.size(), w, r, {.seed = 9});
+  EXPECT_EQ(from_group->num_replicas(), w);
+  EXPECT_EQ(from_group->rank(), r);
+  data::DataLoader loader(ds, {.batch_size = 3, .num_workers = 2}, from_group);
+  for (std::uint64_t epoch = 0; epoch < 2; ++epoch) {
+    from_group->set_epoch(epoch);  // PyTorch's loop: the shared sampler, stepped by the caller
+    data::DistributedSampler expected = explicit_one;
+    expected.set_epoch(epoch);
+    std::vector<std::int64_t> seen, want;
+    for (const auto& b : loader)
+      for (float v : b.data.to_vector()) seen.push_back(static_cast<std::int64_t>(v));
+    for (auto i : expected.indices()) want.push_back(static_cast<std::int64_t>(i));
+    EXPECT_EQ(seen, want) << "epoch " << epoch;
+    auto all = concat(gather_all(seen));  // the ranks together: every index, padding aside
+    std::set<std::int64_t> distinct(all.begin(), all.end());
+    EXPECT_EQ(distinct.size(), static_cast<std::size_t>(n)) << "epoch " << epoch;
+  }
 }
 
 }  // namespace

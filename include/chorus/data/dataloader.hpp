@@ -1,6 +1,6 @@
 #pragma once
-// DataLoader: batches of a Dataset, in order or shuffled by a seeded generator, built on the
-// calling thread or prefetched by worker threads.
+// DataLoader: batches of a Dataset, in order, shuffled by a seeded generator, or in the order a
+// sampler picks; built on the calling thread or prefetched by worker threads.
 //
 // Note [deterministic workers]
 // The batches of an epoch do not depend on the number of workers: the order is drawn on the
@@ -8,10 +8,18 @@
 // randomness (transforms) is seeded from (seed, epoch, example index) by the dataset
 // (set_epoch), never from a worker's own generator. Worker w builds batches w, w + W, …; the
 // consumer takes them in order, so the stream of batches is identical for any W.
+//
+// Note [prefetch window]
+// A worker may build batch b once b - next < W * prefetch_factor (next: the batch the consumer
+// waits for). The window is a saturating product and the test a difference, never next + window:
+// a huge prefetch_factor (a "no limit" guess) must mean "no limit", not a wrapped sum that stops
+// every worker after the first batch and hangs the consumer.
 #include <algorithm>
-#include <functional>
 #include <condition_variable>
+#include <cstdint>
 #include <exception>
+#include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -19,6 +27,8 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <type_traits>
+#include <typeinfo>
 
 #include "dataset.hpp"
 #include "pinned.hpp"
@@ -31,8 +41,10 @@ struct DataLoaderOptions {
   bool shuffle = false;
   std::uint64_t seed = 0;          ///< seeds the shuffling; each epoch draws a new permutation
   bool drop_last = false;          ///< drop a last batch smaller than batch_size
-  std::int64_t num_workers = 0;     ///< threads building batches ahead (0: on the calling thread)
-  std::int64_t prefetch_factor = 2; ///< batches each worker may have ready ahead of the consumer
+  std::int64_t num_workers = 0;    ///< threads building batches ahead (0: on the calling thread)
+  /// Batches each worker may have ready ahead of the consumer: 2 when not given; only with
+  /// workers (PyTorch refuses it with num_workers = 0, where nothing is prefetched).
+  std::optional<std::int64_t> prefetch_factor = std::nullopt;
   bool pin_memory = false;         ///< copy batches into page-locked memory (CUDA builds with a GPU)
 };
 
@@ -47,6 +59,12 @@ concept Sampler = requires(const S& s) {
 template <class D>
 concept EpochAwareDataset = requires(D& d, std::uint64_t e) { d.set_epoch(e); };
 
+// Note [sampler ownership]
+// A loader owns its sampler (passed by value: a temporary or std::move) or shares it (a
+// std::shared_ptr). A plain lvalue is refused at compile time: a copy would silently ignore a
+// later sampler.set_epoch(e) on the caller's object (every epoch the same order), and a
+// reference could dangle. To keep calling set_epoch, share it (`auto s = std::make_shared<…>`)
+// or reach the owned one through loader.sampler<S>().
 template <Dataset D>
 class DataLoader {
  public:
@@ -55,21 +73,41 @@ class DataLoader {
   DataLoader(D dataset, DataLoaderOptions options)
       : dataset_(std::make_shared<D>(std::move(dataset))), options_(options), rng_(options.seed) {
     CHORUS_CHECK(options_.batch_size > 0, "DataLoader: batch_size must be positive, got ", options_.batch_size);
-    CHORUS_CHECK(options_.num_workers >= 0, "DataLoader: num_workers must not be negative, got ", options_.num_workers);
-    CHORUS_CHECK(options_.num_workers == 0 || options_.prefetch_factor > 0,
-                 "DataLoader: prefetch_factor must be positive with workers, got ", options_.prefetch_factor);
+    CHORUS_CHECK(options_.num_workers >= 0, "DataLoader: num_workers must not be negative, got ", options_.num_workers,
+                 " (0 builds the batches on the calling thread)");
+    CHORUS_CHECK(options_.num_workers > 0 || !options_.prefetch_factor,
+                 "DataLoader: prefetch_factor (", options_.prefetch_factor.value_or(0),
+                 ") needs num_workers > 0; without workers nothing is prefetched");
+    CHORUS_CHECK(options_.prefetch_factor.value_or(2) > 0, "DataLoader: prefetch_factor must be positive, got ",
+                 options_.prefetch_factor.value_or(0));
+    // Saturating: Note [prefetch window].
+    const auto w = static_cast<std::uint64_t>(options_.num_workers);
+    const auto f = static_cast<std::uint64_t>(options_.prefetch_factor.value_or(2));
+    window_ = w != 0 && f > std::numeric_limits<std::size_t>::max() / w ? std::numeric_limits<std::size_t>::max()
+                                                                         : static_cast<std::size_t>(w * f);
   }
-  /// Batches of the indices `sampler` picks each epoch (it is read at every begin(), so a
-  /// set_epoch() on it takes effect; it must outlive the loader). Excludes options.shuffle.
+  /// Batches of the indices `sampler` picks each epoch, read at every begin() (so a set_epoch()
+  /// on it takes effect); the loader owns it (Note [sampler ownership]). Excludes options.shuffle.
+  template <class S>
+    requires Sampler<S> && (!std::is_reference_v<S>)
+  DataLoader(D dataset, DataLoaderOptions options, S&& sampler)
+      : DataLoader(std::move(dataset), options, std::make_shared<S>(std::move(sampler))) {}
+  /// The same with a sampler shared with the caller, who may go on calling set_epoch on it.
   template <Sampler S>
-  DataLoader(D dataset, DataLoaderOptions options, const S& sampler) : DataLoader(std::move(dataset), options) {
+  DataLoader(D dataset, DataLoaderOptions options, std::shared_ptr<S> sampler)
+      : DataLoader(std::move(dataset), options) {
+    CHORUS_CHECK(sampler != nullptr, "DataLoader: the sampler is a null shared_ptr");
     CHORUS_CHECK(!options_.shuffle, "DataLoader: shuffle and a sampler exclude each other (the sampler shuffles)");
-    sampler_size_ = [&sampler] { return static_cast<std::size_t>(sampler.size()); };
-    sampler_order_ = [&sampler] { return std::vector<std::size_t>(sampler.indices()); };
+    const S* s = sampler.get();
+    sampler_size_ = [s] { return static_cast<std::size_t>(s->size()); };
+    sampler_order_ = [s] { return std::vector<std::size_t>(s->indices()); };
+    sampler_type_ = &typeid(S);
+    sampler_const_ = std::is_const_v<S>;
+    sampler_ = std::const_pointer_cast<std::remove_const_t<S>>(std::move(sampler));
   }
-  /// The loader keeps a reference to its sampler: a temporary one would dangle.
+  /// A sampler lvalue: std::move it (owned) or pass a std::shared_ptr (Note [sampler ownership]).
   template <Sampler S>
-  DataLoader(D dataset, DataLoaderOptions options, const S&& sampler) = delete;
+  DataLoader(D dataset, DataLoaderOptions options, S& sampler) = delete;
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
   DataLoader(DataLoader&&) noexcept = default;
@@ -87,16 +125,40 @@ class DataLoader {
   const DataLoaderOptions& options() const { return options_; }
   /// Epochs started so far (begin() calls).
   std::uint64_t epoch() const { return epoch_; }
+  bool has_sampler() const { return sampler_ != nullptr; }
+  /// The sampler (PyTorch's loader.sampler), as its type S: loader.sampler<DistributedSampler>().set_epoch(e).
+  template <class S>
+  S& sampler() const {
+    CHORUS_CHECK(sampler_, "DataLoader: this loader has no sampler");
+    CHORUS_CHECK(*sampler_type_ == typeid(S), "DataLoader: the sampler is a ", sampler_type_->name(), ", not a ",
+                 typeid(S).name());
+    CHORUS_CHECK(std::is_const_v<S> || !sampler_const_, "DataLoader: the sampler was given as const; ask for sampler<const ",
+                 typeid(S).name(), ">()");
+    return *static_cast<S*>(sampler_.get());
+  }
 
  private:
   // One pass over the data; owns the workers (if any) that build its batches.
   class Epoch {
    public:
     Epoch(std::shared_ptr<const D> dataset, const DataLoaderOptions& options, std::vector<std::size_t> order,
-          std::size_t num_batches)
-        : dataset_(std::move(dataset)), options_(options), order_(std::move(order)), num_batches_(num_batches) {
-      const auto workers = static_cast<std::size_t>(options_.num_workers);
-      for (std::size_t w = 0; w < workers; ++w) workers_.emplace_back([this, w] { work(w); });
+          std::size_t num_batches, std::size_t window)
+        : dataset_(std::move(dataset)),
+          options_(options),
+          order_(std::move(order)),
+          num_batches_(num_batches),
+          stride_(static_cast<std::size_t>(options_.num_workers)),
+          window_(window) {
+      // Worker w builds batches w, w + W, …: workers beyond the epoch's batch count would have
+      // none, so a huge num_workers starts no more threads than there are batches.
+      const std::size_t threads = std::min(stride_, num_batches_);
+      workers_.reserve(threads);
+      try {
+        for (std::size_t w = 0; w < threads; ++w) workers_.emplace_back([this, w] { work(w); });
+      } catch (const std::exception& e) {
+        stop();  // the started workers are joined: a joinable std::thread's destructor would terminate
+        CHORUS_FAIL("DataLoader: could not start worker thread ", workers_.size(), " of ", threads, ": ", e.what());
+      }
     }
     ~Epoch() { stop(); }
     Epoch(const Epoch&) = delete;
@@ -115,6 +177,9 @@ class DataLoader {
 
     const Batch& get(std::size_t b) {
       if (current_ && current_index_ == b) return *current_;
+      // Past the end no worker would ever build the batch (a hang), nor does the order hold it.
+      CHORUS_CHECK(b < num_batches_, "DataLoader: batch ", b, " requested from an epoch of ", num_batches_,
+                   " batches (an iterator at or past end())");
       if (workers_.empty()) {
         current_ = make_batch(b);
       } else {
@@ -126,7 +191,8 @@ class DataLoader {
         work_cv_.notify_all();
         ready_cv_.wait(lk, [&] { return ready_.count(b) > 0; });
         Slot slot = std::move(ready_.at(b));
-        ready_.erase(b);
+        // b, and any batch the consumer skipped while a worker was already building it.
+        ready_.erase(ready_.begin(), ready_.upper_bound(b));
         next_ = b + 1;
         lk.unlock();
         work_cv_.notify_all();
@@ -144,13 +210,15 @@ class DataLoader {
     };
 
     void work(std::size_t w) {
-      const auto W = static_cast<std::size_t>(options_.num_workers);
-      const std::size_t ahead = W * static_cast<std::size_t>(options_.prefetch_factor);
-      for (std::size_t b = w; b < num_batches_; b += W) {
+      // b + stride_ cannot wrap: stride_ is an int64 option and b < num_batches_ <= order_.size(),
+      // the length of a vector (both below 2^63).
+      for (std::size_t b = w; b < num_batches_; b += stride_) {
         {
           std::unique_lock lk(m_);
-          work_cv_.wait(lk, [&] { return stopped_ || b < next_ + ahead; });
+          // b - next_ < window_, never b < next_ + window_ (Note [prefetch window]).
+          work_cv_.wait(lk, [&] { return stopped_ || b < next_ || b - next_ < window_; });
           if (stopped_) return;
+          if (b < next_) continue;  // the consumer skipped it (it asks only for b >= next_)
         }
         Slot slot;
         try {
@@ -194,6 +262,8 @@ class DataLoader {
     DataLoaderOptions options_;
     std::vector<std::size_t> order_;
     std::size_t num_batches_;
+    std::size_t stride_;  // W: worker w builds batches w, w + W, …
+    std::size_t window_;  // Note [prefetch window]
     std::vector<std::thread> workers_;
     std::mutex m_;
     std::condition_variable work_cv_, ready_cv_;
@@ -210,7 +280,10 @@ class DataLoader {
     using value_type = Batch;
     using difference_type = std::ptrdiff_t;
     Iterator(std::shared_ptr<Epoch> epoch, std::size_t batch) : epoch_(std::move(epoch)), batch_(batch) {}
-    const Batch& operator*() const { return epoch_->get(batch_); }
+    const Batch& operator*() const {
+      CHORUS_CHECK(epoch_ != nullptr, "DataLoader: dereferencing end(), which holds no batch");
+      return epoch_->get(batch_);
+    }
     Iterator& operator++() {
       ++batch_;
       return *this;
@@ -238,11 +311,13 @@ class DataLoader {
         CHORUS_CHECK(i < dataset_->size(), "DataLoader: the sampler picked index ", i, ", the dataset has ",
                      dataset_->size(), " examples");
     } else {
+      CHORUS_CHECK(dataset_->size() <= order.max_size(), "DataLoader: the dataset's size() is ", dataset_->size(),
+                   ", more indices than a vector holds");
       order.resize(dataset_->size());
       std::iota(order.begin(), order.end(), std::size_t{0});
       if (options_.shuffle) std::shuffle(order.begin(), order.end(), rng_);
     }
-    auto epoch = std::make_shared<Epoch>(dataset_, options_, std::move(order), num_batches());
+    auto epoch = std::make_shared<Epoch>(dataset_, options_, std::move(order), num_batches(), window_);
     active_ = epoch;
     return Iterator(std::move(epoch), 0);
   }
@@ -253,7 +328,12 @@ class DataLoader {
   DataLoaderOptions options_;
   std::mt19937_64 rng_;
   std::uint64_t epoch_ = 0;
+  std::size_t window_ = 0;  // batches the workers may build ahead (Note [prefetch window])
   std::weak_ptr<Epoch> active_;
+  // The sampler, type-erased so that one DataLoader<D> type takes any (Note [sampler ownership]).
+  std::shared_ptr<void> sampler_;
+  const std::type_info* sampler_type_ = nullptr;
+  bool sampler_const_ = false;
   std::function<std::size_t()> sampler_size_;
   std::function<std::vector<std::size_t>()> sampler_order_;
 };

@@ -8,11 +8,13 @@
 // and test_batch.bin. IDX (http://yann.lecun.com/exdb/mnist/): two zero bytes, a type byte
 // (0x08 = unsigned byte), the number of dimensions, the sizes as big-endian 32-bit integers,
 // then the data.
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -28,10 +30,28 @@ struct ImageSet {
   std::vector<std::uint8_t> pixels;
   std::vector<std::int64_t> labels;
   std::size_t size() const { return labels.size(); }
-  std::int64_t image_bytes() const { return channels * height * width; }
+  /// channels * height * width, checked: throws for a negative size or a product beyond int64.
+  std::int64_t image_bytes() const { return numel_of(Shape{channels, height, width}); }
 };
 
 namespace detail {
+/// a * b, or an error naming `what` when the product exceeds `limit` (never a wrapped product).
+inline std::uint64_t checked_product(std::uint64_t a, std::uint64_t b, std::uint64_t limit, const auto&... what) {
+  std::uint64_t p = 0;
+  CHORUS_CHECK(!__builtin_mul_overflow(a, b, &p) && p <= limit, what..., " (", a, " x ", b, " exceeds ", limit, ")");
+  return p;
+}
+/// Checks that `set` holds exactly its images' pixel bytes (the product checked, Note [checked sizes]).
+inline void check_image_set(const ImageSet& set, const char* what) {
+  CHORUS_CHECK(set.channels >= 0 && set.height >= 0 && set.width >= 0, what, ": images of negative size ",
+               set.channels, "x", set.height, "x", set.width);
+  const auto per_image = static_cast<std::uint64_t>(set.image_bytes());
+  const auto want = checked_product(set.size(), per_image, std::numeric_limits<std::size_t>::max(), what, ": ",
+                                    set.size(), " images of ", set.channels, "x", set.height, "x", set.width,
+                                    " bytes are more than a size_t counts");
+  CHORUS_CHECK(set.pixels.size() == want, what, ": ", set.pixels.size(), " pixel bytes for ", set.size(),
+               " images of ", set.channels, "x", set.height, "x", set.width, " (", want, " bytes)");
+}
 inline std::vector<std::uint8_t> read_bytes(const std::string& path, const char* what) {
   std::ifstream in(path, std::ios::binary);
   CHORUS_CHECK(in.good(), what, ": cannot open '", path, "': ", std::strerror(errno));
@@ -53,14 +73,19 @@ inline void write_bytes(const std::string& path, const std::vector<std::uint8_t>
 inline constexpr std::int64_t kCifarImageBytes = 3 * 32 * 32;
 inline constexpr std::int64_t kCifarRecordBytes = 1 + kCifarImageBytes;
 
-/// Appends the records of one CIFAR-10 binary file to `set`.
+/// Appends the records of one CIFAR-10 binary file to `set` (empty, or of 3x32x32 images).
 inline void read_cifar10_file(const std::string& path, ImageSet& set) {
+  // Appending 3x32x32 records to images of another size would mislabel every pixel after them.
+  CHORUS_CHECK(set.size() == 0 || (set.channels == 3 && set.height == 32 && set.width == 32),
+               "CIFAR-10: cannot append '", path, "' (3x32x32 images) to a set of ", set.channels, "x", set.height,
+               "x", set.width, " images");
+  set.channels = 3;
+  set.height = set.width = 32;
+  detail::check_image_set(set, "CIFAR-10");
   const auto bytes = detail::read_bytes(path, "CIFAR-10");
   CHORUS_CHECK(!bytes.empty() && bytes.size() % kCifarRecordBytes == 0, "CIFAR-10: '", path, "' has ", bytes.size(),
                " bytes, not a positive multiple of the ", kCifarRecordBytes,
                "-byte record (1 label byte + 3x32x32 pixel bytes)");
-  set.channels = 3;
-  set.height = set.width = 32;
   const std::size_t n = bytes.size() / kCifarRecordBytes;
   set.pixels.reserve(set.pixels.size() + n * kCifarImageBytes);
   for (std::size_t r = 0; r < n; ++r) {
@@ -76,8 +101,7 @@ inline void read_cifar10_file(const std::string& path, ImageSet& set) {
 inline void write_cifar10_file(const std::string& path, const ImageSet& set) {
   CHORUS_CHECK(set.channels == 3 && set.height == 32 && set.width == 32, "CIFAR-10: cannot write ", set.channels, "x",
                set.height, "x", set.width, " images (the format holds 3x32x32)");
-  CHORUS_CHECK(set.pixels.size() == set.size() * kCifarImageBytes, "CIFAR-10: ", set.pixels.size(),
-               " pixel bytes for ", set.size(), " images");
+  detail::check_image_set(set, "CIFAR-10");
   std::vector<std::uint8_t> bytes;
   bytes.reserve(set.size() * kCifarRecordBytes);
   for (std::size_t i = 0; i < set.size(); ++i) {
@@ -131,14 +155,21 @@ inline IdxArray read_idx(const std::string& path) {
   CHORUS_CHECK(bytes.size() >= header, "IDX: '", path, "' is truncated: ", bytes.size(), " bytes, its header of ",
                ndims, " dimensions needs ", header);
   IdxArray a;
-  std::uint64_t count = 1;
   for (int d = 0; d < ndims; ++d) {
     const std::uint8_t* p = bytes.data() + 4 + 4 * d;
     const std::uint32_t s = (std::uint32_t(p[0]) << 24) | (std::uint32_t(p[1]) << 16) | (std::uint32_t(p[2]) << 8) | p[3];
     a.dims.push_back(s);
-    count *= s;
-    CHORUS_CHECK(count <= (std::uint64_t{1} << 40), "IDX: '", path, "': dimensions too large");
   }
+  // The product is checked as it grows: multiplying first and checking after lets sizes such
+  // as [65536, 131072, 2^31] wrap to 0 elements and pass with no data (a size-0 dimension
+  // makes any product 0, as in a tensor's shape).
+  std::uint64_t count = 1;
+  if (std::find(a.dims.begin(), a.dims.end(), 0) == a.dims.end())
+    for (auto s : a.dims)
+      count = detail::checked_product(count, static_cast<std::uint64_t>(s), std::uint64_t{1} << 40, "IDX: '", path,
+                                      "': dimensions ", Shape(a.dims), " hold too many elements");
+  else
+    count = 0;
   CHORUS_CHECK(bytes.size() - header == count, "IDX: '", path, "' has ", bytes.size() - header,
                " bytes of data, but its dimensions ", Shape(a.dims), " need ", count);
   a.data.assign(bytes.begin() + static_cast<std::ptrdiff_t>(header), bytes.end());
@@ -159,7 +190,7 @@ inline ImageSet read_mnist(const std::string& images_path, const std::string& la
   set.channels = 1;
   set.height = images.dims[1];
   set.width = images.dims[2];
-  set.pixels = std::move(images.data);
+  set.pixels = std::move(images.data);  // read_idx checked: dims[0] * dims[1] * dims[2] bytes
   for (std::size_t i = 0; i < labels.data.size(); ++i) {
     CHORUS_CHECK(labels.data[i] <= 9, "MNIST: '", labels_path, "': label ", i, " is ", int(labels.data[i]),
                  ", outside 0..9");
@@ -183,9 +214,9 @@ class ImageDataset {
  public:
   explicit ImageDataset(ImageSet set, Transform transform = {}, std::uint64_t seed = 0)
       : set_(std::make_shared<const ImageSet>(std::move(set))), transform_(std::move(transform)), seed_(seed) {
-    CHORUS_CHECK(set_->pixels.size() == set_->size() * static_cast<std::size_t>(set_->image_bytes()),
-                 "ImageDataset: ", set_->pixels.size(), " pixel bytes for ", set_->size(), " images of ",
-                 set_->channels, "x", set_->height, "x", set_->width);
+    // Checked products: a wrapped size * image_bytes would pass for an empty pixel buffer and
+    // every image(i) would then read far outside it.
+    detail::check_image_set(*set_, "ImageDataset");
   }
 
   std::size_t size() const { return set_->size(); }

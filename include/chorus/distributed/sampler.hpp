@@ -8,12 +8,17 @@
 // Call set_epoch(e) at the start of each epoch, or every epoch repeats the first one's order.
 // The permutation is chorus's own Fisher-Yates over std::mt19937_64 (std::shuffle's algorithm
 // differs between standard libraries, and all ranks must agree).
+//
+// As in PyTorch, DistributedSampler(dataset) takes the world size and rank from the default
+// process group (dist::init()); pass num_replicas and rank to use others.
 #include <cstdint>
 #include <numeric>
 #include <random>
 #include <vector>
 
+#include "../data/dataset.hpp"
 #include "../error.hpp"
+#include "process_group.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace data {
@@ -33,13 +38,22 @@ class DistributedSampler {
     CHORUS_CHECK(rank >= 0 && rank < num_replicas, "DistributedSampler: rank ", rank, " is not in [0, ", num_replicas,
                  ")");
     const auto w = static_cast<std::size_t>(world_);
-    if (options_.drop_last && n_ % w != 0) {
-      num_samples_ = n_ >= w ? (n_ - w + w - 1) / w : 0;  // ceil((n - w) / w)
-    } else {
-      num_samples_ = (n_ + w - 1) / w;
-    }
-    total_ = num_samples_ * w;
+    // PyTorch: ceil((n - w) / w) with drop_last (= floor(n / w) when w does not divide n),
+    // else ceil(n / w); both without n + w - 1, which wraps for a huge n.
+    num_samples_ = options_.drop_last ? n_ / w : n_ / w + (n_ % w != 0);
+    total_ = num_samples_ * w;  // <= n_ + w - 1 only in exact arithmetic: it may exceed size_t
+    CHORUS_CHECK(num_samples_ == 0 || total_ / num_samples_ == w, "DistributedSampler: ", n_, " samples padded to a "
+                 "multiple of ", w, " replicas overflow a size_t");
   }
+  /// A rank's share of `dataset` (anything with size()).
+  template <data::Dataset D>
+  DistributedSampler(const D& dataset, int num_replicas, int rank, DistributedSamplerOptions options = {})
+      : DistributedSampler(static_cast<std::size_t>(dataset.size()), num_replicas, rank, options) {}
+  /// This process's share of `dataset`: num_replicas and rank are the default process group's
+  /// world size and rank, as torch.utils.data.DistributedSampler(dataset) takes them.
+  template <data::Dataset D>
+  explicit DistributedSampler(const D& dataset, DistributedSamplerOptions options = {})
+      : DistributedSampler(static_cast<std::size_t>(dataset.size()), group_world_size(), group_rank(), options) {}
 
   /// Makes the next indices() use the order of epoch `epoch` (same on every rank).
   void set_epoch(std::uint64_t epoch) { epoch_ = epoch; }
@@ -73,6 +87,19 @@ class DistributedSampler {
   }
 
  private:
+  static void check_group() {
+    CHORUS_CHECK(dist::is_initialized(), "DistributedSampler: no num_replicas and rank were given, and the default "
+                 "process group is not initialised (call chorus::dist::init() first, or pass num_replicas and rank)");
+  }
+  static int group_world_size() {
+    check_group();
+    return dist::world_size();
+  }
+  static int group_rank() {
+    check_group();
+    return dist::rank();
+  }
+
   // Unbiased draw from [0, bound) (rejection sampling; the same on every platform).
   static std::size_t uniform_below(std::mt19937_64& gen, std::size_t bound) {
     const std::uint64_t b = bound, limit = UINT64_MAX - UINT64_MAX % b;

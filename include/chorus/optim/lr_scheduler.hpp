@@ -15,6 +15,7 @@
 #include <memory>
 #include <numbers>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "optimizer.hpp"
@@ -53,6 +54,8 @@ class LRScheduler {
   virtual double momentum_at(std::size_t /*group*/, std::int64_t /*epoch*/) const { return 0.0; }
   /// The scheduler's name, recorded in checkpoints.
   virtual std::string name() const = 0;
+  /// Throws when the schedule is not defined at `epoch` (OneCycleLR beyond its total_steps).
+  virtual void check_epoch(std::int64_t /*epoch*/) const {}
 
   /// Restores a saved state (last_epoch and base lrs) and applies it to the optimizer.
   void load_state(std::int64_t last_epoch, std::vector<double> base_lrs) {
@@ -76,9 +79,6 @@ class LRScheduler {
     last_epoch_ = 0;
     apply();
   }
-  /// Throws when a schedule is not defined at `epoch` (OneCycleLR's total_steps).
-  virtual void check_epoch(std::int64_t) const {}
-
   std::vector<double> base_lrs_;
 
  private:
@@ -188,6 +188,17 @@ struct OneCycleOptions {
 
 /// The 1cycle policy (Smith & Topin 2017), torch.optim.lr_scheduler.OneCycleLR: stepped once
 /// per batch. Its base lrs are the groups' max lr; the optimizer's own lr is overwritten.
+///
+/// Note [one-cycle end]
+/// PyTorch's loop (optimizer.step(); scheduler.step(); total_steps times) ends with the scheduler
+/// at epoch total_steps, one past the epoch of the last optimizer step; one more step raises
+/// ("stepped total_steps + 1 times"), here as in PyTorch. At epoch total_steps PyTorch
+/// extrapolates the last phase (pct > 1). The cosine then comes back up from the final lr
+/// (chorus gives the same value); the linear anneal overshoots below the final lr, to a negative
+/// lr with the default factors (and beta1 past max_momentum), which chorus's optimizers refuse:
+/// every such run would end in an error. No optimizer step of the loop uses that value, so the
+/// linear anneal holds its end there instead (pct capped at 1: the final lr and momentum), which
+/// also keeps a stray extra optimizer step from ascending the gradient.
 class OneCycleLR final : public LRScheduler {
  public:
   OneCycleLR(Optimizer& opt, OneCycleOptions o) : LRScheduler(opt), o_(o) {
@@ -219,8 +230,6 @@ class OneCycleLR final : public LRScheduler {
     return interpolate(levels, epoch);
   }
   std::string name() const override { return "OneCycleLR"; }
-
- protected:
   void check_epoch(std::int64_t epoch) const override {
     CHORUS_CHECK(epoch <= o_.total_steps, "OneCycleLR: stepped ", epoch, " times, more than total_steps = ",
                  o_.total_steps);
@@ -240,9 +249,11 @@ class OneCycleLR final : public LRScheduler {
         // A phase of no steps (e.g. pct_start * total_steps = 1) is already at its end;
         // PyTorch divides by zero there.
         const double span = ph.end_step - start_step;
-        const double pct = span > 0 ? (step - start_step) / span : 1.0;
+        double pct = span > 0 ? (step - start_step) / span : 1.0;
         const double a = levels[ph.from], b = levels[ph.to];
-        return o_.cos_anneal ? b + (a - b) / 2 * (std::cos(std::numbers::pi * pct) + 1) : (b - a) * pct + a;
+        if (o_.cos_anneal) return b + (a - b) / 2 * (std::cos(std::numbers::pi * pct) + 1);
+        pct = std::min(pct, 1.0);  // epoch total_steps: Note [one-cycle end]
+        return (b - a) * pct + a;
       }
       start_step = ph.end_step;
     }
@@ -274,9 +285,13 @@ class SequentialLR final : public LRScheduler {
     start();
   }
   double lr_at(double base, std::int64_t epoch) const override {
-    const auto i = static_cast<std::size_t>(std::upper_bound(milestones_.begin(), milestones_.end(), epoch) -
-                                            milestones_.begin());
-    return schedulers_[i]->lr_at(base, i == 0 ? epoch : epoch - milestones_[i - 1]);
+    const auto [i, local] = active(epoch);
+    return schedulers_[i]->lr_at(base, local);
+  }
+  /// The active scheduler's limit, at its own epoch (PyTorch steps it, and it raises there).
+  void check_epoch(std::int64_t epoch) const override {
+    const auto [i, local] = active(epoch);
+    schedulers_[i]->check_epoch(local);
   }
   std::string name() const override {
     std::string n = "SequentialLR(";
@@ -289,6 +304,13 @@ class SequentialLR final : public LRScheduler {
   }
 
  private:
+  // The scheduler in charge at `epoch`, and the epoch it sees (counted from its milestone).
+  std::pair<std::size_t, std::int64_t> active(std::int64_t epoch) const {
+    const auto i = static_cast<std::size_t>(std::upper_bound(milestones_.begin(), milestones_.end(), epoch) -
+                                            milestones_.begin());
+    return {i, i == 0 ? epoch : epoch - milestones_[i - 1]};
+  }
+
   std::vector<std::shared_ptr<LRScheduler>> schedulers_;
   std::vector<std::int64_t> milestones_;
 };
