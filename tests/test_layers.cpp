@@ -306,7 +306,7 @@ TEST(Layers, FlattenGeluSiluModules) {
 
 TEST(Layers, DefaultInitialisationMatchesPyTorch) {
   // Conv2d: weight and bias within ±1/sqrt(fan_in), fan_in = in/groups * kh * kw, and spread over it.
-  nn::Conv2dT<double> conv(8, 16, 3, nn::Conv2dOptions{.padding = {1, 1}, .groups = 2});
+  nn::Conv2dT<double> conv(8, 16, 3, {.padding = 1, .groups = 2});
   EXPECT_EQ(conv->weight.shape(), (Shape{16, 4, 3, 3}));
   const double bound = 1.0 / std::sqrt(4.0 * 9);
   double mx = 0;
