@@ -78,12 +78,12 @@ template <class T>
 ConvPlan& plan(cudnnHandle_t h, Device d, const Window2d& g, std::int64_t N, std::int64_t O, std::int64_t groups) {
   using Key = std::tuple<int, bool, bool, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
                          std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                         std::int64_t, std::int64_t>;
+                         std::int64_t, std::int64_t, std::int64_t>;
   static std::mutex m;
   static auto* cache = new std::map<Key, std::unique_ptr<ConvPlan>>();
   const bool tf32 = std::is_same_v<T, float> && ::chorus::cuda::allow_tf32();
   const Key key{d.index, std::is_same_v<T, float>, tf32, N, g.C, g.H, g.W, O, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw,
-                g.dh * 1000 + g.dw, groups};
+                g.dh, g.dw, groups};  // (dh*1000 + dw made dilations (1, 1001) and (2, 1) share a plan)
   std::lock_guard<std::mutex> lk(m);
   auto& slot = (*cache)[key];
   if (slot) return *slot;
