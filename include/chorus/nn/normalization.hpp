@@ -34,15 +34,6 @@ void check_bn_input(const char* layer, std::int64_t C, const Shape& s) {
 }
 }  // namespace detail
 
-/// Batch normalisation over dim 1, as torch.nn.BatchNorm{1,2}d: parameters `weight` (ones)
-/// and `bias` (zeros) when affine; buffers `running_mean` (zeros), `running_var` (ones) and
-/// `num_batches_tracked` (int64 scalar) when tracking running statistics. Training
-/// normalises with batch statistics and updates the running ones; eval() uses the running
-/// ones. Sync = true (SyncBatchNorm) takes the statistics over every participant of the
-/// thread's StatsReducer (Note [statistics reducer]); under DataParallel without Sync each
-/// replica normalises its own chunk and replica 0's running statistics are the primary's
-/// (the others' updates are discarded at the next replication), as nn.DataParallel does.
-class BatchNormBase;
 namespace detail {
 inline void convert_sync_batchnorm(Module& module);
 }  // namespace detail
@@ -63,6 +54,15 @@ class BatchNormBase : public Module {
   bool sync_;
 };
 
+/// Batch normalisation over dim 1, as torch.nn.BatchNorm{1,2}d: parameters `weight` (ones)
+/// and `bias` (zeros) when affine; buffers `running_mean` (zeros), `running_var` (ones) and
+/// `num_batches_tracked` (int64 scalar) when tracking running statistics. Training
+/// normalises with batch statistics and updates the running ones; eval() uses the running
+/// ones. Sync = true (SyncBatchNorm, or a layer converted to one: is_sync()) takes the
+/// statistics over every participant of the thread's StatsReducer (Note [statistics
+/// reducer]); under DataParallel without Sync each
+/// replica normalises its own chunk and replica 0's running statistics are the primary's
+/// (the others' updates are discarded at the next replication), as nn.DataParallel does.
 template <class T, int Dim, bool Sync = false>
 class BatchNormImpl : public BatchNormBase {
  public:
