@@ -23,10 +23,9 @@ struct BasicBlockImpl : chorus::nn::Module {
   std::int64_t in_planes, planes, stride;
 
   BasicBlockImpl(std::int64_t in_planes, std::int64_t planes, std::int64_t stride)
-      : conv1(register_module("conv1", chorus::nn::Conv2dT<T>(in_planes, planes, 3, chorus::nn::Conv2dOptions
-                                                               {.stride = {stride, stride}, .padding = {1, 1},
-                                                                .bias = false}))),
-        conv2(register_module("conv2", chorus::nn::Conv2dT<T>(planes, planes, 3, chorus::nn::Conv2dOptions{.padding = {1, 1}, .bias = false}))),
+      : conv1(register_module("conv1",
+                              chorus::nn::Conv2dT<T>(in_planes, planes, 3, {.stride = stride, .padding = 1, .bias = false}))),
+        conv2(register_module("conv2", chorus::nn::Conv2dT<T>(planes, planes, 3, {.padding = 1, .bias = false}))),
         bn1(register_module("bn1", chorus::nn::BatchNorm2dT<T>(planes))),
         bn2(register_module("bn2", chorus::nn::BatchNorm2dT<T>(planes))),
         in_planes(in_planes),
@@ -42,7 +41,7 @@ struct BasicBlockImpl : chorus::nn::Module {
   // See Note [option A shortcut].
   chorus::Tensor<T> shortcut(const chorus::Tensor<T>& x) const {
     if (stride == 1 && in_planes == planes) return x;
-    auto sub = chorus::avg_pool2d(x, chorus::Pair{1, 1}, chorus::Pair{stride, stride});  // x[:, :, ::s, ::s]
+    auto sub = chorus::avg_pool2d(x, 1, stride);  // x[:, :, ::s, ::s]
     const std::int64_t pad = (planes - in_planes) / 2;
     auto s = sub.shape();
     auto zeros = chorus::zeros<T>(chorus::Shape{s[0], pad, s[2], s[3]}, x.device());
@@ -61,7 +60,7 @@ struct ResNet20 : chorus::nn::Module {
   chorus::nn::LinearT<T> fc;
 
   explicit ResNet20(int num_classes = 10)
-      : conv1(register_module("conv1", chorus::nn::Conv2dT<T>(3, 16, 3, chorus::nn::Conv2dOptions{.padding = {1, 1}, .bias = false}))),
+      : conv1(register_module("conv1", chorus::nn::Conv2dT<T>(3, 16, 3, {.padding = 1, .bias = false}))),
         bn1(register_module("bn1", chorus::nn::BatchNorm2dT<T>(16))),
         layer1(register_module("layer1", stage(16, 16, 1))),
         layer2(register_module("layer2", stage(16, 32, 2))),
@@ -77,7 +76,7 @@ struct ResNet20 : chorus::nn::Module {
   chorus::Tensor<T> forward(const chorus::Tensor<T>& x) const {
     auto out = chorus::relu(bn1(conv1(x)));
     out = layer3(layer2(layer1(out)));
-    out = chorus::adaptive_avg_pool2d(out, chorus::Pair{1, 1}).flatten(1);
+    out = chorus::adaptive_avg_pool2d(out, 1).flatten(1);
     return fc(out);
   }
 

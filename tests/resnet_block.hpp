@@ -19,13 +19,13 @@ struct BasicBlock : nn::Module {
 
   BasicBlock(std::int64_t in, std::int64_t out, std::int64_t stride)
       : conv1(register_module(
-            "conv1", nn::Conv2dT<T>(in, out, 3, nn::Conv2dOptions{.stride = {stride, stride}, .padding = {1, 1}, .bias = false}))),
+            "conv1", nn::Conv2dT<T>(in, out, 3, {.stride = stride, .padding = 1, .bias = false}))),
         bn1(register_module("bn1", nn::BatchNorm2dT<T>(out))),
-        conv2(register_module("conv2", nn::Conv2dT<T>(out, out, 3, nn::Conv2dOptions{.padding = {1, 1}, .bias = false}))),
+        conv2(register_module("conv2", nn::Conv2dT<T>(out, out, 3, {.padding = 1, .bias = false}))),
         bn2(register_module("bn2", nn::BatchNorm2dT<T>(out))) {
     if (stride != 1 || in != out)
       downsample = register_module(
-          "downsample", nn::SequentialT<T>(nn::Conv2dT<T>(in, out, 1, nn::Conv2dOptions{.stride = {stride, stride}, .bias = false}),
+          "downsample", nn::SequentialT<T>(nn::Conv2dT<T>(in, out, 1, {.stride = stride, .bias = false}),
                                            nn::BatchNorm2dT<T>(out)));
   }
   Tensor<T> forward(const Tensor<T>& x) {

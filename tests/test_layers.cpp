@@ -242,6 +242,41 @@ TEST(Layers, EmbeddingPaddingIdx) {
   EXPECT_EQ(emb->named_parameters()[0].name, "weight");
 }
 
+TEST(Layers, FunctionalEmbeddingPaddingIdxFollowsPyTorch) {
+  // F::embedding(idx, w, -1) treated -1 as "no padding" and trained the last row; in PyTorch
+  // (and nn::Embedding) -1 is the last row, which gets no gradient. None is std::nullopt.
+  auto idx = from_vector<std::int64_t>({4, 1, 4, 0}, Shape{4});
+  auto grad_of = [&](std::optional<std::int64_t> padding_idx) {
+    auto w = ones<double>({5, 2}).requires_grad_(true);
+    embedding(idx, w, padding_idx).sum().backward();
+    return w.grad().to_vector();
+  };
+  const std::vector<double> row4_frozen{1, 1, 1, 1, 0, 0, 0, 0, 0, 0}, all{1, 1, 1, 1, 0, 0, 0, 0, 2, 2};
+  EXPECT_EQ(grad_of(-1), row4_frozen);
+  EXPECT_EQ(grad_of(4), row4_frozen);
+  EXPECT_EQ(grad_of(-5), (std::vector<double>{0, 0, 1, 1, 0, 0, 0, 0, 2, 2}));  // -5 is row 0
+  EXPECT_EQ(grad_of(std::nullopt), all);
+  auto w = ones<double>({5, 2}).requires_grad_(true);
+  embedding(idx, w).sum().backward();  // the default: no padding row
+  EXPECT_EQ(w.grad().to_vector(), all);
+  // The same as the layer with the same padding_idx.
+  nn::EmbeddingT<double> emb(5, 2, {.padding_idx = -1});
+  emb(idx).sum().backward();
+  EXPECT_EQ(emb->weight.grad().to_vector(), row4_frozen);
+}
+
+TEST(Layers, EmbeddingPaddingIdxIsCheckedAgainstTheTable) {
+  // An out-of-range padding_idx used to fail only in backward, in narrow, never naming it.
+  auto idx = from_vector<std::int64_t>({1, 0}, Shape{2});
+  auto w = ones<double>({5, 2}).requires_grad_(true);
+  for (std::int64_t bad : {5, 7, -6}) {
+    const std::string named = "padding_idx " + std::to_string(bad);
+    EXPECT_TRUE(throws_with([&] { embedding(idx, w, bad); }, {"embedding", named.c_str(), "within num_embeddings", "5 rows"}));
+  }
+  EXPECT_TRUE(throws_with([&] { embedding(idx, w.detach(), 5); }, {"padding_idx 5"}));  // without grad too
+  EXPECT_TRUE(throws_with([] { nn::Embedding(5, 2, {.padding_idx = 5}); }, {"Embedding", "padding_idx 5"}));
+}
+
 TEST(Layers, Dropout2dZeroesWholeChannels) {
   Generator g(3);
   auto x = ones<double>({4, 6, 3, 3});
@@ -271,7 +306,7 @@ TEST(Layers, FlattenGeluSiluModules) {
 
 TEST(Layers, DefaultInitialisationMatchesPyTorch) {
   // Conv2d: weight and bias within ±1/sqrt(fan_in), fan_in = in/groups * kh * kw, and spread over it.
-  nn::Conv2dT<double> conv(8, 16, 3, nn::Conv2dOptions{.padding = {1, 1}, .groups = 2});
+  nn::Conv2dT<double> conv(8, 16, 3, {.padding = 1, .groups = 2});
   EXPECT_EQ(conv->weight.shape(), (Shape{16, 4, 3, 3}));
   const double bound = 1.0 / std::sqrt(4.0 * 9);
   double mx = 0;

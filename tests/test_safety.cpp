@@ -613,3 +613,43 @@ TEST(Minor, ADeviceBeyondAReducedCountIsRefused) {
   EXPECT_TRUE(throws_with([] { (void)get_stream(Device::cpu(3)); }, {"cpu:3 is not available"}));
   EXPECT_EQ(t.to_vector(), (std::vector<float>{0, 0}));  // existing tensors stay usable
 }
+
+// ---- 17. window geometry (issue 16) ----
+
+TEST(CheckedSizes, ConvolutionWindowGeometryIsChecked) {
+  // Note [checked window geometry]: in + 2p - d(k-1) - 1 was computed unchecked.
+  constexpr std::int64_t kHuge = std::int64_t(1) << 62;
+  auto x = ones<double>({1, 1, 8, 8});
+  // Dilation 2^62 with a 5-tap kernel: d(k-1) wrapped to 0 and the convolution was accepted.
+  EXPECT_TRUE(throws_with([&] { conv2d(x, ones<double>({1, 1, 1, 5}), {}, 1, 0, {1, kHuge}); },
+                          {"conv2d", "width window geometry overflows int64", "dilation 4611686018427387904"}));
+  EXPECT_TRUE(throws_with([&] { conv2d(x, ones<double>({1, 1, 5, 1}), {}, 1, 0, {kHuge, 1}); },
+                          {"conv2d", "height window geometry overflows int64"}));
+  // Padding 2^62: 2p overflowed (undefined), then a misleading "smaller than the kernel".
+  EXPECT_TRUE(throws_with([&] { conv2d(x, ones<double>({1, 1, 3, 3}), {}, 1, {kHuge, 0}); },
+                          {"conv2d", "height window geometry overflows int64", "padding 4611686018427387904"}));
+  EXPECT_TRUE(throws_with([&] { nn::Conv2d(1, 1, 3, {.padding = kHuge})(x.to<float>()); }, {"overflows int64"}));
+  // A huge groups wrapped weight.shape()[1] * groups to the channel count (here 4 * 2^62 = 0).
+  EXPECT_TRUE(throws_with([] { conv2d(ones<double>({1, 0, 3, 3}), zeros<double>({0, 4, 1, 1}), {}, 1, 0, 1, kHuge); },
+                          {"conv2d", "groups=4611686018427387904", "more than int64 holds"}));
+  // The column matrix's C*kh*kw rows overflowed (the weight only bounds C/groups*kh*kw).
+  const std::int64_t c = std::int64_t(1) << 32, k = std::int64_t(1) << 16;
+  EXPECT_TRUE(throws_with([&] { conv2d(zeros<double>({0, c, 1, 1}), zeros<double>({0, 1, k, k}), {}, 1, k / 2, 1, c); },
+                          {"conv2d", "channels times kernel", "more elements than an int64"}));
+}
+
+TEST(CheckedSizes, PoolingWindowGeometryIsChecked) {
+  constexpr std::int64_t kHuge = std::int64_t(1) << 62;
+  auto x = ones<double>({1, 1, 4, 4});
+  // Dilation 2^62 with 5 taps was accepted as if it were 1 (d(k-1) wrapped to 0).
+  EXPECT_TRUE(throws_with([&] { max_pool2d(x, {1, 5}, 1, 0, {1, kHuge}); }, {"max_pool2d", "width window geometry"}));
+  EXPECT_TRUE(throws_with([&] { nn::MaxPool2d({1, 5}, {.stride = 1, .dilation = {1, kHuge}})(x); },
+                          {"max_pool2d", "overflows int64"}));
+  // A kernel of 2^32 x 2^32: the average's divisor (the window's area) wrapped to 0 and gave inf.
+  const std::int64_t k = std::int64_t(1) << 32;
+  EXPECT_TRUE(throws_with([] { avg_pool2d(ones<double>({1, 1, 1, 1}), k, std::nullopt, k / 2); },
+                          {"avg_pool2d", "kernel [4294967296, 4294967296]", "more elements than an int64"}));
+  // Kernel and padding near 2^62: in + 2p + d(k-1) + s no longer fits.
+  EXPECT_TRUE(throws_with([&] { max_pool2d(x, {1, kHuge}, std::nullopt, {0, kHuge / 2}, 1, true); },
+                          {"max_pool2d", "width window geometry overflows int64"}));
+}

@@ -23,7 +23,7 @@ struct Block : nn::Module {
   nn::Conv2dT<double> conv;
   BN bn;
   explicit Block(std::uint64_t seed)
-      : conv(register_module("conv", nn::Conv2dT<double>(3, 4, 3, nn::Conv2dOptions{.padding = {1, 1}}))),
+      : conv(register_module("conv", nn::Conv2dT<double>(3, 4, 3, {.padding = 1}))),
         bn(register_module("bn", BN(4))) {
     Generator g(seed);  // a non-trivial affine map, the same in every copy
     nn::init::uniform_(bn->weight, 0.5, 1.5, g);

@@ -38,6 +38,12 @@ TYPED_TEST(CudaLayers, Convolution) {
               {r<T>({3, 8, 6, 6}, 9), r<T>({4, 8, 1, 1}, 10)});
   check_op<T>("conv2d depthwise", [](const V& x) { return conv2d(x[0], x[1], x[2], {1, 1}, {1, 1}, {1, 1}, 4); },
               {r<T>({2, 4, 7, 7}, 11), r<T>({4, 1, 3, 3}, 12), r<T>({4}, 13)});
+  // One shape, dilations (1, 1001) then (2, 1): the cuDNN plan cache keyed both as dh*1000 + dw
+  // = 2001, so the second ran with the first's descriptors (output 2x1 instead of 1x1001).
+  check_op<T>("conv2d dilation (1, 1001)", [](const V& x) { return conv2d(x[0], x[1], Tensor<T>(), 1, 0, {1, 1001}); },
+              {r<T>({1, 2, 3, 1002}, 14), r<T>({2, 2, 2, 2}, 15)});
+  check_op<T>("conv2d dilation (2, 1)", [](const V& x) { return conv2d(x[0], x[1], Tensor<T>(), 1, 0, {2, 1}); },
+              {r<T>({1, 2, 3, 1002}, 14), r<T>({2, 2, 2, 2}, 15)});
   }
 #if CHORUS_HAS_CUDNN
   backend::cuda::cudnn::set_enabled(true);

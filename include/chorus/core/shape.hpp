@@ -3,12 +3,14 @@
 // allocation per tensor); tensors have at most Shape::kMaxDims dimensions.
 #include <algorithm>
 #include <array>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <ostream>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "../error.hpp"
@@ -135,6 +137,56 @@ inline Strides contiguous_strides(const Shape& s) {
   }
   return st;
 }
+
+/// A size per spatial dimension (kernel, stride, padding, dilation, output size), given as
+/// one value for every dimension or as exactly N values: PyTorch's `int or tuple` arguments,
+/// LibTorch's ExpandingArray. `Pair` (= ExpandingArray<2>) is what the 2-D layers take.
+///
+/// Note [expanding arrays]
+/// This is a class with constructors, not std::array, on purpose. With
+/// `using Pair = std::array<int64_t, 2>`, `Conv2dOptions{.padding = 1}` compiled without a
+/// warning and meant padding (1, 0) (aggregate initialisation fills the rest with zeros), so a
+/// 16x16 input came out 16x14. Here a scalar means (k, k) as in PyTorch, braces take exactly N
+/// values, and nothing else compiles: no default (half-filled or zero) value, no other count,
+/// no floating-point or bool value (constructors take integral types only, so 1.5 is not
+/// truncated to 1). Values are validated where they are used (a kernel must be positive, …).
+template <int N>
+class ExpandingArray {
+  static_assert(N >= 1, "ExpandingArray needs at least one dimension");
+  template <class I>
+  static constexpr bool is_size_v = std::is_integral_v<I> && !std::is_same_v<I, bool>;
+
+ public:
+  /// k in every dimension.
+  template <class I>
+    requires is_size_v<I>
+  constexpr ExpandingArray(I k) {  // NOLINT: implicit, so that `.padding = 1` means (1, 1)
+    v_.fill(static_cast<std::int64_t>(k));
+  }
+  /// Exactly N values, one per dimension.
+  template <class... Is>
+    requires(N > 1 && sizeof...(Is) == N && (is_size_v<Is> && ...))
+  constexpr ExpandingArray(Is... values) : v_{static_cast<std::int64_t>(values)...} {}
+  constexpr ExpandingArray(const std::array<std::int64_t, N>& values) : v_(values) {}  // NOLINT
+
+  static constexpr int size() { return N; }
+  constexpr std::int64_t operator[](int i) const { return v_[i]; }
+  constexpr const std::array<std::int64_t, N>& values() const { return v_; }
+  friend constexpr bool operator==(const ExpandingArray&, const ExpandingArray&) = default;
+
+  /// `[a, b]`, as shapes print.
+  std::string str() const {
+    std::string s = "[";
+    for (int i = 0; i < N; ++i) s += (i ? ", " : "") + std::to_string(v_[i]);
+    return s + "]";
+  }
+  friend std::ostream& operator<<(std::ostream& os, const ExpandingArray& a) { return os << a.str(); }
+
+ private:
+  std::array<std::int64_t, N> v_;
+};
+
+using Pair = ExpandingArray<2>;
 
 /// Wraps a possibly negative dimension index into [0, ndim); throws when out of range. A 0-dim
 /// tensor accepts dim 0 and -1 (as PyTorch's reductions and squeeze do), so callers that go on

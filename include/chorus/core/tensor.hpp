@@ -5,11 +5,15 @@
 // shares data. Member functions that are differentiable operations are declared here and
 // defined in ops/ (the only layer that pairs a kernel with its backward); include
 // <chorus/chorus.hpp> (or the ops headers) to use them.
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "clone_scope.hpp"
@@ -189,6 +193,11 @@ class Tensor {
 
   std::vector<T> to_vector() const;
   T item() const;
+  /// The single value as U (PyTorch's `t.item<float>()`), converted with a check: a value U
+  /// cannot hold (NaN, an infinity or an out-of-range value to an integer type, a finite value
+  /// beyond a narrower floating type's range) is an error, never a wrap or undefined cast.
+  template <class U>
+  U item() const;
   Tensor& zero_();
   Tensor& fill_(T value);
   Tensor& copy_(const Tensor& src);
@@ -206,6 +215,36 @@ class Tensor {
   }
   std::shared_ptr<Impl> impl_;
 };
+
+namespace detail {
+/// `v` as U, or an error when U cannot represent it (see Tensor::item<U>).
+template <class U, class T>
+U checked_item_cast(T v) {
+  static_assert(std::is_arithmetic_v<U> && std::is_arithmetic_v<T>, "item<U>(): U must be an arithmetic type");
+  using LU = std::numeric_limits<U>;
+  if constexpr (std::is_same_v<U, bool>) {
+    return v != T(0);
+  } else {
+    bool ok = true;
+    if constexpr (LU::is_integer && std::numeric_limits<T>::is_integer) {
+      ok = std::in_range<U>(v);
+    } else if constexpr (LU::is_integer) {  // truncation toward zero must land in [lowest, max]
+      const long double x = v, top = std::ldexp(1.0L, LU::digits);  // max + 1, a power of two
+      ok = x < top && (LU::is_signed ? x >= -top : x > -1.0L);  // false for NaN
+    } else if constexpr (!std::numeric_limits<T>::is_integer && sizeof(T) > sizeof(U)) {
+      ok = !std::isfinite(v) || (v >= static_cast<T>(LU::lowest()) && v <= static_cast<T>(LU::max()));
+    }
+    CHORUS_CHECK(ok, "item(): the value ", v, " cannot be converted to the requested type without overflow");
+    return static_cast<U>(v);
+  }
+}
+}  // namespace detail
+
+template <class T>
+template <class U>
+U Tensor<T>::item() const {
+  return detail::checked_item_cast<U>(item());
+}
 
 /// True when two tensor handles refer to the same impl.
 template <class T>

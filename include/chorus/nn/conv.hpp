@@ -1,5 +1,6 @@
 #pragma once
-// Conv2d and the pooling layers (NCHW).
+// Conv2d and the pooling layers (NCHW). Each layer's holder has constructors mirroring its
+// Impl's, so that braced options and sizes work (Note [layer options] in nn/module.hpp).
 #include <cmath>
 #include <optional>
 
@@ -10,10 +11,12 @@
 CHORUS_NAMESPACE_BEGIN
 namespace nn {
 
+/// Conv2d's options, braced in PyTorch's order (Note [layer options] in nn/module.hpp):
+/// `nn::Conv2d(3, 8, 3, {.stride = 2, .padding = 1})`; a scalar means (k, k).
 struct Conv2dOptions {
-  Pair stride{1, 1};
-  Pair padding{0, 0};
-  Pair dilation{1, 1};
+  Pair stride = 1;
+  Pair padding = 0;
+  Pair dilation = 1;
   std::int64_t groups = 1;
   bool bias = true;
   Device device = Device::cpu();
@@ -29,8 +32,7 @@ class Conv2dImpl : public Module {
       : in_channels(in_channels), out_channels(out_channels), kernel_size(kernel_size), options(options) {
     CHORUS_CHECK(in_channels > 0 && out_channels > 0, "Conv2d(", in_channels, ", ", out_channels,
                  "): channel counts must be positive");
-    CHORUS_CHECK(kernel_size[0] > 0 && kernel_size[1] > 0, "Conv2d: kernel size must be positive, got [",
-                 kernel_size[0], ", ", kernel_size[1], "]");
+    ops::detail::check_window("Conv2d", kernel_size, options.stride, options.padding, options.dilation);
     CHORUS_CHECK(options.groups > 0 && in_channels % options.groups == 0 && out_channels % options.groups == 0,
                  "Conv2d(", in_channels, ", ", out_channels, "): groups=", options.groups,
                  " must divide both channel counts");
@@ -40,8 +42,6 @@ class Conv2dImpl : public Module {
     if (options.bias) bias = register_parameter("bias", Tensor<T>::empty(Shape{out_channels}, options.device));
     reset_parameters();
   }
-  Conv2dImpl(std::int64_t in_channels, std::int64_t out_channels, std::int64_t kernel_size, Conv2dOptions options = {})
-      : Conv2dImpl(in_channels, out_channels, Pair{kernel_size, kernel_size}, options) {}
 
   void reset_parameters() {
     init::kaiming_uniform_(weight, std::sqrt(5.0));
@@ -67,13 +67,18 @@ class Conv2dImpl : public Module {
 };
 
 template <class T = float>
-using Conv2dT = ModuleHolder<Conv2dImpl<T>>;
+class Conv2dT : public ModuleHolder<Conv2dImpl<T>> {
+ public:
+  using ModuleHolder<Conv2dImpl<T>>::ModuleHolder;
+  explicit Conv2dT(std::int64_t in_channels, std::int64_t out_channels, Pair kernel_size, Conv2dOptions options = {})
+      : ModuleHolder<Conv2dImpl<T>>(std::make_shared<Conv2dImpl<T>>(in_channels, out_channels, kernel_size, options)) {}
+};
 using Conv2d = Conv2dT<float>;
 
 struct MaxPool2dOptions {
-  std::optional<Pair> stride;  // default: the kernel size
-  Pair padding{0, 0};
-  Pair dilation{1, 1};
+  std::optional<Pair> stride = std::nullopt;  // default: the kernel size
+  Pair padding = 0;
+  Pair dilation = 1;
   bool ceil_mode = false;
 };
 
@@ -84,7 +89,6 @@ class MaxPool2dImpl : public Module {
     ops::detail::check_window("MaxPool2d", kernel_size, options.stride.value_or(kernel_size), options.padding,
                               options.dilation);
   }
-  explicit MaxPool2dImpl(std::int64_t k, MaxPool2dOptions options = {}) : MaxPool2dImpl(Pair{k, k}, options) {}
   template <class T>
   Tensor<T> forward(const Tensor<T>& x) const {
     return max_pool2d(x, kernel_size, options.stride, options.padding, options.dilation, options.ceil_mode);
@@ -93,11 +97,16 @@ class MaxPool2dImpl : public Module {
   Pair kernel_size;
   MaxPool2dOptions options;
 };
-using MaxPool2d = ModuleHolder<MaxPool2dImpl>;
+class MaxPool2d : public ModuleHolder<MaxPool2dImpl> {
+ public:
+  using ModuleHolder<MaxPool2dImpl>::ModuleHolder;
+  explicit MaxPool2d(Pair kernel_size, MaxPool2dOptions options = {})
+      : ModuleHolder(std::make_shared<MaxPool2dImpl>(kernel_size, options)) {}
+};
 
 struct AvgPool2dOptions {
-  std::optional<Pair> stride;  // default: the kernel size
-  Pair padding{0, 0};
+  std::optional<Pair> stride = std::nullopt;  // default: the kernel size
+  Pair padding = 0;
   bool ceil_mode = false;
   bool count_include_pad = true;
   std::int64_t divisor_override = 0;  // 0: none
@@ -106,9 +115,8 @@ struct AvgPool2dOptions {
 class AvgPool2dImpl : public Module {
  public:
   explicit AvgPool2dImpl(Pair kernel_size, AvgPool2dOptions options = {}) : kernel_size(kernel_size), options(options) {
-    ops::detail::check_window("AvgPool2d", kernel_size, options.stride.value_or(kernel_size), options.padding, {1, 1});
+    ops::detail::check_window("AvgPool2d", kernel_size, options.stride.value_or(kernel_size), options.padding, 1);
   }
-  explicit AvgPool2dImpl(std::int64_t k, AvgPool2dOptions options = {}) : AvgPool2dImpl(Pair{k, k}, options) {}
   template <class T>
   Tensor<T> forward(const Tensor<T>& x) const {
     return avg_pool2d(x, kernel_size, options.stride, options.padding, options.ceil_mode, options.count_include_pad,
@@ -118,15 +126,19 @@ class AvgPool2dImpl : public Module {
   Pair kernel_size;
   AvgPool2dOptions options;
 };
-using AvgPool2d = ModuleHolder<AvgPool2dImpl>;
+class AvgPool2d : public ModuleHolder<AvgPool2dImpl> {
+ public:
+  using ModuleHolder<AvgPool2dImpl>::ModuleHolder;
+  explicit AvgPool2d(Pair kernel_size, AvgPool2dOptions options = {})
+      : ModuleHolder(std::make_shared<AvgPool2dImpl>(kernel_size, options)) {}
+};
 
 class AdaptiveAvgPool2dImpl : public Module {
  public:
   explicit AdaptiveAvgPool2dImpl(Pair output_size) : output_size(output_size) {
-    CHORUS_CHECK(output_size[0] > 0 && output_size[1] > 0, "AdaptiveAvgPool2d: output size must be positive, got [",
-                 output_size[0], ", ", output_size[1], "]");
+    CHORUS_CHECK(output_size[0] > 0 && output_size[1] > 0, "AdaptiveAvgPool2d: output size must be positive, got ",
+                 output_size);
   }
-  explicit AdaptiveAvgPool2dImpl(std::int64_t s) : AdaptiveAvgPool2dImpl(Pair{s, s}) {}
   template <class T>
   Tensor<T> forward(const Tensor<T>& x) const {
     return adaptive_avg_pool2d(x, output_size);
@@ -134,7 +146,11 @@ class AdaptiveAvgPool2dImpl : public Module {
   std::string name() const override { return "AdaptiveAvgPool2d"; }
   Pair output_size;
 };
-using AdaptiveAvgPool2d = ModuleHolder<AdaptiveAvgPool2dImpl>;
+class AdaptiveAvgPool2d : public ModuleHolder<AdaptiveAvgPool2dImpl> {
+ public:
+  using ModuleHolder<AdaptiveAvgPool2dImpl>::ModuleHolder;
+  explicit AdaptiveAvgPool2d(Pair output_size) : ModuleHolder(std::make_shared<AdaptiveAvgPool2dImpl>(output_size)) {}
+};
 
 }  // namespace nn
 CHORUS_NAMESPACE_END

@@ -10,7 +10,7 @@ CHORUS_NAMESPACE_BEGIN
 namespace nn {
 
 struct EmbeddingOptions {
-  std::optional<std::int64_t> padding_idx;  // negative values count from the end, as in PyTorch
+  std::optional<std::int64_t> padding_idx = std::nullopt;  // negative values count from the end, as in PyTorch
   Device device = Device::cpu();
 };
 
@@ -34,9 +34,9 @@ class EmbeddingImpl : public Module {
   }
   void reset_parameters() {
     init::normal_(weight);
-    if (padding_idx >= 0) {
+    if (padding_idx) {
       NoGradGuard g;
-      weight.detach().narrow(0, padding_idx, 1).fill_(T(0));
+      weight.detach().narrow(0, *padding_idx, 1).fill_(T(0));
     }
   }
   Tensor<T> forward(const Tensor<std::int64_t>& indices) const { return embedding(indices, weight, padding_idx); }
@@ -46,11 +46,17 @@ class EmbeddingImpl : public Module {
 
   std::int64_t num_embeddings, embedding_dim;
   EmbeddingOptions options;
-  std::int64_t padding_idx = -1;
+  std::optional<std::int64_t> padding_idx;  // in [0, num_embeddings) when set
   Tensor<T> weight;
 };
+/// Holder (Note [layer options] in nn/module.hpp): `EmbeddingT<T>(10, 3, {.padding_idx = 0})`.
 template <class T = float>
-using EmbeddingT = ModuleHolder<EmbeddingImpl<T>>;
+class EmbeddingT : public ModuleHolder<EmbeddingImpl<T>> {
+ public:
+  using ModuleHolder<EmbeddingImpl<T>>::ModuleHolder;
+  explicit EmbeddingT(std::int64_t num_embeddings, std::int64_t embedding_dim, EmbeddingOptions options = {})
+      : ModuleHolder<EmbeddingImpl<T>>(std::make_shared<EmbeddingImpl<T>>(num_embeddings, embedding_dim, options)) {}
+};
 using Embedding = EmbeddingT<float>;
 
 }  // namespace nn

@@ -1,6 +1,8 @@
 #pragma once
 // Layers: Linear, the activations, Dropout and Sequential.
 #include <cmath>
+#include <concepts>
+#include <memory>
 
 #include "../ops/nn.hpp"
 #include "init.hpp"
@@ -46,8 +48,14 @@ class LinearImpl : public Module {
   Tensor<T> weight, bias;
 };
 
+/// Holder (Note [layer options] in nn/module.hpp): `LinearT<T>(4, 2, {.bias = false})`.
 template <class T = float>
-using LinearT = ModuleHolder<LinearImpl<T>>;
+class LinearT : public ModuleHolder<LinearImpl<T>> {
+ public:
+  using ModuleHolder<LinearImpl<T>>::ModuleHolder;
+  explicit LinearT(std::int64_t in_features, std::int64_t out_features, LinearOptions options = {})
+      : ModuleHolder<LinearImpl<T>>(std::make_shared<LinearImpl<T>>(in_features, out_features, options)) {}
+};
 using Linear = LinearT<float>;
 
 #define CHORUS_ACTIVATION_MODULE(Name, fn)                              \
@@ -111,7 +119,17 @@ class FlattenImpl : public Module {
 };
 using Flatten = ModuleHolder<FlattenImpl>;
 
+namespace detail {
+/// A module Sequential can chain: forward(Tensor<T>) returns a Tensor<T>.
+template <class Impl, class T>
+concept chains_tensor_of = requires(Impl& m, const Tensor<T>& x) {
+  { m.forward(x) } -> std::convertible_to<Tensor<T>>;
+};
+}  // namespace detail
+
 /// Runs its submodules in order. Build it from holders: Sequential(Linear(4, 8), ReLU(), …).
+/// `seq[i]` / `seq->ptr(i)` return the i-th module (negative i counts from the end, as in
+/// Python), `seq->ptr<LinearImpl<float>>(i)` and `seq->at<LinearImpl<float>>(i)` as that type.
 template <class T = float>
 class SequentialImpl : public Module {
  public:
@@ -126,8 +144,16 @@ class SequentialImpl : public Module {
   template <class M>
   void push_back(M module) {
     using Impl = typename decltype(impl_of(module))::element_type;
-    register_module(std::to_string(calls_.size()), module);
-    calls_.push_back(&call<Impl>);
+    constexpr bool chains = detail::chains_tensor_of<Impl, T>;
+    static_assert(chains,
+                  "nn::SequentialT<T> chains Tensor<T> to Tensor<T> (nn::Sequential is SequentialT<float>): every "
+                  "module in it needs a forward(Tensor<T>) returning Tensor<T>. A layer of another scalar type, such "
+                  "as nn::LinearT<double> inside nn::Sequential, cannot be chained: build the layers and the "
+                  "Sequential of one scalar type (nn::SequentialT<double> for double layers).");
+    if constexpr (chains) {
+      register_module(std::to_string(calls_.size()), module);
+      calls_.push_back(&call<Impl>);
+    }
   }
 
   Tensor<T> forward(Tensor<T> x) const {
@@ -137,6 +163,25 @@ class SequentialImpl : public Module {
   }
   std::size_t size() const { return calls_.size(); }
   std::string name() const override { return "Sequential"; }
+
+  /// The module at `index` (bounds-checked; negative counts from the end).
+  std::shared_ptr<Module> ptr(std::int64_t index) const { return named_children()[checked_index(index)].module; }
+  /// The module at `index` as implementation type M (nn::LinearImpl<float>, …); an error if it is another.
+  template <class M>
+  std::shared_ptr<M> ptr(std::int64_t index) const {
+    static_assert(std::is_base_of_v<Module, M>,
+                  "Sequential::ptr<M> / at<M>: M is a module implementation such as nn::LinearImpl<float> "
+                  "(for a holder, name its ImplType: ptr<nn::Linear::ImplType>(i))");
+    auto m = ptr(index);
+    auto typed = std::dynamic_pointer_cast<M>(m);
+    CHORUS_CHECK(typed != nullptr, "Sequential: module ", index, " is ", m->name(), ", not the type requested");
+    return typed;
+  }
+  template <class M>
+  M& at(std::int64_t index) const {
+    return *ptr<M>(index);
+  }
+  std::shared_ptr<Module> operator[](std::int64_t index) const { return ptr(index); }
 
  private:
   using Call = Tensor<T> (*)(Module&, const Tensor<T>&);
@@ -148,6 +193,12 @@ class SequentialImpl : public Module {
   static auto impl_of(const M& m) {
     if constexpr (requires { typename M::ImplType; }) return m.ptr();
     else return m;
+  }
+  std::size_t checked_index(std::int64_t index) const {
+    const auto n = static_cast<std::int64_t>(calls_.size());
+    CHORUS_CHECK(index >= -n && index < n, "Sequential: index ", index, " is out of range for a Sequential of ", n,
+                 " module(s)");
+    return static_cast<std::size_t>(index < 0 ? index + n : index);
   }
   // The modules themselves live in the registry (so copies remap them); only the calls are here.
   std::vector<Call> calls_;

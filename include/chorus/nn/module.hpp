@@ -280,6 +280,27 @@ class Module {
 };
 
 /// A shared handle to a module implementation (see Note [holders]).
+///
+/// Note [layer options]
+/// A layer's options are a designated-initializer aggregate, braced in the layer's
+/// constructor: `nn::Conv2d(3, 8, 3, {.stride = 2, .padding = 1})`, the spelling of
+/// `optim::SGD(params, {.lr = 0.05})` and of every other options struct in chorus. Why this
+/// and nothing else:
+/// - No order trap: C++20 rejects designators out of declaration order (GCC: an error;
+///   Clang: -Wreorder-init-list, and it still assigns by name), and a field is named, not
+///   placed. Fields follow PyTorch's argument order, so the order to write is PyTorch's.
+/// - Sizes per dimension are ExpandingArray (Note [expanding arrays] in core/shape.hpp):
+///   `.padding = 1` means (1, 1), `.stride = {2, 1}` two values; nothing is half-filled.
+/// - Braces need a known parameter type: ModuleHolder's variadic constructor cannot deduce
+///   `{.padding = 1}` (nor `{3, 3}` or a braced Shape), so every library layer has a holder
+///   class with explicit, non-template constructors mirroring its Impl's (nn::Conv2dT,
+///   nn::LinearT, …). The variadic constructor stays for user holders (CHORUS_MODULE).
+/// - LibTorch's chained setters (`Conv2dOptions(3, 8, 3).stride(2)`) are not offered: a
+///   setter stride() cannot coexist with the field `stride` that designators name, so they
+///   would need a second options type and two spellings of every layer. One way it is.
+/// Calling a layer with a tensor of another scalar type, or chaining one in a Sequential of
+/// another type, is a static_assert with a readable message (operator() below,
+/// SequentialImpl::push_back).
 template <class Impl>
 class ModuleHolder {
  public:
@@ -312,7 +333,18 @@ class ModuleHolder {
   /// Calls the implementation's forward().
   template <class... Args>
   decltype(auto) operator()(Args&&... args) const {
-    return checked().forward(std::forward<Args>(args)...);
+    constexpr bool callable = requires(Impl& m, Args&&... a) { m.forward(std::forward<Args>(a)...); };
+    static_assert(callable,
+                  "this module's forward() cannot be called with these arguments. A layer of one scalar type "
+                  "takes tensors of that type only: nn::LinearT<double> takes Tensor<double>, nn::Linear (float) "
+                  "takes Tensor<float>; convert the input (x.to<double>()) or build the layers of one type");
+    if constexpr (callable) return checked().forward(std::forward<Args>(args)...);
+  }
+  /// Indexes the implementation (Sequential: `seq[i]`).
+  template <class Arg>
+    requires requires(Impl& m, Arg&& a) { m[std::forward<Arg>(a)]; }
+  decltype(auto) operator[](Arg&& arg) const {
+    return checked()[std::forward<Arg>(arg)];
   }
 
  private:

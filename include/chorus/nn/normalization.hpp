@@ -1,6 +1,7 @@
 #pragma once
 // BatchNorm1d/2d, SyncBatchNorm and LayerNorm.
 #include <optional>
+#include <utility>
 
 #include "../ops/nn.hpp"
 #include "init.hpp"
@@ -33,19 +34,40 @@ void check_bn_input(const char* layer, std::int64_t C, const Shape& s) {
 }
 }  // namespace detail
 
+namespace detail {
+inline void convert_sync_batchnorm(Module& module);
+}  // namespace detail
+
+/// What every batch-norm layer shares, whatever its scalar type: whether it is synchronised
+/// (SyncBatchNorm, or converted to one: Note [converting to SyncBatchNorm]).
+class BatchNormBase : public Module {
+ public:
+  bool is_sync() const { return sync_; }
+  bool meets_other_replicas() const override { return sync_; }
+
+ protected:
+  explicit BatchNormBase(bool sync) : sync_(sync) {}
+  const char* layer_name(int dim) const { return sync_ ? "SyncBatchNorm" : dim == 1 ? "BatchNorm1d" : "BatchNorm2d"; }
+
+ private:
+  friend void detail::convert_sync_batchnorm(Module& module);
+  bool sync_;
+};
+
 /// Batch normalisation over dim 1, as torch.nn.BatchNorm{1,2}d: parameters `weight` (ones)
 /// and `bias` (zeros) when affine; buffers `running_mean` (zeros), `running_var` (ones) and
 /// `num_batches_tracked` (int64 scalar) when tracking running statistics. Training
 /// normalises with batch statistics and updates the running ones; eval() uses the running
-/// ones. Sync = true (SyncBatchNorm) takes the statistics over every participant of the
-/// thread's StatsReducer (Note [statistics reducer]); under DataParallel without Sync each
+/// ones. Sync = true (SyncBatchNorm, or a layer converted to one: is_sync()) takes the
+/// statistics over every participant of the thread's StatsReducer (Note [statistics
+/// reducer]); under DataParallel without Sync each
 /// replica normalises its own chunk and replica 0's running statistics are the primary's
 /// (the others' updates are discarded at the next replication), as nn.DataParallel does.
 template <class T, int Dim, bool Sync = false>
-class BatchNormImpl : public Module {
+class BatchNormImpl : public BatchNormBase {
  public:
   explicit BatchNormImpl(std::int64_t num_features, BatchNormOptions options = {})
-      : num_features(num_features), options(options) {
+      : BatchNormBase(Sync), num_features(num_features), options(options) {
     CHORUS_CHECK(num_features > 0, layer_name(), ": num_features must be positive, got ", num_features);
     CHORUS_CHECK(options.eps > 0, layer_name(), ": eps must be positive, got ", options.eps);
     CHORUS_CHECK(!options.momentum || (*options.momentum >= 0 && *options.momentum <= 1), layer_name(),
@@ -79,7 +101,8 @@ class BatchNormImpl : public Module {
   }
 
   Tensor<T> forward(const Tensor<T>& x) const {
-    detail::check_bn_input<Sync ? 0 : Dim>(layer_name(), num_features, x.shape());
+    if (is_sync()) detail::check_bn_input<0>(layer_name(), num_features, x.shape());
+    else detail::check_bn_input<Dim>(layer_name(), num_features, x.shape());
     const bool training = is_training();
     double momentum = options.momentum.value_or(0.0);
     if (training && options.track_running_stats) {
@@ -88,13 +111,10 @@ class BatchNormImpl : public Module {
       if (!options.momentum) momentum = 1.0 / static_cast<double>(num_batches_tracked.item());
     }
     std::shared_ptr<StatsReducer> reducer;
-    if constexpr (Sync) {
-      if (training) reducer = current_stats_reducer();
-    }
+    if (is_sync() && training) reducer = current_stats_reducer();
     return batch_norm(x, running_mean, running_var, weight, bias, training, momentum, options.eps, std::move(reducer));
   }
   std::string name() const override { return std::string(layer_name()) + "(" + std::to_string(num_features) + ")"; }
-  bool meets_other_replicas() const override { return Sync; }
 
   std::int64_t num_features;
   BatchNormOptions options;
@@ -102,7 +122,7 @@ class BatchNormImpl : public Module {
   Tensor<std::int64_t> num_batches_tracked;
 
  private:
-  static constexpr const char* layer_name() { return Sync ? "SyncBatchNorm" : Dim == 1 ? "BatchNorm1d" : "BatchNorm2d"; }
+  const char* layer_name() const { return BatchNormBase::layer_name(Dim); }
 };
 
 template <class T = float>
@@ -112,14 +132,50 @@ using BatchNorm2dImpl = BatchNormImpl<T, 2>;
 template <class T = float>
 using SyncBatchNormImpl = BatchNormImpl<T, 0, true>;
 
+/// Holder of a batch-norm layer (Note [layer options] in nn/module.hpp):
+/// `BatchNorm2dT<T>(16, {.momentum = 0.01})`.
+template <class T, int Dim, bool Sync>
+class BatchNormHolder : public ModuleHolder<BatchNormImpl<T, Dim, Sync>> {
+ public:
+  using ModuleHolder<BatchNormImpl<T, Dim, Sync>>::ModuleHolder;
+  explicit BatchNormHolder(std::int64_t num_features, BatchNormOptions options = {})
+      : ModuleHolder<BatchNormImpl<T, Dim, Sync>>(std::make_shared<BatchNormImpl<T, Dim, Sync>>(num_features, options)) {}
+};
+
+/// Note [converting to SyncBatchNorm]
+/// PyTorch's SyncBatchNorm.convert_sync_batchnorm(module) swaps every BatchNorm*d in the tree
+/// for a SyncBatchNorm holding the same parameters, buffers and options. Here the parents
+/// hold their layers in typed members (`nn::BatchNorm2d bn;`) and call them through those
+/// (Sequential through a call fixed at push_back), so an object of another type could not
+/// take a layer's place. The conversion therefore happens in place: the layer becomes
+/// synchronised (is_sync(); it names itself SyncBatchNorm, accepts any [N, C, *] input and
+/// meets the other replicas), keeping its parameters, buffers and options by construction.
+/// As in PyTorch, convert before wrapping the module in DataParallel (which looks for
+/// synchronised layers when it is built); the statistics are reduced across DataParallel's
+/// replicas (Note [statistics reducer]), so there is no process_group argument.
+inline void detail::convert_sync_batchnorm(Module& module) {
+  if (auto* bn = dynamic_cast<BatchNormBase*>(&module)) bn->sync_ = true;
+  for (const auto& child : module.named_children()) convert_sync_batchnorm(*child.module);
+}
+
 template <class T = float>
-using BatchNorm1dT = ModuleHolder<BatchNormImpl<T, 1>>;
+using BatchNorm1dT = BatchNormHolder<T, 1, false>;
 template <class T = float>
-using BatchNorm2dT = ModuleHolder<BatchNormImpl<T, 2>>;
+using BatchNorm2dT = BatchNormHolder<T, 2, false>;
 /// Batch norm whose statistics cover every replica of a DataParallel (and, through the same
 /// StatsReducer, every process of a distributed job); alone it is a plain batch norm.
 template <class T = float>
-using SyncBatchNormT = ModuleHolder<BatchNormImpl<T, 0, true>>;
+class SyncBatchNormT : public BatchNormHolder<T, 0, true> {
+ public:
+  using BatchNormHolder<T, 0, true>::BatchNormHolder;
+  /// Makes every BatchNorm in `module`'s tree (any scalar type) a SyncBatchNorm, in place,
+  /// and returns the module (Note [converting to SyncBatchNorm]).
+  template <class M>
+  static M convert_sync_batchnorm(M&& module) {
+    detail::convert_sync_batchnorm(module_of(module));
+    return std::forward<M>(module);
+  }
+};
 using BatchNorm1d = BatchNorm1dT<float>;
 using BatchNorm2d = BatchNorm2dT<float>;
 using SyncBatchNorm = SyncBatchNormT<float>;
@@ -153,8 +209,15 @@ class LayerNormImpl : public Module {
   LayerNormOptions options;
   Tensor<T> weight, bias;
 };
+/// Holder (Note [layer options] in nn/module.hpp): `LayerNormT<T>({4, 5}, {.eps = 1e-6})`.
 template <class T = float>
-using LayerNormT = ModuleHolder<LayerNormImpl<T>>;
+class LayerNormT : public ModuleHolder<LayerNormImpl<T>> {
+ public:
+  using ModuleHolder<LayerNormImpl<T>>::ModuleHolder;
+  explicit LayerNormT(Shape normalized_shape, LayerNormOptions options = {})
+      : ModuleHolder<LayerNormImpl<T>>(std::make_shared<LayerNormImpl<T>>(normalized_shape, options)) {}
+  explicit LayerNormT(std::int64_t dim, LayerNormOptions options = {}) : LayerNormT(Shape{dim}, options) {}
+};
 using LayerNorm = LayerNormT<float>;
 
 }  // namespace nn

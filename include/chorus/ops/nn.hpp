@@ -2,7 +2,7 @@
 // Differentiable operations of the convolutional and normalisation layers, on NCHW tensors:
 // conv2d, max/avg/adaptive-avg pooling, batch_norm (optionally synchronised through a
 // StatsReducer), layer_norm, embedding, silu, dropout2d.
-#include <array>
+#include <limits>
 #include <memory>
 #include <optional>
 
@@ -60,13 +60,29 @@ class StatsReducerScope {
   std::shared_ptr<StatsReducer> previous_;
 };
 
-using Pair = std::array<std::int64_t, 2>;
-
 namespace ops::detail {
 
-inline std::int64_t window_out(std::int64_t in, std::int64_t k, std::int64_t s, std::int64_t p, std::int64_t d,
-                               bool ceil_mode) {
-  const std::int64_t span = in + 2 * p - d * (k - 1) - 1;
+/// Output size of a window op along one dimension (PyTorch's rule):
+/// floor-or-ceil((in + 2p - d(k-1) - 1) / s) + 1, 0 when the dilated kernel does not fit.
+///
+/// Note [checked window geometry]
+/// The geometry comes from user values (padding, dilation, kernel, stride) that no tensor
+/// bounds, so it is computed with overflow checks (Note [checked sizes]): unchecked, padding
+/// 2^62 overflowed (undefined behaviour) and dilation 2^62 with a 5-tap kernel wrapped to 0,
+/// was accepted and returned 2·x. Beyond the output size it also checks that
+/// in + 2p + d(k-1) + s fits in int64: every index the kernels form from the output position
+/// (o·s - p + i·d) and oneDNN's right padding ((o-1)·s + d(k-1) + 1 - in - p) then fits too,
+/// so the kernels need no checks of their own.
+inline std::int64_t window_out(const char* op, const char* dim, std::int64_t in, std::int64_t k, std::int64_t s,
+                               std::int64_t p, std::int64_t d, bool ceil_mode) {
+  std::int64_t padded = 0, reach = 0, extent = 0;
+  const bool overflow = __builtin_mul_overflow(p, 2, &padded) || __builtin_add_overflow(padded, in, &padded) ||
+                        __builtin_mul_overflow(d, k - 1, &reach) || __builtin_add_overflow(padded, reach, &extent) ||
+                        __builtin_add_overflow(extent, s, &extent);
+  if (overflow) [[unlikely]]
+    CHORUS_FAIL(op, ": the ", dim, " window geometry overflows int64 (input size ", in, ", kernel ", k, ", stride ", s,
+                ", padding ", p, ", dilation ", d, ")");
+  const std::int64_t span = padded - reach - 1;  // both non-negative: no overflow
   if (span < 0) return 0;
   std::int64_t out = (ceil_mode ? (span + s - 1) / s : span / s) + 1;
   if (ceil_mode && (out - 1) * s >= in + p) --out;  // the last window must start inside the input or left padding
@@ -81,11 +97,19 @@ void check_4d(const char* op, const Tensor<T>& x) {
 
 inline void check_window(const char* op, Pair k, Pair s, Pair p, Pair d) {
   for (int i = 0; i < 2; ++i) {
-    CHORUS_CHECK(k[i] > 0, op, ": kernel size must be positive, got [", k[0], ", ", k[1], "]");
-    CHORUS_CHECK(s[i] > 0, op, ": stride must be positive, got [", s[0], ", ", s[1], "]");
-    CHORUS_CHECK(p[i] >= 0, op, ": padding must be non-negative, got [", p[0], ", ", p[1], "]");
-    CHORUS_CHECK(d[i] > 0, op, ": dilation must be positive, got [", d[0], ", ", d[1], "]");
+    CHORUS_CHECK(k[i] > 0, op, ": kernel size must be positive, got ", k);
+    CHORUS_CHECK(s[i] > 0, op, ": stride must be positive, got ", s);
+    CHORUS_CHECK(p[i] >= 0, op, ": padding must be non-negative, got ", p);
+    CHORUS_CHECK(d[i] > 0, op, ": dilation must be positive, got ", d);
   }
+}
+
+/// The output size [OH, OW] of a window op on x [N, C, H, W] (checked: Note [checked window geometry]).
+template <class T>
+void set_window_out(const char* op, const Tensor<T>& x, backend::Window2d& g, bool ceil_mode) {
+  g.C = x.shape()[1], g.H = x.shape()[2], g.W = x.shape()[3];
+  g.OH = window_out(op, "height", g.H, g.kh, g.sh, g.ph, g.dh, ceil_mode);
+  g.OW = window_out(op, "width", g.W, g.kw, g.sw, g.pw, g.dw, ceil_mode);
 }
 
 // ---- convolution ----
@@ -103,8 +127,15 @@ struct ConvGeometry {
   bool cudnn = false;   // on a GPU through cuDNN (Note [cuDNN convolutions])
   backend::cpu::OnednnConv onednn_conv() const { return {g, N, O, groups, has_bias}; }
   bool has_bias = false;
-  std::int64_t cols() const { return g.C * g.kh * g.kw; }
-  std::int64_t L() const { return g.OH * g.OW; }
+  std::int64_t K = 0;  // C*kh*kw, the rows of the column matrix (checked when the geometry is made)
+  std::int64_t cols() const { return K; }
+  std::int64_t L() const { return g.OH * g.OW; }  // fits: the output [N, O, OH, OW] exists
+  /// cuDNN's descriptors take int: larger sizes go through im2col.
+  bool fits_int() const {
+    for (std::int64_t v : {N, O, groups, g.C, g.H, g.W, g.OH, g.OW, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw})
+      if (v > std::numeric_limits<int>::max()) return false;
+    return true;
+  }
 };
 
 /// out[n, c] += bias[c] (bias read through strides [0, 1, 0]).
@@ -278,17 +309,15 @@ backend::Window2d pool_geometry(const char* op, const Tensor<T>& x, Pair k, Pair
   check_4d(op, x);
   check_window(op, k, s, p, d);
   for (int i = 0; i < 2; ++i)
-    CHORUS_CHECK(p[i] <= k[i] / 2, op, ": padding should be at most half the kernel size, got padding [", p[0], ", ",
-                 p[1], "] for kernel [", k[0], ", ", k[1], "]");
+    CHORUS_CHECK(p[i] <= k[i] / 2, op, ": padding should be at most half the kernel size, got padding ", p,
+                 " for kernel ", k);
+  std::int64_t window = 0;  // the average pool's divisor is at most kh*kw (Note [checked window geometry])
+  CHORUS_CHECK(!__builtin_mul_overflow(k[0], k[1], &window), op, ": kernel ", k, " has more elements than an int64 can count");
   backend::Window2d g;
-  g.C = x.shape()[1];
-  g.H = x.shape()[2];
-  g.W = x.shape()[3];
   g.kh = k[0], g.kw = k[1], g.sh = s[0], g.sw = s[1], g.ph = p[0], g.pw = p[1], g.dh = d[0], g.dw = d[1];
-  g.OH = window_out(g.H, k[0], s[0], p[0], d[0], ceil_mode);
-  g.OW = window_out(g.W, k[1], s[1], p[1], d[1], ceil_mode);
-  CHORUS_CHECK(g.OH > 0 && g.OW > 0, op, ": input of shape ", x.shape(), " is too small for kernel [", k[0], ", ",
-               k[1], "] (output would be ", g.OH, "x", g.OW, ")");
+  set_window_out(op, x, g, ceil_mode);
+  CHORUS_CHECK(g.OH > 0 && g.OW > 0, op, ": input of shape ", x.shape(), " is too small for kernel ", k,
+               " (output would be ", g.OH, "x", g.OW, ")");
   return g;
 }
 
@@ -357,6 +386,7 @@ class BatchNormBackward final : public autograd::Node<T> {
 template <class T>
 class EmbeddingBackward final : public autograd::Node<T> {
  public:
+  /// padding_idx: a row in [0, num_embeddings), or -1 for none (embedding() normalises it).
   EmbeddingBackward(Shape weight, Tensor<std::int64_t> idx, std::int64_t padding_idx)
       : weight_(std::move(weight)), idx_(std::move(idx)), padding_idx_(padding_idx) {}
   std::string name() const override { return "EmbeddingBackward"; }
@@ -380,8 +410,8 @@ class EmbeddingBackward final : public autograd::Node<T> {
 /// 2-D convolution (cross-correlation, as torch.nn.functional.conv2d): x [N, C, H, W],
 /// weight [O, C/groups, kh, kw], bias [O] or undefined; NCHW output [N, O, OH, OW].
 template <class T>
-Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& bias = Tensor<T>(), Pair stride = {1, 1},
-                 Pair padding = {0, 0}, Pair dilation = {1, 1}, std::int64_t groups = 1) {
+Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& bias = Tensor<T>(), Pair stride = 1,
+                 Pair padding = 0, Pair dilation = 1, std::int64_t groups = 1) {
   static_assert(is_floating_v<T>, "conv2d: floating-point tensors only");
   using namespace ops::detail;
   check_4d("conv2d", x);
@@ -391,11 +421,13 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
   check_window("conv2d", {weight.shape()[2], weight.shape()[3]}, stride, padding, dilation);
   CHORUS_CHECK(groups > 0, "conv2d: groups must be positive, got ", groups);
   const std::int64_t N = x.shape()[0], C = x.shape()[1], O = weight.shape()[0];
-  CHORUS_CHECK(weight.shape()[1] * groups == C, "conv2d: input of shape ", x.shape(), " has ", C,
+  std::int64_t expected = 0;  // checked: a huge groups must not wrap to C (Note [checked sizes])
+  const bool wraps = __builtin_mul_overflow(weight.shape()[1], groups, &expected);
+  CHORUS_CHECK(!wraps && expected == C, "conv2d: input of shape ", x.shape(), " has ", C,
                " channels, but weight of shape ", weight.shape(), " with groups=", groups, " expects ",
-               weight.shape()[1] * groups);
-  CHORUS_CHECK(C % groups == 0 && O % groups == 0, "conv2d: ", C, " input and ", O,
-               " output channels must both be divisible by groups=", groups);
+               wraps ? std::string("more than int64 holds") : std::to_string(expected));
+  CHORUS_CHECK(O % groups == 0, "conv2d: ", C, " input and ", O, " output channels must both be divisible by groups=",
+               groups);
   if (bias.defined()) {
     check_same_device("conv2d", x, bias);
     CHORUS_CHECK(bias.dim() == 1 && bias.shape()[0] == O, "conv2d: bias of shape ", bias.shape(),
@@ -403,13 +435,14 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
   }
   ConvGeometry geo;
   auto& g = geo.g;
-  g.C = C, g.H = x.shape()[2], g.W = x.shape()[3];
   g.kh = weight.shape()[2], g.kw = weight.shape()[3];
   g.sh = stride[0], g.sw = stride[1], g.ph = padding[0], g.pw = padding[1], g.dh = dilation[0], g.dw = dilation[1];
-  g.OH = window_out(g.H, g.kh, g.sh, g.ph, g.dh, false);
-  g.OW = window_out(g.W, g.kw, g.sw, g.pw, g.dw, false);
-  CHORUS_CHECK(g.OH > 0 && g.OW > 0, "conv2d: input of shape ", x.shape(), " (padding [", padding[0], ", ",
-               padding[1], "]) is smaller than the dilated kernel of weight ", weight.shape());
+  set_window_out("conv2d", x, g, false);
+  CHORUS_CHECK(g.OH > 0 && g.OW > 0, "conv2d: input of shape ", x.shape(), " (padding ", padding,
+               ") is smaller than the dilated kernel of weight ", weight.shape());
+  // The column matrix has C*kh*kw rows; the weight bounds kh*kw and C/groups*kh*kw, not C*kh*kw.
+  CHORUS_CHECK(!__builtin_mul_overflow(C, g.kh * g.kw, &geo.K), "conv2d: ", C, " channels times kernel ",
+               Pair{g.kh, g.kw}, " have more elements than an int64 can count");
   geo.N = N, geo.O = O, geo.groups = groups;
   geo.direct = g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0;
   geo.has_bias = bias.defined();
@@ -428,7 +461,7 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
   }
 #endif
 #if CHORUS_CUDA && CHORUS_HAS_CUDNN
-  geo.cudnn = dev.is_cuda() && N > 0 && backend::cuda::cudnn::enabled();
+  geo.cudnn = dev.is_cuda() && N > 0 && backend::cuda::cudnn::enabled() && geo.fits_int();
   if (geo.cudnn) {
     backend::cuda::cudnn::conv_forward(g, N, O, groups, xc.data(), wc.data(), out.data(), dev);
     if (bias.defined()) conv2d_add_bias(bias, geo, out);
@@ -446,8 +479,8 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
 
 /// Max pooling (as torch.nn.functional.max_pool2d); stride defaults to the kernel size.
 template <class T>
-Tensor<T> max_pool2d(const Tensor<T>& x, Pair kernel, std::optional<Pair> stride = std::nullopt, Pair padding = {0, 0},
-                     Pair dilation = {1, 1}, bool ceil_mode = false) {
+Tensor<T> max_pool2d(const Tensor<T>& x, Pair kernel, std::optional<Pair> stride = std::nullopt, Pair padding = 0,
+                     Pair dilation = 1, bool ceil_mode = false) {
   static_assert(is_floating_v<T>, "max_pool2d: floating-point tensors only");
   auto g = ops::detail::pool_geometry("max_pool2d", x, kernel, stride.value_or(kernel), padding, dilation, ceil_mode);
   auto xc = ops::detail::contiguous_data(x.detach());
@@ -464,12 +497,12 @@ Tensor<T> max_pool2d(const Tensor<T>& x, Pair kernel, std::optional<Pair> stride
 
 /// Average pooling (as torch.nn.functional.avg_pool2d); divisor_override 0 = none.
 template <class T>
-Tensor<T> avg_pool2d(const Tensor<T>& x, Pair kernel, std::optional<Pair> stride = std::nullopt, Pair padding = {0, 0},
+Tensor<T> avg_pool2d(const Tensor<T>& x, Pair kernel, std::optional<Pair> stride = std::nullopt, Pair padding = 0,
                      bool ceil_mode = false, bool count_include_pad = true, std::int64_t divisor_override = 0) {
   static_assert(is_floating_v<T>, "avg_pool2d: floating-point tensors only");
   CHORUS_CHECK(divisor_override >= 0, "avg_pool2d: divisor_override must be positive (or 0 for none), got ",
                divisor_override);
-  auto g = ops::detail::pool_geometry("avg_pool2d", x, kernel, stride.value_or(kernel), padding, {1, 1}, ceil_mode);
+  auto g = ops::detail::pool_geometry("avg_pool2d", x, kernel, stride.value_or(kernel), padding, 1, ceil_mode);
   auto xc = ops::detail::contiguous_data(x.detach());
   const std::int64_t N = x.shape()[0];
   auto out = Tensor<T>::empty(Shape{N, g.C, g.OH, g.OW}, x.device());
@@ -487,10 +520,18 @@ template <class T>
 Tensor<T> adaptive_avg_pool2d(const Tensor<T>& x, Pair output_size) {
   static_assert(is_floating_v<T>, "adaptive_avg_pool2d: floating-point tensors only");
   ops::detail::check_4d("adaptive_avg_pool2d", x);
-  CHORUS_CHECK(output_size[0] > 0 && output_size[1] > 0, "adaptive_avg_pool2d: output size must be positive, got [",
-               output_size[0], ", ", output_size[1], "]");
+  CHORUS_CHECK(output_size[0] > 0 && output_size[1] > 0, "adaptive_avg_pool2d: output size must be positive, got ",
+               output_size);
   CHORUS_CHECK(x.shape()[2] > 0 && x.shape()[3] > 0, "adaptive_avg_pool2d: empty spatial size in input of shape ",
                x.shape());
+  // The kernels' window bounds compute (o+1)·in + out - 1 <= out·in + out (Note [checked window geometry]).
+  for (int i = 0; i < 2 && x.shape()[0] * x.shape()[1] > 0; ++i) {
+    std::int64_t bound = 0;
+    CHORUS_CHECK(!__builtin_mul_overflow(output_size[i], x.shape()[2 + i], &bound) &&
+                     !__builtin_add_overflow(bound, output_size[i], &bound),
+                 "adaptive_avg_pool2d: output size ", output_size, " for input of shape ", x.shape(),
+                 " overflows int64 in the window bounds");
+  }
   backend::Window2d g;
   g.C = x.shape()[1], g.H = x.shape()[2], g.W = x.shape()[3], g.OH = output_size[0], g.OW = output_size[1];
   auto xc = ops::detail::contiguous_data(x.detach());
@@ -621,20 +662,31 @@ Tensor<T> layer_norm(const Tensor<T>& x, const Shape& normalized_shape, const Te
 }
 
 /// Rows of `weight` [num, dim] picked by `indices` (any shape): output indices.shape + [dim].
-/// The row `padding_idx` (when >= 0) gets no gradient, as in torch.nn.functional.embedding.
+/// The row `padding_idx` gets no gradient, as in torch.nn.functional.embedding: nullopt (the
+/// default) for none; a negative index counts from the end (-1 is the last row), as in PyTorch
+/// and nn::Embedding. (It used to be a plain int64 where -1 meant "none": F::embedding(i, w, -1)
+/// silently trained the last row that PyTorch freezes.)
 template <class T>
-Tensor<T> embedding(const Tensor<std::int64_t>& indices, const Tensor<T>& weight, std::int64_t padding_idx = -1) {
+Tensor<T> embedding(const Tensor<std::int64_t>& indices, const Tensor<T>& weight,
+                    std::optional<std::int64_t> padding_idx = std::nullopt) {
   ops::detail::check_defined("embedding", indices, "indices");
   ops::detail::check_defined("embedding", weight, "weight");
   ops::detail::check_same_device("embedding", weight, indices);
   CHORUS_CHECK(weight.dim() == 2, "embedding: weight must be 2-D [num_embeddings, dim], got shape ", weight.shape());
+  const std::int64_t num = weight.shape()[0];
+  if (padding_idx) {
+    CHORUS_CHECK(*padding_idx >= -num && *padding_idx < num, "embedding: padding_idx ", *padding_idx,
+                 " must be within num_embeddings (", num, " rows: expected -", num, " <= padding_idx < ", num, ")");
+    if (*padding_idx < 0) *padding_idx += num;
+  }
   auto flat = ops::detail::contiguous_data(indices).reshape(Shape{indices.numel()});
   auto rows = weight.detach().index_select(0, flat);  // validates the indices
   Shape s = indices.shape();
   s.push_back(weight.shape()[1]);
   auto out = ops::detail::view_as_shape(rows, s);
   if (autograd::needs_grad(weight)) {
-    auto node = autograd::make_node<ops::detail::EmbeddingBackward<T>, T>({&weight}, weight.shape(), flat, padding_idx);
+    auto node = autograd::make_node<ops::detail::EmbeddingBackward<T>, T>({&weight}, weight.shape(), flat,
+                                                                          padding_idx.value_or(-1));
     autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
   }
   return out;

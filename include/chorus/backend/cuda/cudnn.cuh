@@ -208,11 +208,11 @@ template <class T>
 ConvPlan& plan(cudnnHandle_t h, Device d, const Window2d& g, std::int64_t N, std::int64_t O, std::int64_t groups) {
   using Key = std::tuple<int, bool, bool, bool, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
                          std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                         std::int64_t, std::int64_t>;
+                         std::int64_t, std::int64_t, std::int64_t>;
   const ConvMathPolicy policy{std::is_same_v<T, float>, std::is_same_v<T, float> && ::chorus::cuda::allow_tf32(),
                               deterministic()};
   const Key key{d.index, policy.fp32, policy.tf32, policy.deterministic, N, g.C, g.H, g.W, O, g.kh, g.kw, g.sh, g.sw,
-                g.ph, g.pw, g.dh * 1000 + g.dw, groups};
+                g.ph, g.pw, g.dh, g.dw, groups};  // (dh*1000 + dw made dilations (1, 1001) and (2, 1) share a plan)
   thread_local std::map<Key, ConvPlan*> mine;  // Note [per-thread lookups]
   if (auto it = mine.find(key); it != mine.end()) return *it->second;
   static std::mutex m;
