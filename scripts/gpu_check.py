@@ -52,6 +52,7 @@ def memcheck_plan_problems(build, env, plan=None):
                 problems.append(f"memcheck plan: {rel} has no test matching {pattern!r}")
     return problems
 
+
 def serve_problems(build, env):
     """The benchmark stage drives chorus_gpu_bench --serve; a build from before the interleaved
     benchmarks (which took no --serve) would pass every other check and fail only on the GPU.
@@ -897,6 +898,11 @@ def gpu_run(out, build):
     run.save(final=True)
     shutil.rmtree(run.logs, ignore_errors=True)
     log(json.dumps(run.summary, indent=1)[:9000])
+    # Last, so that the device tool's output tail holds them however long the summary was.
+    for name, verdict in run.summary.get("verdicts", {}).items():
+        log(f"verdict {name}: {verdict}")
+    for line in run.summary["stages"].get("benchmarks", {}).get("table", []):
+        log(f"ratio {line}")
     return 0 if not run.failed else 1
 
 

@@ -582,8 +582,9 @@ class TestBudget(Base):
         with mock.patch.object(gpu_check, "time", fake_time), mock.patch.object(gpu_check.Run, "run", run), \
                 mock.patch.object(gpu_check, "has_gpu", lambda: True), \
                 mock.patch.object(gpu_check, "find_sanitizer", lambda: "/fake/compute-sanitizer"), \
-                contextlib.redirect_stdout(io.StringIO()):
+                contextlib.redirect_stdout(io.StringIO()) as printed:
             gpu_check.gpu_run(self.out, self.build)
+        self.printed = printed.getvalue()
         stages = [n for n, _, _ in calls]
         self.assertEqual(stages.count("gpu_bench"), 1, stages)
         self.assertIn("distributed", stages)
@@ -604,6 +605,7 @@ class TestBudget(Base):
         self.assertEqual(first("distributed")[1], 90)  # its whole cap
         self.assertEqual(first("gpu_bench"), (540 - 150, 540 - 150 - 180))  # all but memcheck's 180 s
         self.assertEqual(first("memcheck-")[0], 540 - 300)
+        self.assertIn("\nverdict benchmarks: did not start", self.printed)  # the output's tail has every verdict
         self.assertLessEqual(total, gpu_check.BUDGET_S)
 
     def test_slow_failing_tests_and_hanging_reruns_still_end_inside_the_budget(self):
