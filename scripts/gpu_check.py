@@ -26,6 +26,10 @@ TEST_BINARIES = ["tests/test_cuda", "tests/test_cuda_layers"]
 # torchrun's environment, which needs no MPI launcher, and under mpirun where it exists).
 DIST_BINARIES = ["tests/distributed/test_distributed_cuda", "examples/train_mlp_cuda"]
 BINARIES = TEST_BINARIES + ["examples/data_parallel_tutorial_cuda", "benchmarks/chorus_gpu_bench"] + DIST_BINARIES
+# The benchmark stage's driver (PyTorch's rounds alternating with chorus_gpu_bench --serve's) and
+# the comparison of its two JSON files.
+BENCH_DRIVER = os.path.join(REPO, "benchmarks/pytorch_gpu_bench.py")
+COMPARE = os.path.join(REPO, "scripts/compare_benchmarks.py")
 # What compute-sanitizer memcheck runs: the tests whose kernels index memory (elementwise,
 # reductions, products, copies and views, the layers), not the ones about streams, events, the
 # allocator or NCCL (slowed ten- to a hundredfold they time nothing and use up the budget: all of
@@ -48,12 +52,39 @@ def memcheck_plan_problems(build, env, plan=None):
                 problems.append(f"memcheck plan: {rel} has no test matching {pattern!r}")
     return problems
 
+
+def serve_problems(build, env):
+    """The benchmark stage drives chorus_gpu_bench --serve; a build from before the interleaved
+    benchmarks (which took no --serve) would pass every other check and fail only on the GPU.
+    Probed with --serve --rounds 0: the current one reads its options first and refuses the zero
+    rounds by name, before it looks for a GPU (an older one says it needs a GPU or chokes on
+    --serve); either way it exits at once."""
+    exe = os.path.join(build, "benchmarks/chorus_gpu_bench")
+    try:
+        r = subprocess.run([exe, "--serve", "--rounds", "0"], stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, env=env, timeout=60)
+        said = r.stdout + r.stderr
+    except Exception as e:
+        said = str(e)
+    if "--rounds must be at least 1" in said:
+        return []
+    return [f"benchmarks/chorus_gpu_bench does not take --serve (a build from before the interleaved benchmarks?): "
+            f"{said.strip()[-300:]!r}"]
+
+
 # The device tool's limits (/work/.library/device/README.md).
 TREE_LIMIT = 64 << 20       # the working tree that travels, carried paths included
 TREE_MARGIN = 2 << 20       # headroom for files added after the dry run (an issue note, a log)
 MAX_OUT_FILES = 8           # files back from $OUT
 MAX_OUT_FILE_BYTES = 16 << 20
 BUDGET_S = 540              # all stages together, inside the tool's 600 s per command
+# Note [time budget]: a stage's limit is min(its cap, the time left less what it keeps for the
+# stages after it), at least 5 s, so the stages end inside BUDGET_S however long each one runs
+# (the 5 s floors aside). Caps: test_cuda 180; reruns 90 (none with under 240 s left);
+# test_cuda_layers 90; tutorial 45; distributed 90, keeping 300 (the benchmarks at least 120, and
+# memcheck 180); the interleaved benchmarks 250, keeping 180 for memcheck; memcheck the rest. The
+# caps add up to more than the budget: when the early stages run long, the later ones get less.
+# TestBudget in tests/scripts/test_gpu_check.py checks this with a fake clock.
 
 # Libraries the GPU machine provides: the C runtime (never carried: it must match the kernel
 # and the loader there) and the CUDA libraries, from the toolkit or from PyTorch's wheels.
@@ -371,6 +402,31 @@ def program_verdict(rc, timed_out, ok, why):
     return f"failed (exit status {rc}{', ' + why if why and rc == 0 else ''})"
 
 
+def bench_row_names():
+    """"workload config vs peer" of every row compare_benchmarks.py looks for (its TARGETS)."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import compare_benchmarks
+    return [f"{w} {cc} vs {pi} {pc}" for w, cc, pi, pc, _ in compare_benchmarks.TARGETS]
+
+
+def ratio_line(r):
+    """One compared row: the median of its per-round ratios with their min-max ("paired"), or
+    the ratio of the two medians where the rounds could not be paired ("unpaired")."""
+    spread = (f"{r['ratio']:.2f}x [{r['ratio_min']:.2f}-{r['ratio_max']:.2f}] paired" if r.get("paired")
+              else f"{r['ratio']:.2f}x unpaired")
+    target = "" if r.get("target") is None else f", target <= {r['target']} {'met' if r.get('met') else 'MISSED'}"
+    return f"{r['workload']} {r['chorus_config']} vs {r['peer']}: {spread}{target}"
+
+
+def error_text(e):
+    """One error a benchmark recorded ({"workload", "config", "error"}), on one short line."""
+    if not isinstance(e, dict):
+        return str(e)[:160]
+    where = " ".join(str(e[k]) for k in ("workload", "config") if e.get(k))
+    return ((where + ": " if where else "") + str(e.get("error", "")))[:160]
+
+
 def counts(r):
     """The counts every test stage reports."""
     return {"ran": r["passed"] + len(r["failed"]), "passed": r["passed"], "failed": len(r["failed"]),
@@ -581,7 +637,8 @@ class Run:
     def tutorial_stage(self):
         rc, to, secs, path = self.run("tutorial", [self.exe("examples/data_parallel_tutorial_cuda"), "--gpus"],
                                       self.timeout(45), env=chorus_env(self.build))
-        text = open(path, errors="replace").read()
+        with open(path, errors="replace") as f:
+            text = f.read()
         batches = len(re.findall(r"^Outside: input size", text, re.M))
         ok = rc == 0 and not to and "GPUs!" in text and batches > 0
         self.stage("tutorial", {"rc": rc, "timed_out": to, "seconds": round(secs, 1), "batches": batches,
@@ -597,6 +654,7 @@ class Run:
             self.stage("distributed", {"verdict": "did not start (not built: no MPI where the build ran)"}, False)
             return
         dist_out = os.path.join(self.logs, "distributed")
+        # Keeps 300 s for the benchmarks and memcheck (Note [time budget]).
         limit = self.timeout(90 if not self.dry else 60, reserve=300 if not self.dry else 0)
         # The script's own limits stay inside this one (Note: a stage past its limit is killed
         # with its whole session, gpu-check-distributed.sh's children included).
@@ -651,33 +709,68 @@ class Run:
         self.stage("distributed", result, ok)
 
     def bench_stage(self):
+        """The GPU benchmarks in one interleaved run: pytorch_gpu_bench.py --chorus starts
+        chorus_gpu_bench --serve and alternates rounds with it (A B A B; both JSON files carry one
+        run_id), so compare_benchmarks.py pairs each ratio round by round (Note [paired rounds] in
+        benchmarks/bench_util.hpp). Passes when the driver exited 0 in time, neither side recorded
+        an error and at least one row was compared; every row's median ratio with its min-max is
+        reported, and rows that came out unpaired or are missing are named."""
         cj, pj, cmp_json = (os.path.join(self.logs, n) for n in ("chorus_gpu.json", "pytorch_gpu.json", "compare.json"))
-        rc1, to1, s1, _ = self.run("chorus_gpu_bench", [self.exe("benchmarks/chorus_gpu_bench"), "--json", cj],
-                                   self.timeout(100, reserve=200), env=chorus_env(self.build))
-        # PyTorch with python3's own environment (its own CUDA libraries), not the chorus one.
-        rc2, to2, s2, _ = self.run("pytorch_gpu_bench",
-                                   [sys.executable, os.path.join(REPO, "benchmarks/pytorch_gpu_bench.py"), "--json", pj],
-                                   self.timeout(150, reserve=180), env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        rows = None
-        if os.path.isfile(cj) and os.path.isfile(pj):
-            self.run("compare", [sys.executable, os.path.join(REPO, "scripts/compare_benchmarks.py"), cj, pj, cmp_json],
-                     60, env=dict(os.environ))
+        cenv = chorus_env(self.build)
+        limit = self.timeout(250, reserve=180)  # memcheck, the last stage, keeps 180 s
+        # PyTorch runs with python3's own environment (its own CUDA libraries); only
+        # chorus_gpu_bench gets the chorus binaries' LD_LIBRARY_PATH (--chorus-env).
+        rc, to, secs, _ = self.run("gpu_bench",
+                                   [sys.executable, BENCH_DRIVER, "--chorus", self.exe("benchmarks/chorus_gpu_bench"),
+                                    "--chorus-env", "LD_LIBRARY_PATH=" + cenv["LD_LIBRARY_PATH"],
+                                    "--json", pj, "--chorus-json", cj],
+                                   limit, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        docs, notes = {}, {}
+        for side, path in (("chorus", cj), ("pytorch", pj)):
             try:
-                rows = json.load(open(cmp_json))
+                with open(path) as f:
+                    d = json.load(f)
+                docs[side] = d if isinstance(d, dict) else {"records": d}
+            except FileNotFoundError:
+                notes[side + "_json"] = "not written"
             except Exception as e:
-                rows = f"unreadable: {e}"
-        errors = []
-        try:
-            errors = json.load(open(cj)).get("errors", [])
-        except Exception:
-            pass
-        ok = rc1 == 0 and rc2 == 0 and not to1 and not to2 and isinstance(rows, list) and bool(rows)
-        verdict = "passed" if ok else ("timed out" if to1 or to2 else
-                                       f"failed (chorus exit {rc1}, PyTorch exit {rc2}, "
-                                       f"{len(rows) if isinstance(rows, list) else 0} rows compared)")
-        self.stage("benchmarks", {"chorus_rc": rc1, "chorus_timed_out": to1, "chorus_s": round(s1, 1),
-                                  "chorus_errors": errors, "pytorch_rc": rc2, "pytorch_timed_out": to2,
-                                  "pytorch_s": round(s2, 1), "ratios": rows, "verdict": verdict}, ok)
+                notes[side + "_json"] = f"unreadable: {e}"
+        errors = {side: docs.get(side, {}).get("errors") or [] for side in ("chorus", "pytorch")}
+        # A timeout leaves what the driver wrote after each workload: that is compared too.
+        rows = None
+        if len(docs) == 2:
+            self.run("compare", [sys.executable, COMPARE, cj, pj, cmp_json], self.timeout(60), env=dict(os.environ))
+            try:
+                with open(cmp_json) as f:
+                    rows = json.load(f)
+            except Exception as e:
+                notes["compare"] = f"unreadable: {e}"
+        rows = rows if isinstance(rows, list) else []
+        name = lambda r: f"{r['workload']} {r['chorus_config']} vs {r['peer']}"
+        unpaired = [name(r) for r in rows if not r.get("paired")]
+        have = {name(r) for r in rows}
+        missing = [n for n in bench_row_names() if n not in have]
+        ok = rc == 0 and not to and bool(rows) and not errors["chorus"] and not errors["pytorch"]
+        shown = f"{len(rows)} row(s) compared, {len(rows) - len(unpaired)} paired" + (
+            f", {len(unpaired)} unpaired" if unpaired else "") + (f", {len(missing)} missing" if missing else "")
+        if to:
+            verdict = f"timed out ({shown})"  # what was written before the cut
+        elif ok:
+            verdict = f"passed ({shown})"
+        elif not docs:
+            verdict = (program_verdict(rc, to, False, "") if rc == 127 else
+                       f"did not start (exit status {rc}, neither JSON written: see gpu_bench.log)")
+        else:
+            said = [f"{side} {len(e)} error(s): " + "; ".join(error_text(x) for x in e[:3])
+                    for side, e in errors.items() if e]
+            verdict = f"failed (exit status {rc}, {'; '.join(said + [shown])})"
+        result = {"verdict": verdict, "table": [ratio_line(r) for r in rows], "unpaired": unpaired,
+                  "missing": missing, "rc": rc, "timed_out": to, "seconds": round(secs, 1), "limit_s": round(limit),
+                  "chorus_errors": errors["chorus"], "pytorch_errors": errors["pytorch"],
+                  "run_id": {side: d.get("run_id") for side, d in docs.items()}}
+        result.update(notes)
+        result["ratios"] = rows
+        self.stage("benchmarks", result, ok)
 
     def memcheck_stage(self, plan=None):
         """compute-sanitizer memcheck of MEMCHECK_PLAN within the time left, the caching allocator
@@ -762,6 +855,7 @@ def dry_run(out, build):
         if not r["ok"]:
             problems.append(f"{rel}: {r['verdict']}")
     problems += memcheck_plan_problems(carry, chorus_env(carry))
+    problems += serve_problems(carry, chorus_env(carry))
     # The distributed stage's script with the carried binaries (the tests skip, train_mlp_cuda runs
     # on the CPU): its environment, launchers and report files work before a GPU is lent.
     run.distributed_stage()
@@ -787,7 +881,8 @@ def gpu_run(out, build):
         smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
     except Exception as e:
         smi = f"nvidia-smi: {e}"
-    open(os.path.join(run.logs, "nvidia-smi.txt"), "w").write(smi)
+    with open(os.path.join(run.logs, "nvidia-smi.txt"), "w") as f:
+        f.write(smi)
     run.summary["nvidia_smi"] = [l for l in smi.splitlines() if "H200" in l or "H100" in l or "Driver" in l][:4]
     if not gpu:
         run.stage("gpu", {"error": "no GPU visible (nvidia-smi -L)"}, False)
@@ -803,6 +898,11 @@ def gpu_run(out, build):
     run.save(final=True)
     shutil.rmtree(run.logs, ignore_errors=True)
     log(json.dumps(run.summary, indent=1)[:9000])
+    # Last, so that the device tool's output tail holds them however long the summary was.
+    for name, verdict in run.summary.get("verdicts", {}).items():
+        log(f"verdict {name}: {verdict}")
+    for line in run.summary["stages"].get("benchmarks", {}).get("table", []):
+        log(f"ratio {line}")
     return 0 if not run.failed else 1
 
 

@@ -6,9 +6,13 @@ Each fake test binary behaves like a GoogleTest program that went one particular
 before any test, SIGSEGV after its JSON report, zero tests, a skipped test, a crash in a test,
 a failure, a hang); each case checks the stage's verdict and that the run as a whole fails.
 Also: memcheck under a fake compute-sanitizer, the kill of a stage's whole session on timeout
-(GNU timeout's own process group included), and gpu-check-distributed.sh's library order and
-time budget. Run by CTest (gpu_check_verdicts, label cpu).
+(GNU timeout's own process group included), gpu-check-distributed.sh's library order and time
+budget, the benchmark stage with a fake pytorch_gpu_bench.py driving a fake chorus_gpu_bench
+--serve, and the stages' shares of the 540 s with a fake clock (Note [time budget]). Run by
+CTest (gpu_check_verdicts, label cpu).
 """
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -17,10 +21,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 import unittest
+from unittest import mock
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
+import compare_benchmarks  # noqa: E402
 import gpu_check  # noqa: E402
 
 # A GoogleTest look-alike: the mode is baked in when the file is written.
@@ -88,6 +95,91 @@ if errors:
 print(f"========= ERROR SUMMARY: {errors} error{'' if errors == 1 else 's'}", flush=True)
 sys.exit(code if errors else rc)
 '''
+
+
+# The rows compare_benchmarks.py looks for: chorus's configurations and the peers', by workload.
+CHORUS_CONFIGS, PEER_OFFERS = {}, []
+for _w, _cc, _pi, _pc, _ in compare_benchmarks.TARGETS:
+    CHORUS_CONFIGS.setdefault(_w, [])
+    for _c in [_cc] + ([_pc] if _pi == "chorus" else []):
+        if _c not in CHORUS_CONFIGS[_w]:
+            CHORUS_CONFIGS[_w].append(_c)
+    if _pi != "chorus" and [_pi, _w, _pc] not in PEER_OFFERS:
+        PEER_OFFERS.append([_pi, _w, _pc])
+
+# chorus_gpu_bench --serve look-alike (Note [peer protocol]): round k of a configuration takes k ms.
+FAKE_CHORUS_SERVE = r"""#!PYTHON
+import json, os, sys
+MODE = "@MODE@"
+CONFIGS = @CONFIGS@
+with open(os.environ["FAKE_BENCH_OUT"], "a") as f:
+    f.write(json.dumps({"side": "chorus", "argv": sys.argv[1:], "pid": os.getpid(),
+                        "ld": os.environ.get("LD_LIBRARY_PATH", "")}) + "\n")
+if sys.argv[1:] != ["--serve"]:
+    print("fake chorus_gpu_bench: only --serve", file=sys.stderr)
+    sys.exit(2)
+done = {}
+for line in sys.stdin:
+    req = json.loads(line)
+    w = req["workload"]
+    if req["cmd"] == "configs":
+        cs = [c for c in CONFIGS.get(w, []) if not (MODE == "no_dp" and c.startswith("DataParallel {"))]
+        reply = {"configs": [dict(impl="chorus", workload=w, config=c, devices=1, threads=0) for c in cs]}
+    elif req["cmd"] == "round" and MODE == "round_error" and req["config"] == "1 GPU tf32":
+        reply = {"error": "CUDA error: an illegal memory access was encountered"}
+    elif req["cmd"] == "round":
+        k = done[(w, req["config"])] = done.get((w, req["config"]), 0) + 1
+        reply = {"samples_ms": [float(k)] * req["reps"]}
+    else:
+        reply = {"released": w}
+    print(json.dumps(reply), flush=True)
+"""
+
+# pytorch_gpu_bench.py look-alike: its options, and bench_rounds.drive with PyTorch's rows faked
+# (every step 2 ms), chorus_gpu_bench --serve as the peer.
+FAKE_BENCH_DRIVER = r"""#!PYTHON
+import argparse, json, os, sys, time
+sys.path.insert(0, @BENCH_DIR@)
+from bench_rounds import PeerProcess, drive
+MODE = "@MODE@"
+OFFERS = @OFFERS@
+ap = argparse.ArgumentParser()
+ap.add_argument("--json", required=True)
+ap.add_argument("--chorus", required=True)
+ap.add_argument("--chorus-env", action="append", default=[])
+ap.add_argument("--chorus-json", required=True)
+args = ap.parse_args()
+with open(os.environ["FAKE_BENCH_OUT"], "a") as f:
+    f.write(json.dumps({"side": "pytorch", "pid": os.getpid(), "ld": os.environ.get("LD_LIBRARY_PATH", "")}) + "\n")
+if MODE == "no_torch":
+    print("ModuleNotFoundError: No module named 'torch'", file=sys.stderr)
+    sys.exit(1)
+env = dict(os.environ)
+env.update(kv.split("=", 1) for kv in args.chorus_env)
+
+def offers(w):
+    out = []
+    for impl, ww, c in OFFERS:
+        def build(c=c):
+            if MODE == "local_error" and c.endswith("channels_last"):
+                raise RuntimeError("CUDA out of memory")
+            if MODE == "hang" and w != "tutorial":
+                time.sleep(600)
+            return lambda: None
+        if ww == w:
+            out.append((dict(impl=impl, workload=w, config=c, devices=1, threads=0), build, 1))
+    return out
+
+workloads = list(dict.fromkeys(w for _, w, _ in OFFERS))
+mine, theirs = drive(workloads, offers, lambda w: 2, 3, peer=PeerProcess([args.chorus, "--serve"], env=env),
+                     peer_name="chorus", local_name="pytorch", clock=lambda fn: fn() or 2.0,
+                     paths=(args.json, args.chorus_json))
+if MODE == "other_run":  # as if the two files came from two runs
+    mine["run_id"] = "another run"
+    with open(args.json, "w") as f:
+        json.dump(mine, f)
+sys.exit(0 if MODE in ("exit0", "other_run") else 1 if mine["errors"] or theirs["errors"] else 0)
+"""
 
 
 def write_exe(path, text):
@@ -348,6 +440,180 @@ class TestDistributedScript(Base):
         self.assertEqual(d["runs"]["mpirun_tests"]["verdict"], "not run (no mpirun)")
         self.assertEqual(d["runs"]["torchrun_env_train_mlp"]["verdict"], "passed")
         self.assertTrue(run.failed)
+
+
+class TestBenchStage(Base):
+    """The benchmark stage: one interleaved run (pytorch_gpu_bench.py --chorus) whose rounds
+    compare_benchmarks.py pairs; an error recorded by either side fails it."""
+
+    def bench(self, driver="pass", server="pass", budget=None):
+        os.makedirs(os.path.join(self.build, "lib"), exist_ok=True)
+        write_exe(os.path.join(self.build, "benchmarks/chorus_gpu_bench"),
+                  FAKE_CHORUS_SERVE.replace("@MODE@", server).replace("@CONFIGS@", repr(CHORUS_CONFIGS)))
+        path = os.path.join(self.tmp, "fake_pytorch_gpu_bench.py")
+        write_exe(path, FAKE_BENCH_DRIVER.replace("@MODE@", driver).replace("@OFFERS@", repr(PEER_OFFERS))
+                  .replace("@BENCH_DIR@", repr(os.path.join(REPO, "benchmarks"))))
+        self.seen = os.path.join(self.tmp, "bench-processes.jsonl")
+        run = self.make_run()
+        env = {"FAKE_BENCH_OUT": self.seen, "LD_LIBRARY_PATH": "/python/own/lib"}
+        with mock.patch.object(gpu_check, "BENCH_DRIVER", path), mock.patch.dict(os.environ, env), \
+                mock.patch.object(gpu_check, "BUDGET_S", budget or gpu_check.BUDGET_S):
+            run.bench_stage()
+        with open(os.path.join(self.out, "summary.json")) as f:
+            self.assertEqual(json.load(f)["stages"]["benchmarks"]["verdict"], run.summary["stages"]["benchmarks"]["verdict"])
+        return run, run.summary["stages"]["benchmarks"]
+
+    def processes(self):
+        with open(self.seen) as f:
+            return {p["side"]: p for p in map(json.loads, f)}
+
+    def test_one_interleaved_run_gives_paired_rows(self):
+        run, b = self.bench()
+        self.assertTrue(b["ok"], b)
+        self.assertEqual(b["verdict"], "passed (10 row(s) compared, 10 paired)")
+        self.assertFalse(run.failed)
+        self.assertEqual(b["unpaired"], [])
+        self.assertEqual(b["missing"], [])
+        self.assertEqual(b["run_id"]["chorus"], b["run_id"]["pytorch"])
+        # chorus round k takes k ms, PyTorch's 2 ms: the round ratios 0.5, 1, 1.5
+        self.assertIn("tutorial DataParallel 1 GPU vs pytorch-dataparallel DataParallel 1 GPU: "
+                      "1.00x [0.50-1.50] paired, target <= 0.25 MISSED", b["table"])
+        self.assertIn("mlp-large DataParallel {cuda:0, cuda:0} fp32 vs chorus 1 GPU fp32: 1.00x [1.00-1.00] paired, "
+                      "target <= 1.15 met", b["table"])
+        self.assertIn("mlp-small 1 GPU vs pytorch-cudagraph 1 GPU: 1.00x [0.50-1.50] paired", b["table"])
+        self.assertEqual(b["ratios"][0]["round_ratios"], [0.5, 1.0, 1.5])
+        # chorus_gpu_bench served the rounds with the chorus binaries' libraries first; the
+        # PyTorch side kept python3's own LD_LIBRARY_PATH.
+        p = self.processes()
+        self.assertEqual(p["chorus"]["argv"], ["--serve"])
+        self.assertEqual(p["chorus"]["ld"].split(":")[0], os.path.join(self.build, "lib"))
+        self.assertEqual(p["pytorch"]["ld"], "/python/own/lib")
+
+    def test_an_error_on_either_side_fails(self):
+        for driver, server, side, row in (("pass", "round_error", "chorus", "mlp-large 1 GPU tf32 vs pytorch-eager"),
+                                          ("local_error", "pass", "pytorch", "resnet20-cifar 1 GPU fp32 vs pytorch-eager "
+                                                                             "1 GPU fp32 channels_last")):
+            with self.subTest(side=side):
+                run, b = self.bench(driver, server)
+                self.assertFalse(b["ok"], b)
+                self.assertTrue(run.failed)
+                self.assertTrue(b["verdict"].startswith(f"failed (exit status 1, {side} 1 error(s): "), b["verdict"])
+                self.assertEqual(len(b[side + "_errors"]), 1)
+                self.assertTrue(any(m.startswith(row) for m in b["missing"]), b["missing"])
+                self.assertIn("missing)", b["verdict"])
+                self.assertTrue(b["table"])  # the other rows are still reported
+
+    def test_a_recorded_error_fails_even_with_exit_status_0(self):
+        _, b = self.bench("exit0", "round_error")
+        self.assertEqual(b["rc"], 0)
+        self.assertFalse(b["ok"], b)
+        self.assertIn("chorus 1 error(s): mlp-large 1 GPU tf32: peer: CUDA error: an illegal memory access",
+                      b["verdict"])
+
+    def test_unpaired_and_missing_rows_are_named(self):
+        _, b = self.bench("other_run")
+        self.assertEqual(b["verdict"], "passed (10 row(s) compared, 1 paired, 9 unpaired)")
+        self.assertIn("mlp-small 1 GPU vs pytorch-eager 1 GPU", b["unpaired"])
+        self.assertIn("mlp-small 1 GPU vs pytorch-eager 1 GPU: 1.00x unpaired, target <= 0.25 MISSED", b["table"])
+        _, b = self.bench(server="no_dp")
+        self.assertEqual(b["verdict"], "passed (9 row(s) compared, 9 paired, 1 missing)")
+        self.assertEqual(b["missing"], ["mlp-large DataParallel {cuda:0, cuda:0} fp32 vs chorus 1 GPU fp32"])
+
+    def test_a_driver_that_cannot_start(self):
+        run, b = self.bench("no_torch")
+        self.assertFalse(b["ok"])
+        self.assertEqual(b["verdict"], "did not start (exit status 1, neither JSON written: see gpu_bench.log)")
+        self.assertEqual((b["chorus_json"], b["pytorch_json"]), ("not written", "not written"))
+        self.assertTrue(run.failed)
+
+    def test_a_timeout_keeps_the_rows_measured_and_ends_both_sides(self):
+        t = time.monotonic()
+        _, b = self.bench("hang", budget=2)  # the stage gets its 5 s minimum
+        self.assertLess(time.monotonic() - t, 30)
+        self.assertFalse(b["ok"])
+        self.assertTrue(b["timed_out"])
+        self.assertEqual(b["verdict"], "timed out (1 row(s) compared, 1 paired, 9 missing)")
+        self.assertEqual(len(b["table"]), 1)
+        for side, p in self.processes().items():
+            self.assertFalse(alive(p["pid"]), f"the {side} side outlived the stage's timeout")
+
+
+class TestDryRunChecks(Base):
+    def test_the_dry_run_finds_a_chorus_gpu_bench_without_serve(self):
+        exe = os.path.join(self.build, "benchmarks/chorus_gpu_bench")
+        # chorus_gpu_bench as it is: its options first, the GPU after; and as it was before the
+        # interleaved benchmarks (no --serve, the GPU first).
+        now = ("import sys\nif sys.argv[1:] == ['--serve', '--rounds', '0']:\n"
+               "    sys.exit(print('error: --rounds must be at least 1, got 0', file=sys.stderr) or 1)\n"
+               "sys.exit(print('error: chorus_gpu_bench needs a GPU', file=sys.stderr) or 1)\n")
+        write_exe(exe, "#!PYTHON\n" + now)
+        self.assertEqual(gpu_check.serve_problems(self.build, dict(os.environ)), [])
+        write_exe(exe, "#!PYTHON\nimport sys\nsys.exit(print('error: chorus_gpu_bench needs a GPU', file=sys.stderr) or 1)\n")
+        problems = gpu_check.serve_problems(self.build, dict(os.environ))
+        self.assertEqual(len(problems), 1, problems)
+        self.assertIn("does not take --serve", problems[0])
+        self.assertIn("needs a GPU", problems[0])
+
+
+class TestBudget(Base):
+    """Note [time budget]: gpu_run's stages on a fake clock, each command taking the time a
+    scenario gives it, or its whole limit when that is shorter."""
+
+    def simulate(self, need, failing=0):
+        for b in gpu_check.BINARIES:
+            write_exe(os.path.join(self.build, b), FAKE_GTEST.replace("@MODE@", "pass"))
+        clock, calls = [0.0], []
+
+        def run(run_self, name, cmd, timeout, env=None, log_name=None):
+            path = os.path.join(run_self.logs, log_name or f"{name}.log")
+            open(path, "a").close()
+            secs = min(need(name), timeout)
+            calls.append((name, gpu_check.BUDGET_S - clock[0], timeout))
+            clock[0] += secs
+            out = next((a.split(":", 1)[1] for a in cmd if a.startswith("--gtest_output=json:")), None)
+            if name == "test_cuda" and failing and need(name) <= timeout:  # a report with failures
+                with open(out, "w") as f:
+                    json.dump({"testsuites": [{"name": "Cuda", "testsuite": [
+                        {"name": f"T{i}", "failures": [{"failure": "x"}]} for i in range(failing)]}]}, f)
+            return (0 if need(name) <= timeout else -9), need(name) > timeout, secs, path
+
+        fake_time = types.SimpleNamespace(monotonic=lambda: clock[0], sleep=lambda s: None,
+                                          strftime=time.strftime, gmtime=time.gmtime)
+        with mock.patch.object(gpu_check, "time", fake_time), mock.patch.object(gpu_check.Run, "run", run), \
+                mock.patch.object(gpu_check, "has_gpu", lambda: True), \
+                mock.patch.object(gpu_check, "find_sanitizer", lambda: "/fake/compute-sanitizer"), \
+                contextlib.redirect_stdout(io.StringIO()) as printed:
+            gpu_check.gpu_run(self.out, self.build)
+        self.printed = printed.getvalue()
+        stages = [n for n, _, _ in calls]
+        self.assertEqual(stages.count("gpu_bench"), 1, stages)
+        self.assertIn("distributed", stages)
+        self.assertTrue(stages[-1].startswith("memcheck-"), stages)
+        first = lambda name: next((left, limit) for n, left, limit in calls if n.startswith(name))
+        return clock[0], first
+
+    def test_every_command_running_to_its_limit_ends_inside_the_budget(self):
+        total, first = self.simulate(lambda name: 1e9)
+        self.assertLessEqual(total, gpu_check.BUDGET_S)
+        left, limit = first("gpu_bench")
+        self.assertEqual(limit, min(250, left - 180))
+        self.assertGreaterEqual(first("memcheck-")[0], 180)
+
+    def test_a_passing_run_gives_each_stage_its_share(self):
+        times = {"test_cuda": 60, "test_cuda_layers": 20, "tutorial": 10, "distributed": 60, "gpu_bench": 150}
+        total, first = self.simulate(lambda name: times.get(name, 1e9))
+        self.assertEqual(first("distributed")[1], 90)  # its whole cap
+        self.assertEqual(first("gpu_bench"), (540 - 150, 540 - 150 - 180))  # all but memcheck's 180 s
+        self.assertEqual(first("memcheck-")[0], 540 - 300)
+        self.assertIn("\nverdict benchmarks: did not start", self.printed)  # the output's tail has every verdict
+        self.assertLessEqual(total, gpu_check.BUDGET_S)
+
+    def test_slow_failing_tests_and_hanging_reruns_still_end_inside_the_budget(self):
+        times = {"test_cuda": 150, "test_cuda_layers": 20, "tutorial": 10}
+        total, first = self.simulate(lambda name: times.get(name, 1e9), failing=20)
+        self.assertEqual(first("rerun")[1], 45)
+        self.assertLessEqual(total, gpu_check.BUDGET_S + 10)  # two 5 s floors at most
+        self.assertGreaterEqual(first("memcheck-")[0], 180)
 
 
 if __name__ == "__main__":
