@@ -225,7 +225,7 @@ std::tuple<Tensor<T>, Tensor<std::int64_t>> topk(const Tensor<T>& x, std::int64_
   auto idx = Tensor<std::int64_t>::empty(s, x.device());
   backend::topk(ops::detail::contiguous_data(x), outer, n, inner, k, vals, idx,
                 backend::fn::RankOrder{largest, largest});
-  const Shape out_shape = x.dim() == 0 ? Shape{} : s;
+  const Shape out_shape = x.dim() == 0 && k == 1 ? Shape{} : s;  // a 0-dim input keeps its rank
   Tensor<T> v = ops::detail::view_as_shape(vals, out_shape);
   if constexpr (is_floating_v<T>) {
     if (autograd::needs_grad(x)) {
