@@ -118,6 +118,7 @@ TYPED_TEST(OpsSeq, PermuteMovedimTransposeExpandAreViews) {
   EXPECT_TRUE(throws_with([&] { x.permute({0, 1, 1}); }, {"permute", "dim 1", "multiple times"}));
   EXPECT_TRUE(throws_with([&] { x.permute({0, 1, 3}); }, {"permute", "dim 3", "out of range"}));
   EXPECT_TRUE(throws_with([&] { movedim(x, I64{0, 1}, I64{2}); }, {"movedim", "same number"}));
+  EXPECT_TRUE(throws_with([&] { transpose(x, 0, 3); }, {"transpose", "dim 3", "out of range"}));
   EXPECT_TRUE(throws_with([&] { x.expand({2, 5, 4}); }, {"expand", "(5)", "existing size (3)", "dimension 1"}));
   EXPECT_TRUE(throws_with([&] { x.expand({3, 4}); }, {"expand", "number of sizes"}));
   EXPECT_TRUE(throws_with([&] { x.expand({-1, 2, 3, 4}); }, {"expand", "-1", "leading"}));

@@ -177,8 +177,8 @@ Tensor<T> expand(const Tensor<T>& x, const Shape& sizes) {
   for (int i = 0; i < n; ++i) {
     const std::int64_t want = sizes[i];
     if (i < lead) {
-      CHORUS_CHECK(want >= 0, "expand: the expanded size ", want, " is not allowed in a leading, non-existing dimension ",
-                   i, " (sizes ", sizes, ")");
+      CHORUS_CHECK(want >= 0, "expand: the expanded size ", want,
+                   " is not allowed in a leading, non-existing dimension ", i, " (sizes ", sizes, ")");
       s[i] = want;
       continue;
     }
