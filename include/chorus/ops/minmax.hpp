@@ -106,10 +106,16 @@ Tensor<T> extremum_dims(const char* op, const char* node, const Tensor<T>& x, co
   for (int d : ds) check_nonempty_dim(op, x.shape(), d);
   // keep: x's shape with 1 at each reduced dim (a 0-dim tensor is its own extremum).
   Tensor<T> keep = ds.empty() ? x.detach().clone() : contiguous_data(x.detach());
-  for (auto it = ds.rbegin(); it != ds.rend(); ++it) {
-    Tensor<T> next;
-    extremum_dim(keep, *it, is_max, &next, nullptr);
-    keep = next;
+  if (ds.size() > 1 && ds.size() == static_cast<std::size_t>(x.dim())) {  // all of them: one pass
+    Tensor<T> flat;
+    extremum_dim(view_as_shape(keep, Shape{x.numel()}), 0, is_max, &flat, nullptr);
+    keep = view_as_shape(flat, Shape::filled(x.dim(), 1));
+  } else {
+    for (auto it = ds.rbegin(); it != ds.rend(); ++it) {
+      Tensor<T> next;
+      extremum_dim(keep, *it, is_max, &next, nullptr);
+      keep = next;
+    }
   }
   auto out = view_as_shape(keep, reduced_shape(x.shape(), ds, keepdim));
   if constexpr (is_floating_v<T>) {
