@@ -292,6 +292,15 @@ TYPED_TEST(OpsSeq, SumMeanOverSeveralDimsAndCumsum) {
   EXPECT_EQ(x.sum(I64{0, -1}, true).shape(), (Shape{1, 3, 1}));
   EXPECT_TRUE(values_are(mean(x, I64{1, 2}), {5.5, 17.5}));
   EXPECT_EQ(sum(x, I64{0, 1, 2}).shape(), Shape{});
+  // Braced lists (Note [braced dim lists]): {} is every dim, never dim 0; {2} is dim 2.
+  EXPECT_EQ(sum(x, {}).shape(), Shape{});
+  EXPECT_EQ(x.sum({}).item(), T(276));
+  EXPECT_EQ(x.mean({}, true).shape(), (Shape{1, 1, 1}));
+  EXPECT_TRUE(values_are(x.sum({2}), x.sum(2).to_vector()));
+  EXPECT_EQ(chorus::var(x, {}).shape(), Shape{});
+  EXPECT_EQ(x.norm(2, {}).shape(), Shape{});
+  EXPECT_EQ(logsumexp(x, {}, true).shape(), (Shape{1, 1, 1}));
+  EXPECT_EQ(x.std({0, 1}, 0).shape(), (Shape{4}));
   EXPECT_TRUE(throws_with([&] { sum(x, I64{1, -2}); }, {"sum", "multiple times"}));
   auto c = cumsum(from_vector<T>({1, 2, 3, 4, 5, 6}, {2, 3}), 1);
   EXPECT_TRUE(values_are(c, {1, 3, 6, 4, 9, 15}));

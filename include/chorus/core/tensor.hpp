@@ -190,6 +190,9 @@ class Tensor {
   Tensor masked_fill(const Tensor<std::int64_t>& mask, double value) const;
   Tensor sum(const std::vector<std::int64_t>& dims, bool keepdim = false) const;
   Tensor mean(const std::vector<std::int64_t>& dims, bool keepdim = false) const;
+  // A braced list of dims (`{}`: all of them) picks these (Note [braced dim lists] in ops/reduce.hpp).
+  Tensor sum(std::initializer_list<std::int64_t> dims, bool keepdim = false) const;
+  Tensor mean(std::initializer_list<std::int64_t> dims, bool keepdim = false) const;
   Tensor cumsum(std::int64_t dim) const;
   Tensor max() const;
   Tensor min() const;
@@ -203,19 +206,23 @@ class Tensor {
                                                 bool sorted = true) const;
   Tensor logsumexp(const std::vector<std::int64_t>& dims, bool keepdim = false) const;
   Tensor logsumexp(std::int64_t dim, bool keepdim = false) const;
+  Tensor logsumexp(std::initializer_list<std::int64_t> dims, bool keepdim = false) const;
   Tensor var(const std::vector<std::int64_t>& dims = {}, double correction = 1.0, bool keepdim = false) const;
   Tensor var(std::int64_t dim, double correction = 1.0, bool keepdim = false) const;
+  Tensor var(std::initializer_list<std::int64_t> dims, double correction = 1.0, bool keepdim = false) const;
   template <class B>
     requires std::is_same_v<B, bool>
   Tensor var(B unbiased) const;  // only a bool: an int is a dim
   Tensor std(const std::vector<std::int64_t>& dims = {}, double correction = 1.0, bool keepdim = false) const;
   Tensor std(std::int64_t dim, double correction = 1.0, bool keepdim = false) const;
+  Tensor std(std::initializer_list<std::int64_t> dims, double correction = 1.0, bool keepdim = false) const;
   template <class B>
     requires std::is_same_v<B, bool>
   Tensor std(B unbiased) const;
   Tensor norm(double p = 2.0) const;
   Tensor norm(double p, const std::vector<std::int64_t>& dims, bool keepdim = false) const;
   Tensor norm(double p, std::int64_t dim, bool keepdim = false) const;
+  Tensor norm(double p, std::initializer_list<std::int64_t> dims, bool keepdim = false) const;
   Tensor contiguous() const;
   Tensor clone() const;
   Tensor to(Device device) const;

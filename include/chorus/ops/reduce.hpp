@@ -1,5 +1,6 @@
 #pragma once
 // Reductions (sum, mean over one dim or several), cumsum, logsumexp and softmax / log_softmax.
+#include <initializer_list>
 #include <vector>
 
 #include "../backend/index.hpp"
@@ -179,6 +180,19 @@ template <class T>
 Tensor<T> mean(const Tensor<T>& x, const std::vector<std::int64_t>& dims, bool keepdim = false) {
   return ops::detail::reduce_dims(x, dims, keepdim, true);
 }
+// Note [braced dim lists]
+// `sum(x, {})` must mean every dim, as PyTorch's dim=[] does, not dim 0: `{}` converts to an
+// int64 dim as well as to a vector, and the int wins. A std::initializer_list parameter beats
+// both (C++'s tie-breaker for list-initialisation), so each operator taking one dim or a list of
+// dims has this third overload; `{1}` still means dim 1.
+template <class T>
+Tensor<T> sum(const Tensor<T>& x, std::initializer_list<std::int64_t> dims, bool keepdim = false) {
+  return ops::detail::reduce_dims(x, std::vector<std::int64_t>(dims), keepdim, false);
+}
+template <class T>
+Tensor<T> mean(const Tensor<T>& x, std::initializer_list<std::int64_t> dims, bool keepdim = false) {
+  return ops::detail::reduce_dims(x, std::vector<std::int64_t>(dims), keepdim, true);
+}
 
 /// Inclusive cumulative sum along `dim` (accumulated in double for float), as torch.cumsum.
 template <class T>
@@ -230,6 +244,14 @@ Tensor<T> Tensor<T>::sum(const std::vector<std::int64_t>& dims, bool keepdim) co
 }
 template <class T>
 Tensor<T> Tensor<T>::mean(const std::vector<std::int64_t>& dims, bool keepdim) const {
+  return chorus::mean(*this, dims, keepdim);
+}
+template <class T>
+Tensor<T> Tensor<T>::sum(std::initializer_list<std::int64_t> dims, bool keepdim) const {
+  return chorus::sum(*this, dims, keepdim);
+}
+template <class T>
+Tensor<T> Tensor<T>::mean(std::initializer_list<std::int64_t> dims, bool keepdim) const {
   return chorus::mean(*this, dims, keepdim);
 }
 template <class T>

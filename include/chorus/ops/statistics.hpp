@@ -3,6 +3,7 @@
 // p-norm with PyTorch's gradient conventions (0 at a zero norm).
 #include <cmath>
 #include <concepts>
+#include <initializer_list>
 #include <limits>
 #include <vector>
 
@@ -141,6 +142,10 @@ template <class T>
 Tensor<T> logsumexp(const Tensor<T>& x, std::int64_t dim, bool keepdim = false) {
   return logsumexp(x, std::vector<std::int64_t>{dim}, keepdim);
 }
+template <class T>  // Note [braced dim lists]
+Tensor<T> logsumexp(const Tensor<T>& x, std::initializer_list<std::int64_t> dims, bool keepdim = false) {
+  return logsumexp(x, std::vector<std::int64_t>(dims), keepdim);
+}
 
 /// Variance over `dims` (an empty list: all) divided by N - correction: correction 1 is the
 /// unbiased estimate (the default), 0 the population variance. A bool passes as 1 or 0, so
@@ -153,6 +158,11 @@ Tensor<T> var(const Tensor<T>& x, const std::vector<std::int64_t>& dims, double 
 template <class T>
 Tensor<T> var(const Tensor<T>& x, std::int64_t dim, double correction = 1.0, bool keepdim = false) {
   return var(x, std::vector<std::int64_t>{dim}, correction, keepdim);
+}
+template <class T>  // Note [braced dim lists]
+Tensor<T> var(const Tensor<T>& x, std::initializer_list<std::int64_t> dims, double correction = 1.0,
+              bool keepdim = false) {
+  return var(x, std::vector<std::int64_t>(dims), correction, keepdim);
 }
 /// Over all elements.
 template <class T>
@@ -176,6 +186,11 @@ template <class T>
 Tensor<T> std(const Tensor<T>& x, std::int64_t dim, double correction = 1.0, bool keepdim = false) {
   return chorus::std(x, std::vector<std::int64_t>{dim}, correction, keepdim);
 }
+template <class T>  // Note [braced dim lists]
+Tensor<T> std(const Tensor<T>& x, std::initializer_list<std::int64_t> dims, double correction = 1.0,
+              bool keepdim = false) {
+  return chorus::std(x, std::vector<std::int64_t>(dims), correction, keepdim);
+}
 template <class T>
 Tensor<T> std(const Tensor<T>& x) {
   return chorus::std(x, std::vector<std::int64_t>{});
@@ -195,6 +210,10 @@ Tensor<T> norm(const Tensor<T>& x, double p, const std::vector<std::int64_t>& di
 template <class T>
 Tensor<T> norm(const Tensor<T>& x, double p, std::int64_t dim, bool keepdim = false) {
   return ops::detail::vector_norm(x, p, std::vector<std::int64_t>{dim}, keepdim);
+}
+template <class T>  // Note [braced dim lists]
+Tensor<T> norm(const Tensor<T>& x, double p, std::initializer_list<std::int64_t> dims, bool keepdim = false) {
+  return ops::detail::vector_norm(x, p, std::vector<std::int64_t>(dims), keepdim);
 }
 template <class T>
 Tensor<T> norm(const Tensor<T>& x, double p = 2.0) {
@@ -224,6 +243,22 @@ Tensor<T> Tensor<T>::std(const std::vector<std::int64_t>& dims, double correctio
 template <class T>
 Tensor<T> Tensor<T>::std(std::int64_t dim, double correction, bool keepdim) const {
   return chorus::std(*this, dim, correction, keepdim);
+}
+template <class T>
+Tensor<T> Tensor<T>::logsumexp(std::initializer_list<std::int64_t> dims, bool keepdim) const {
+  return chorus::logsumexp(*this, dims, keepdim);
+}
+template <class T>
+Tensor<T> Tensor<T>::var(std::initializer_list<std::int64_t> dims, double correction, bool keepdim) const {
+  return chorus::var(*this, dims, correction, keepdim);
+}
+template <class T>
+Tensor<T> Tensor<T>::std(std::initializer_list<std::int64_t> dims, double correction, bool keepdim) const {
+  return chorus::std(*this, dims, correction, keepdim);
+}
+template <class T>
+Tensor<T> Tensor<T>::norm(double p, std::initializer_list<std::int64_t> dims, bool keepdim) const {
+  return chorus::norm(*this, p, dims, keepdim);
 }
 template <class T>
 template <class B>
