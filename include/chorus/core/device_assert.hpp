@@ -26,6 +26,9 @@ enum DeviceAssertCode : int {
   kAssertCrossEntropyTarget = 1,  // value = target, index = row, bound = classes
   kAssertNllTarget = 2,           // likewise
   kAssertIndexSelect = 3,         // value = index, index = position, bound = size, extra = dim
+  kAssertGather = 4,              // likewise (position: the flat position in the index tensor)
+  kAssertScatterAdd = 5,          // likewise
+  kAssertOneHot = 6,              // value = class, index = position, bound = num_classes
 };
 
 struct DeviceAssert {
@@ -53,6 +56,13 @@ inline std::string describe(const DeviceAssert& a, const std::string& where) {
     case kAssertIndexSelect:
       return str_cat("index_select: index ", a.value, " at position ", a.index, " is out of range for dimension ",
                      a.extra, " of size ", a.bound, at);
+    case kAssertGather:
+    case kAssertScatterAdd:
+      return str_cat(a.code == kAssertGather ? "gather" : "scatter_add", ": index ", a.value, " at position ", a.index,
+                     " is out of range for dimension ", a.extra, " of size ", a.bound, at);
+    case kAssertOneHot:
+      return str_cat("one_hot: class value ", a.value, " at position ", a.index, " is out of range for ", a.bound,
+                     " classes", at);
     default: return str_cat("unknown device-side assertion ", a.code, at);
   }
 }

@@ -21,6 +21,9 @@
 #include "shape.hpp"
 #include "storage.hpp"
 
+#include <optional>  // the sequence-model operators' methods (argmax's dim, max's (values, indices))
+#include <tuple>
+
 CHORUS_NAMESPACE_BEGIN
 
 namespace autograd {
@@ -179,6 +182,51 @@ class Tensor {
   Tensor squeeze(std::int64_t dim) const;
   Tensor transpose(std::int64_t d0, std::int64_t d1) const;
   Tensor t() const;
+  // Sequence-model operators (ops/shape.hpp, index.hpp, minmax.hpp, statistics.hpp, reduce.hpp).
+  Tensor permute(const std::vector<std::int64_t>& dims) const;
+  Tensor movedim(std::int64_t source, std::int64_t destination) const;
+  Tensor movedim(const std::vector<std::int64_t>& source, const std::vector<std::int64_t>& destination) const;
+  Tensor expand(const Shape& sizes) const;
+  Tensor tril(std::int64_t diagonal = 0) const;
+  Tensor triu(std::int64_t diagonal = 0) const;
+  Tensor gather(std::int64_t dim, const Tensor<std::int64_t>& index) const;
+  Tensor scatter_add(std::int64_t dim, const Tensor<std::int64_t>& index, const Tensor& src) const;
+  Tensor masked_fill(const Tensor<std::int64_t>& mask, double value) const;
+  Tensor sum(const std::vector<std::int64_t>& dims, bool keepdim = false) const;
+  Tensor mean(const std::vector<std::int64_t>& dims, bool keepdim = false) const;
+  // A braced list of dims (`{}`: all of them) picks these (Note [braced dim lists] in ops/reduce.hpp).
+  Tensor sum(std::initializer_list<std::int64_t> dims, bool keepdim = false) const;
+  Tensor mean(std::initializer_list<std::int64_t> dims, bool keepdim = false) const;
+  Tensor cumsum(std::int64_t dim) const;
+  Tensor max() const;
+  Tensor min() const;
+  std::tuple<Tensor, Tensor<std::int64_t>> max(std::int64_t dim, bool keepdim = false) const;
+  std::tuple<Tensor, Tensor<std::int64_t>> min(std::int64_t dim, bool keepdim = false) const;
+  Tensor amax(const std::vector<std::int64_t>& dims = {}, bool keepdim = false) const;
+  Tensor amin(const std::vector<std::int64_t>& dims = {}, bool keepdim = false) const;
+  Tensor<std::int64_t> argmax(std::optional<std::int64_t> dim = std::nullopt, bool keepdim = false) const;
+  Tensor<std::int64_t> argmin(std::optional<std::int64_t> dim = std::nullopt, bool keepdim = false) const;
+  std::tuple<Tensor, Tensor<std::int64_t>> topk(std::int64_t k, std::int64_t dim = -1, bool largest = true,
+                                                bool sorted = true) const;
+  Tensor logsumexp(const std::vector<std::int64_t>& dims, bool keepdim = false) const;
+  Tensor logsumexp(std::int64_t dim, bool keepdim = false) const;
+  Tensor logsumexp(std::initializer_list<std::int64_t> dims, bool keepdim = false) const;
+  Tensor var(const std::vector<std::int64_t>& dims = {}, double correction = 1.0, bool keepdim = false) const;
+  Tensor var(std::int64_t dim, double correction = 1.0, bool keepdim = false) const;
+  Tensor var(std::initializer_list<std::int64_t> dims, double correction = 1.0, bool keepdim = false) const;
+  template <class B>
+    requires std::is_same_v<B, bool>
+  Tensor var(B unbiased) const;  // only a bool: an int is a dim
+  Tensor std(const std::vector<std::int64_t>& dims = {}, double correction = 1.0, bool keepdim = false) const;
+  Tensor std(std::int64_t dim, double correction = 1.0, bool keepdim = false) const;
+  Tensor std(std::initializer_list<std::int64_t> dims, double correction = 1.0, bool keepdim = false) const;
+  template <class B>
+    requires std::is_same_v<B, bool>
+  Tensor std(B unbiased) const;
+  Tensor norm(double p = 2.0) const;
+  Tensor norm(double p, const std::vector<std::int64_t>& dims, bool keepdim = false) const;
+  Tensor norm(double p, std::int64_t dim, bool keepdim = false) const;
+  Tensor norm(double p, std::initializer_list<std::int64_t> dims, bool keepdim = false) const;
   Tensor contiguous() const;
   Tensor clone() const;
   Tensor to(Device device) const;
@@ -188,6 +236,7 @@ class Tensor {
   Tensor mean() const;
   Tensor mean(std::int64_t dim, bool keepdim = false) const;
   Tensor matmul(const Tensor& other) const;
+  Tensor bmm(const Tensor& other) const;
   template <class U>
   Tensor<U> to() const;  // dtype conversion (not differentiable)
 

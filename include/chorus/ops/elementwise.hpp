@@ -1,5 +1,7 @@
 #pragma once
 // Elementwise operations with NumPy broadcasting, and the activations.
+#include <optional>
+
 #include "common.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -216,6 +218,36 @@ Tensor<T> pow(const Tensor<T>& x, double p) {
 template <class T>
 Tensor<T> square(const Tensor<T>& x) {
   return pow(x, 2.0);
+}
+/// |x|; the gradient at 0 is 0 (sgn(0)), as in PyTorch.
+template <class T>
+Tensor<T> abs(const Tensor<T>& x) {
+  return ops::detail::pointwise("AbsBackward", x, backend::fn::Abs{}, backend::fn::AbsBackward{}, false);
+}
+template <class T>
+Tensor<T> sin(const Tensor<T>& x) {
+  return ops::detail::pointwise("SinBackward", x, backend::fn::Sin{}, backend::fn::SinBackward{}, false);
+}
+template <class T>
+Tensor<T> cos(const Tensor<T>& x) {
+  return ops::detail::pointwise("CosBackward", x, backend::fn::Cos{}, backend::fn::CosBackward{}, false);
+}
+/// min(max(x, min), max) with either bound optional (at least one given), as torch.clamp; the
+/// gradient passes where min <= x <= max, the boundaries included.
+template <class T>
+Tensor<T> clamp(const Tensor<T>& x, std::optional<double> min, std::optional<double> max = std::nullopt) {
+  CHORUS_CHECK(min || max, "clamp: at least one of 'min' or 'max' must be given");
+  const backend::fn::Clamp f{min.value_or(0.0), max.value_or(0.0), min.has_value(), max.has_value()};
+  const backend::fn::ClampBackward b{f.lo, f.hi, f.has_lo, f.has_hi};
+  return ops::detail::pointwise("ClampBackward", x, f, b, false);
+}
+template <class T>
+Tensor<T> clamp_min(const Tensor<T>& x, double min) {
+  return clamp(x, min, std::nullopt);
+}
+template <class T>
+Tensor<T> clamp_max(const Tensor<T>& x, double max) {
+  return clamp(x, std::nullopt, max);
 }
 template <class T>
 Tensor<T> relu(const Tensor<T>& x) {

@@ -1,5 +1,9 @@
 #pragma once
-// Matrix products: matmul and the fused linear layer (x @ W^T + b).
+// Matrix products: matmul (broadcasting batches, as torch.matmul), bmm and the fused linear
+// layer (x @ W^T + b).
+#include <span>
+
+#include "../backend/index.hpp"
 #include "common.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -14,21 +18,32 @@ struct GemmOperand {
   bool trans;
 };
 
+/// How BLAS reads a rows x cols matrix with strides (rs, cs) without a copy: row-major with
+/// leading dimension ld (trans false) or column-major (trans true). False when it cannot.
+inline bool matrix_layout(std::int64_t rows, std::int64_t cols, std::int64_t rs, std::int64_t cs, std::int64_t& ld,
+                          bool& trans) {
+  if (cs == 1 || cols == 1) {  // row-major, leading dimension rs
+    ld = rows == 1 ? std::max<std::int64_t>(cols, 1) : rs;
+    trans = false;
+    if (ld >= std::max<std::int64_t>(cols, 1)) return true;
+  }
+  if (rs == 1 || rows == 1) {  // column-major: the transpose of a row-major matrix
+    ld = cols == 1 ? std::max<std::int64_t>(rows, 1) : cs;
+    trans = true;
+    if (ld >= std::max<std::int64_t>(rows, 1)) return true;
+  }
+  return false;
+}
+
 /// Reads 2-D `m` (rows x cols) without copying when it is row- or column-major.
 template <class T>
 GemmOperand<T> gemm_operand(const Tensor<T>& m) {
-  const auto& st = m.strides();
-  const std::int64_t rows = m.shape()[0], cols = m.shape()[1];
-  if (st[1] == 1 || cols == 1) {  // row-major, leading dimension st[0]
-    const std::int64_t ld = rows == 1 ? std::max<std::int64_t>(cols, 1) : st[0];
-    if (ld >= std::max<std::int64_t>(cols, 1)) return {m, m.data(), ld, false};
-  }
-  if (st[0] == 1 || rows == 1) {  // column-major: the transpose of a row-major matrix
-    const std::int64_t ld = cols == 1 ? std::max<std::int64_t>(rows, 1) : st[1];
-    if (ld >= std::max<std::int64_t>(rows, 1)) return {m, m.data(), ld, true};
-  }
+  std::int64_t ld = 0;
+  bool trans = false;
+  if (matrix_layout(m.shape()[0], m.shape()[1], m.strides()[0], m.strides()[1], ld, trans))
+    return {m, m.data(), ld, trans};
   auto c = contiguous_data(m);
-  return {c, c.data(), std::max<std::int64_t>(cols, 1), false};
+  return {c, c.data(), std::max<std::int64_t>(m.shape()[1], 1), false};
 }
 
 /// out[M,N] = alpha * a[M,K] @ b[K,N] + beta * out (out contiguous).
@@ -69,6 +84,102 @@ Tensor<T> as_matrix(const Tensor<T>& x) {
   return view_as_shape(contiguous_data(x), Shape{rows, x.shape().back()});
 }
 
+/// A batch of matrices as BLAS sees it: matrix b at ptr + b * stride (0: one shared matrix).
+template <class T>
+struct BatchOperand {
+  Tensor<T> keep;  // owns a contiguous copy when one was needed
+  const T* ptr;
+  std::int64_t ld, stride;
+  bool trans;
+};
+
+/// The one stride between consecutive matrices of batch dimensions [0, nb), when there is one
+/// (size-1 dimensions are skipped; broadcast dimensions have stride 0).
+inline bool collapse_batch(const Shape& shape, const Strides& st, int nb, std::int64_t& stride) {
+  stride = 0;
+  std::int64_t span = 0;  // matrices covered by the dimensions after i
+  for (int i = nb - 1; i >= 0; --i) {
+    if (shape[i] == 1) continue;
+    if (span == 0) {
+      stride = st[i];
+      span = shape[i];
+    } else {
+      if (st[i] != stride * span) return false;
+      span *= shape[i];
+    }
+  }
+  return true;
+}
+
+/// `m` ([..., R, C]) broadcast over `batch` (its leading dimensions broadcast to `batch`), read
+/// without a copy where the batch has one stride and each matrix a BLAS layout; else copied.
+template <class T>
+BatchOperand<T> batch_operand(const Tensor<T>& m, const Shape& batch) {
+  const int nb = batch.size(), md = m.dim();
+  const std::int64_t R = m.shape()[md - 2], C = m.shape()[md - 1];
+  Shape full = batch;
+  full.push_back(R);
+  full.push_back(C);
+  Strides st = Strides::filled(nb + 2, 0);
+  for (int i = 0; i < nb; ++i) {
+    const int j = i - (nb - (md - 2));
+    if (j >= 0 && m.shape()[j] != 1) st[i] = m.strides()[j];
+  }
+  st[nb] = m.strides()[md - 2];
+  st[nb + 1] = m.strides()[md - 1];
+  std::int64_t stride = 0, ld = 0;
+  bool trans = false;
+  if (collapse_batch(full, st, nb, stride) && matrix_layout(R, C, st[nb], st[nb + 1], ld, trans))
+    return {m, m.data(), ld, stride, trans};
+  auto impl = std::make_shared<TensorImpl<T>>();
+  impl->storage = m.impl()->storage;
+  impl->offset = m.storage_offset();
+  impl->shape = full;
+  impl->strides = st;
+  auto c = Tensor<T>::empty(full, m.device());
+  backend::copy(c, Tensor<T>(std::move(impl)));
+  return {c, c.data(), std::max<std::int64_t>(C, 1), R * C, false};
+}
+
+/// The last two dimensions swapped, as a view (not recorded).
+template <class T>
+Tensor<T> transpose_last(const Tensor<T>& m) {
+  auto impl = std::make_shared<TensorImpl<T>>();
+  impl->storage = m.impl()->storage;
+  impl->offset = m.storage_offset();
+  impl->shape = m.shape();
+  impl->strides = m.strides();
+  const int d = m.dim();
+  std::swap(impl->shape[d - 2], impl->shape[d - 1]);
+  std::swap(impl->strides[d - 2], impl->strides[d - 1]);
+  return Tensor<T>(std::move(impl));
+}
+
+/// x [..., M, K] @ y [..., K, N] with the leading dimensions broadcast (not recorded): one
+/// strided-batched GEMM into a fresh contiguous [batch..., M, N].
+template <class T>
+Tensor<T> batched_mm(const Tensor<T>& x, const Tensor<T>& y) {
+  const int xd = x.dim(), yd = y.dim();
+  const Shape xb(std::span<const std::int64_t>(x.shape().begin(), x.shape().begin() + xd - 2));
+  const Shape yb(std::span<const std::int64_t>(y.shape().begin(), y.shape().begin() + yd - 2));
+  Shape batch = broadcast_shapes(xb, yb, "matmul");
+  const std::int64_t M = x.shape()[xd - 2], K = x.shape()[xd - 1], N = y.shape()[yd - 1];
+  Shape os = batch;
+  os.push_back(M);
+  os.push_back(N);
+  auto out = Tensor<T>::empty(os, x.device());
+  if (out.numel() == 0) return out;
+  if (K == 0) {  // an empty sum: zeros (BLAS may leave C untouched)
+    backend::fill(out, T(0));
+    return out;
+  }
+  auto A = batch_operand(x, batch);
+  auto B = batch_operand(y, batch);
+  backend::gemm_batched(A.trans, B.trans, M, N, K, T(1), A.ptr, A.ld, A.stride, B.ptr, B.ld, B.stride, T(0),
+                        out.data(), std::max<std::int64_t>(N, 1), M * N, numel_of(batch), x.device());
+  return out;
+}
+
 template <class T>
 class MatmulBackward final : public autograd::Node<T> {
  public:
@@ -80,14 +191,9 @@ class MatmulBackward final : public autograd::Node<T> {
   typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
     const auto& g = grads[0];
     Tensor<T> ga, gb;
-    if (a_.dim() == 3 && b_.dim() == 3) {  // batched
-      if (this->next_edges()[0].valid()) ga = Tensor<T>::empty(a_.shape(), g.device());
-      if (this->next_edges()[1].valid()) gb = Tensor<T>::empty(b_.shape(), g.device());
-      for (std::int64_t i = 0; i < a_.shape()[0]; ++i) {
-        auto gi = g.select(0, i), ai = a_.select(0, i), bi = b_.select(0, i);
-        if (ga.defined()) gemm_2d(gi, make_view2d(bi), ga.select(0, i), T(1), T(0));
-        if (gb.defined()) gemm_2d(make_view2d(ai), gi, gb.select(0, i), T(1), T(0));
-      }
+    if (b_.dim() != 2) {  // batched: the gradients of broadcast operands are summed over the batch
+      if (this->next_edges()[0].valid()) ga = sum_to(batched_mm(g, transpose_last(b_)), a_.shape());
+      if (this->next_edges()[1].valid()) gb = sum_to(batched_mm(transpose_last(a_), g), b_.shape());
       return {ga, gb};
     }
     auto g2 = as_matrix(g);
@@ -154,35 +260,56 @@ class LinearBackward final : public autograd::Node<T> {
 
 }  // namespace ops::detail
 
-/// Matrix product: [M,K]@[K,N], [...,K]@[K,N] (leading dimensions batched) or [B,M,K]@[B,K,N].
+/// Matrix product with torch.matmul's semantics: 1-D·1-D is a dot product (0-dim); a 1-D
+/// operand is a row (left) or a column (right) vector whose dimension is removed from the
+/// result; N-D operands are batches of matrices whose leading dimensions broadcast
+/// ([2, 1, M, K] @ [3, K, N] -> [2, 3, M, N]). [..., M, K] @ [K, N] is one GEMM over all rows.
 template <class T>
 Tensor<T> matmul(const Tensor<T>& a, const Tensor<T>& b) {
   static_assert(is_floating_v<T>, "matmul: floating-point tensors only");
   ops::detail::check_defined("matmul", a, "left operand");
   ops::detail::check_defined("matmul", b, "right operand");
   ops::detail::check_same_device("matmul", a, b);
+  CHORUS_CHECK(a.dim() >= 1 && b.dim() >= 1, "matmul: both arguments need to be at least 1-D, but they are ",
+               a.dim(), "-D and ", b.dim(), "-D");
+  if (a.dim() == 1 || b.dim() == 1) {  // vectors as [1, K] / [K, 1] matrices, the extra dimension removed after
+    auto out = matmul(a.dim() == 1 ? a.unsqueeze(0) : a, b.dim() == 1 ? b.unsqueeze(-1) : b);
+    if (b.dim() == 1) out = out.squeeze(-1);
+    if (a.dim() == 1) out = out.squeeze(b.dim() == 1 ? -1 : -2);
+    return out;
+  }
+  const std::int64_t K = a.shape().back(), K2 = b.shape()[b.dim() - 2];
+  CHORUS_CHECK(K == K2, "matmul: shapes ", a.shape(), " and ", b.shape(), " cannot be multiplied (", K, " columns vs ",
+               K2, " rows)");
   Tensor<T> out;
-  if (a.dim() == 3 && b.dim() == 3) {
-    CHORUS_CHECK(a.shape()[0] == b.shape()[0] && a.shape()[2] == b.shape()[1], "matmul: shapes ", a.shape(), " and ",
-                 b.shape(), " cannot be multiplied");
-    out = Tensor<T>::empty(Shape{a.shape()[0], a.shape()[1], b.shape()[2]}, a.device());
-    for (std::int64_t i = 0; i < a.shape()[0]; ++i)
-      ops::detail::gemm_2d(a.detach().select(0, i), b.detach().select(0, i), out.select(0, i), T(1), T(0));
-  } else {
-    CHORUS_CHECK(a.dim() >= 2 && b.dim() == 2 && a.shape().back() == b.shape()[0], "matmul: shapes ", a.shape(),
-                 " and ", b.shape(), " cannot be multiplied");
+  if (b.dim() == 2) {  // [..., M, K] @ [K, N]: the rows of every batch in one GEMM
     auto a2 = ops::detail::as_matrix(a.detach());
     Shape s = a.shape();
     s[s.size() - 1] = b.shape()[1];
     out = Tensor<T>::empty(s, a.device());
     ops::detail::gemm_2d(a2, b.detach(), ops::detail::view_as_shape(out, Shape{a2.shape()[0], b.shape()[1]}), T(1),
                          T(0));
+  } else {
+    out = ops::detail::batched_mm(a.detach(), b.detach());
   }
   if (autograd::needs_grad(a, b)) {
     auto node = autograd::make_node<ops::detail::MatmulBackward<T>, T>({&a, &b}, a.detach(), b.detach());
     autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
   }
   return out;
+}
+
+/// Batched matrix product of [B, M, K] and [B, K, N] (no broadcasting), as torch.bmm.
+template <class T>
+Tensor<T> bmm(const Tensor<T>& a, const Tensor<T>& b) {
+  ops::detail::check_defined("bmm", a, "left operand");
+  ops::detail::check_defined("bmm", b, "right operand");
+  CHORUS_CHECK(a.dim() == 3, "bmm: batch1 must be a 3-D tensor, got shape ", a.shape());
+  CHORUS_CHECK(b.dim() == 3, "bmm: batch2 must be a 3-D tensor, got shape ", b.shape());
+  CHORUS_CHECK(a.shape()[0] == b.shape()[0] && a.shape()[2] == b.shape()[1], "bmm: batch1 of shape ", a.shape(),
+               " and batch2 of shape ", b.shape(), " cannot be multiplied (expected batch2 of shape [", a.shape()[0],
+               ", ", a.shape()[2], ", *])");
+  return matmul(a, b);
 }
 
 /// y = x @ weight^T + bias, x: [..., in], weight: [out, in], bias: [out] or undefined.
@@ -221,6 +348,10 @@ Tensor<T> linear(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
 template <class T>
 Tensor<T> Tensor<T>::matmul(const Tensor<T>& other) const {
   return chorus::matmul(*this, other);
+}
+template <class T>
+Tensor<T> Tensor<T>::bmm(const Tensor<T>& other) const {
+  return chorus::bmm(*this, other);
 }
 
 CHORUS_NAMESPACE_END

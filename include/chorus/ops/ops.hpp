@@ -9,3 +9,10 @@
 #include "print.hpp"
 #include "reduce.hpp"
 #include "view.hpp"
+
+// The sequence-model operators, last: chorus::max, min, abs, ... would hide the math library's
+// overloads from an unqualified call in a kernel header parsed after them.
+#include "index.hpp"
+#include "minmax.hpp"
+#include "shape.hpp"
+#include "statistics.hpp"

@@ -1,6 +1,11 @@
 #pragma once
-// Reductions (sum, mean) and softmax / log_softmax.
+// Reductions (sum, mean over one dim or several), cumsum, logsumexp and softmax / log_softmax.
+#include <initializer_list>
+#include <vector>
+
+#include "../backend/index.hpp"
 #include "common.hpp"
+#include "dims.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace ops::detail {
@@ -115,6 +120,37 @@ Tensor<T> softmax_impl(const Tensor<T>& x, std::int64_t dim, bool log_space) {
   return out;
 }
 
+/// Backward of cumsum: the reversed cumulative sum of the gradient.
+template <class T>
+class CumsumBackward final : public autograd::Node<T> {
+ public:
+  CumsumBackward(Shape in_shape, int dim) : in_(in_shape), dim_(dim) {}
+  std::string name() const override { return "CumsumBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
+    auto out = Tensor<T>::empty(in_, g[0].device());
+    std::int64_t outer, n, inner;
+    split_around(in_.size() ? in_ : Shape{1}, dim_, outer, n, inner);
+    backend::cumsum(g[0], outer, n, inner, out, true);
+    return {out};
+  }
+
+ private:
+  Shape in_;
+  int dim_;
+};
+
+/// Sum or mean over several dimensions: one recorded single-dim reduction per dimension.
+template <class T>
+Tensor<T> reduce_dims(const Tensor<T>& x, const std::vector<std::int64_t>& dims, bool keepdim, bool mean) {
+  const char* op = mean ? "mean" : "sum";
+  check_defined(op, x);
+  const auto ds = reduction_dims(dims, x.dim(), op);
+  if (x.dim() == 0 || (ds.size() == static_cast<std::size_t>(x.dim()) && !keepdim)) return reduce_all(x, mean);
+  Tensor<T> r = x;
+  for (auto it = ds.rbegin(); it != ds.rend(); ++it) r = reduce_dim(r, *it, true, mean);
+  return keepdim ? r : r.reshape(reduced_shape(x.shape(), ds, false));
+}
+
 }  // namespace ops::detail
 
 /// Sum of all elements (a 0-dim tensor).
@@ -135,6 +171,48 @@ template <class T>
 Tensor<T> mean(const Tensor<T>& x, std::int64_t dim, bool keepdim = false) {
   return ops::detail::reduce_dim(x, dim, keepdim, true);
 }
+/// Sum over the dimensions in `dims` (an empty list: all of them), as torch.sum(x, dims, keepdim).
+template <class T>
+Tensor<T> sum(const Tensor<T>& x, const std::vector<std::int64_t>& dims, bool keepdim = false) {
+  return ops::detail::reduce_dims(x, dims, keepdim, false);
+}
+template <class T>
+Tensor<T> mean(const Tensor<T>& x, const std::vector<std::int64_t>& dims, bool keepdim = false) {
+  return ops::detail::reduce_dims(x, dims, keepdim, true);
+}
+// Note [braced dim lists]
+// `sum(x, {})` must mean every dim, as PyTorch's dim=[] does, not dim 0: `{}` converts to an
+// int64 dim as well as to a vector, and the int wins. A std::initializer_list parameter beats
+// both (C++'s tie-breaker for list-initialisation), so each operator taking one dim or a list of
+// dims has this third overload; `{1}` still means dim 1.
+template <class T>
+Tensor<T> sum(const Tensor<T>& x, std::initializer_list<std::int64_t> dims, bool keepdim = false) {
+  return ops::detail::reduce_dims(x, std::vector<std::int64_t>(dims), keepdim, false);
+}
+template <class T>
+Tensor<T> mean(const Tensor<T>& x, std::initializer_list<std::int64_t> dims, bool keepdim = false) {
+  return ops::detail::reduce_dims(x, std::vector<std::int64_t>(dims), keepdim, true);
+}
+
+/// Inclusive cumulative sum along `dim` (accumulated in double for float), as torch.cumsum.
+template <class T>
+Tensor<T> cumsum(const Tensor<T>& x, std::int64_t dim) {
+  ops::detail::check_defined("cumsum", x);
+  const int d = ops::detail::wrap_op_dim(dim, x.dim(), "cumsum");
+  auto xc = ops::detail::contiguous_data(x);
+  std::int64_t outer, n, inner;
+  ops::detail::split_around(x.dim() ? x.shape() : Shape{1}, d, outer, n, inner);
+  auto out = Tensor<T>::empty(x.shape(), x.device());
+  backend::cumsum(xc, outer, n, inner, out, false);
+  if constexpr (is_floating_v<T>) {
+    if (autograd::needs_grad(x)) {
+      auto node = autograd::make_node<ops::detail::CumsumBackward<T>, T>({&x}, x.shape(), d);
+      autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+    }
+  }
+  return out;
+}
+
 template <class T>
 Tensor<T> softmax(const Tensor<T>& x, std::int64_t dim) {
   return ops::detail::softmax_impl(x, dim, false);
@@ -159,6 +237,26 @@ Tensor<T> Tensor<T>::mean() const {
 template <class T>
 Tensor<T> Tensor<T>::mean(std::int64_t dim, bool keepdim) const {
   return chorus::mean(*this, dim, keepdim);
+}
+template <class T>
+Tensor<T> Tensor<T>::sum(const std::vector<std::int64_t>& dims, bool keepdim) const {
+  return chorus::sum(*this, dims, keepdim);
+}
+template <class T>
+Tensor<T> Tensor<T>::mean(const std::vector<std::int64_t>& dims, bool keepdim) const {
+  return chorus::mean(*this, dims, keepdim);
+}
+template <class T>
+Tensor<T> Tensor<T>::sum(std::initializer_list<std::int64_t> dims, bool keepdim) const {
+  return chorus::sum(*this, dims, keepdim);
+}
+template <class T>
+Tensor<T> Tensor<T>::mean(std::initializer_list<std::int64_t> dims, bool keepdim) const {
+  return chorus::mean(*this, dims, keepdim);
+}
+template <class T>
+Tensor<T> Tensor<T>::cumsum(std::int64_t dim) const {
+  return chorus::cumsum(*this, dim);
 }
 
 CHORUS_NAMESPACE_END

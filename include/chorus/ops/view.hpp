@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "common.hpp"
+#include "dims.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace ops::detail {
@@ -285,7 +286,8 @@ Tensor<T> Tensor<T>::squeeze(std::int64_t dim) const {
 
 template <class T>
 Tensor<T> Tensor<T>::transpose(std::int64_t d0, std::int64_t d1) const {
-  const int a = wrap_dim(d0, dim()), b = wrap_dim(d1, dim());
+  const int a = ops::detail::wrap_op_dim(d0, dim(), "transpose");
+  const int b = ops::detail::wrap_op_dim(d1, dim(), "transpose");
   Shape s = shape();
   Strides st = strides();
   std::swap(s[a], s[b]);
