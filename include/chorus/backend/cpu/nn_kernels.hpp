@@ -346,8 +346,8 @@ struct BnReducePlan {
   std::int64_t splits = 1;  // planar: blocks per channel; columns: row chunks
   std::int64_t chunk = 0;   // planar: channel values per block; columns: rows per block
   std::int64_t tiles = 0;   // columns: tiles of kBnColTile columns
-  std::int64_t entries() const { return planar ? splits : splits * S; }
-  std::int64_t partials() const { return planar ? C * splits : splits * C * S; }
+  CHORUS_HOST_DEVICE std::int64_t entries() const { return planar ? splits : splits * S; }
+  CHORUS_HOST_DEVICE std::int64_t partials() const { return planar ? C * splits : splits * C * S; }
   /// The index in the partials of entry k (< entries()) of channel c.
   CHORUS_HOST_DEVICE std::int64_t entry(std::int64_t c, std::int64_t k) const {
     return planar ? c * splits + k : (k / S) * (C * S) + c * S + k % S;

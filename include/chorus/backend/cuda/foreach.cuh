@@ -85,7 +85,8 @@ __global__ void multi_norm(TensorChunk<T> c, NormSpec s, double* partial) {
 }
 
 /// One block: accumulates `count` partials into raw[0]; with total/coef, also the norm and
-/// clip_grad_norm_'s coefficient.
+/// clip_grad_norm_'s coefficient. (A template: no external-linkage kernels in headers.)
+template <int = 0>
 __global__ void finish_norm(const double* partial, std::int64_t count, NormSpec s, double max_norm, double* raw,
                             double* total, double* coef) {
   double acc = 0;
@@ -136,7 +137,7 @@ void foreach_norm(const std::vector<T*>& ptrs, const std::vector<std::int64_t>& 
     ::chorus::cuda::check_launch("multi_norm");
     at += b;
   }
-  k::finish_norm<<<1, 1024, 0, launch.stream>>>(partial.data(), blocks, s, 0.0, raw, nullptr, nullptr);
+  k::finish_norm<><<<1, 1024, 0, launch.stream>>>(partial.data(), blocks, s, 0.0, raw, nullptr, nullptr);
   ::chorus::cuda::check_launch("finish_norm");
 }
 
@@ -144,7 +145,7 @@ void foreach_norm(const std::vector<T*>& ptrs, const std::vector<std::int64_t>& 
 inline void norm_finish(const double* parts, std::int64_t count, const NormSpec& s, double max_norm, double* total,
                         double* coef, Device d) {
   Launch launch(d);
-  k::finish_norm<<<1, 1024, 0, launch.stream>>>(parts, count, s, max_norm, nullptr, total, coef);
+  k::finish_norm<><<<1, 1024, 0, launch.stream>>>(parts, count, s, max_norm, nullptr, total, coef);
   ::chorus::cuda::check_launch("finish_norm");
 }
 
