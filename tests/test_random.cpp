@@ -29,7 +29,8 @@ std::array<std::uint32_t, 4> philox(std::array<std::uint32_t, 4> ctr, std::array
 
 // Random123's known-answer vectors (Salmon et al. 2011, kat_vectors).
 TEST(Philox, KnownAnswers) {
-  EXPECT_EQ(philox({0, 0, 0, 0}, {0, 0}), (std::array<std::uint32_t, 4>{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
+  EXPECT_EQ(philox({0, 0, 0, 0}, {0, 0}),
+            (std::array<std::uint32_t, 4>{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
   EXPECT_EQ(philox({0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff}, {0xffffffff, 0xffffffff}),
             (std::array<std::uint32_t, 4>{0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}));
   EXPECT_EQ(philox({0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344}, {0xa4093822, 0x299f31d0}),
@@ -236,7 +237,9 @@ TEST(DropoutDevices, SplitAlongAnotherDimension) {
 // it draws stream indices of its own per replica, so replicas never repeat each other's mask.
 TEST(DropoutDevices, UnmappedTensorsGetDistinctNumbersPerReplica) {
   struct Flat : nn::Module {
-    Tensor<float> forward(const Tensor<float>& x) { return dropout(x.reshape({x.numel()}), 0.5, true).reshape(x.shape()); }
+    Tensor<float> forward(const Tensor<float>& x) {
+      return dropout(x.reshape({x.numel()}), 0.5, true).reshape(x.shape());
+    }
   };
   DataParallel<Flat> dp(Flat(), cpus(2));
   dp.set_inline_work(0);
@@ -271,9 +274,35 @@ TEST(DropoutDevices, ReplicaGroupAdvancesByTheMostAnyReplicaUsed) {
       EXPECT_EQ(odd.base, std::uint64_t{2} << kUnmappedStreamShift);
       EXPECT_EQ(philox_layout(g, Shape{2, 3}).offset, 108u);
     }
-    EXPECT_EQ(g.get_offset(), 100u);  // nothing moves while the forward runs
+    EXPECT_EQ(g.get_offset(), 100u + Generator::kWindow);  // others draw past the open window meanwhile
   }
-  EXPECT_EQ(g.get_offset(), 112u);  // replica 1 drew three times, replica 0 twice
+  EXPECT_EQ(g.get_offset(), 112u);  // replica 1 drew three times, replica 0 twice: as one device would
   EXPECT_TRUE(throws_with([&] { ReplicaRandomScope bad(std::make_shared<ReplicaRandomGroup>(), 0, 0, 3, 2, 4); },
                           {"ReplicaRandomScope", "[3, 5) of 4"}));
+}
+
+// Note [replica windows]: draws from elsewhere while a forward's window is open (another thread,
+// another DataParallel) get numbers of their own, never the window's.
+TEST(DropoutDevices, ConcurrentDrawsNeverReuseAnOpenWindowsNumbers) {
+  Generator g(6);
+  auto a = std::make_shared<ReplicaRandomGroup>(), b = std::make_shared<ReplicaRandomGroup>();
+  PhiloxLayout la, lb, plain;
+  {
+    ReplicaRandomScope ra(a, 0, 0, 0, 1, 2);
+    la = philox_layout(g, Shape{1, 5});
+  }
+  {
+    ReplicaRandomScope rb(b, 0, 0, 0, 1, 2);
+    lb = philox_layout(g, Shape{1, 5});
+  }
+  plain = philox_layout(g, Shape{5});
+  EXPECT_EQ(la.offset, 0u);
+  EXPECT_EQ(lb.offset, Generator::kWindow);
+  EXPECT_EQ(plain.offset, 2 * Generator::kWindow);
+  a->commit();  // others drew meanwhile: the offset stays past everything handed out
+  EXPECT_EQ(g.get_offset(), 2 * Generator::kWindow + 4);
+  b->commit();
+  EXPECT_EQ(g.get_offset(), 2 * Generator::kWindow + 4);
+  b.reset();  // committed already: destruction changes nothing
+  EXPECT_EQ(g.get_offset(), 2 * Generator::kWindow + 4);
 }

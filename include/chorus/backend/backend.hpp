@@ -334,7 +334,8 @@ void foreach_norm(const std::vector<T*>& ptrs, const std::vector<std::int64_t>& 
       d,
       {
         double acc = 0;
-        for (std::size_t i = 0; i < ptrs.size(); ++i) acc = norm_accumulate(s, acc, cpu::norm_partial(ptrs[i], numels[i], s));
+        for (std::size_t i = 0; i < ptrs.size(); ++i)
+          acc = norm_accumulate(s, acc, cpu::norm_partial(ptrs[i], numels[i], s));
         raw[0] = acc;
       },
       cuda::foreach_norm(ptrs, numels, s, raw, d));

@@ -82,8 +82,8 @@ struct PhiloxState {
 // `size` maps local element (o, i, j) (outer, dim, inner) to (o, offset + i, j) of the whole
 // batch. The replicas of one forward all start from the generator's offset at the start of the
 // forward, and the generator advances once, when the forward ends, by what a replica used
-// (ReplicaRandomGroup) — exactly as one device would have advanced it, and independent of the
-// order in which the replicas' threads ran. Element i of a batch thus gets the same number on
+// (ReplicaRandomGroup, Note [replica windows]) — exactly as one device would have advanced
+// it, and independent of the order in which the replicas' threads ran. Element i of a batch thus gets the same number on
 // 1 or k devices (tests/test_random.cpp). A tensor inside a replica whose size along `dim` is
 // not the replica's share (a reshaped or non-batch tensor) cannot be mapped; it gets stream
 // indices of its own, distinct per replica (bits 56 and up hold the replica + 1), so replicas
@@ -163,6 +163,25 @@ class Generator {
     return s;
   }
 
+  /// Note [replica windows]: a DataParallel forward's replicas draw from a window that opens
+  /// at the current offset; the generator moves past a whole window meanwhile (kWindow numbers
+  /// of every subsequence), so that draws from elsewhere while the window is open (another
+  /// thread, another DataParallel) never reuse its numbers. Closing it with nothing drawn in
+  /// between sets the offset to just past what the replicas used — where one device would be.
+  static constexpr std::uint64_t kWindow = std::uint64_t{1} << 40;
+  /// Opens a window: the seed and the offset its draws start at.
+  PhiloxState philox_open_window() {
+    std::lock_guard<std::mutex> lk(m_);
+    const PhiloxState s{seed_, offset_};
+    offset_ += kWindow;
+    return s;
+  }
+  /// Closes the window opened at `start` after `used` numbers of every subsequence.
+  void philox_close_window(const PhiloxState& start, std::uint64_t used) noexcept {
+    std::lock_guard<std::mutex> lk(m_);
+    if (offset_ == start.offset + kWindow && seed_ == start.seed) offset_ = start.offset + used;
+  }
+
   /// Fills out[0..n) with uniform numbers in [lo, hi).
   template <class T>
   void uniform(T* out, std::int64_t n, double lo, double hi) {
@@ -218,7 +237,8 @@ inline void manual_seed(std::uint64_t seed) { default_generator().manual_seed(se
 
 /// The Philox draws of one DataParallel forward (Note [dropout random numbers]): every replica
 /// starts from a generator's offset as it was when the forward began, and the generator
-/// advances once, by the most any replica used, when the group ends (commit() or destruction).
+/// advances once, by the most any replica used, when the group ends (commit() or destruction;
+/// Note [replica windows]).
 class ReplicaRandomGroup {
  public:
   ReplicaRandomGroup() = default;
@@ -226,8 +246,8 @@ class ReplicaRandomGroup {
   ReplicaRandomGroup& operator=(const ReplicaRandomGroup&) = delete;
   ~ReplicaRandomGroup() { commit(); }
 
-  /// The inputs this forward's draws from `gen` start at (read from `gen` at the first ask;
-  /// nothing advances `gen` while the group is open, so every replica reads the same).
+  /// The inputs this forward's draws from `gen` start at (the window opened at the first ask,
+  /// the same for every replica).
   PhiloxState start(Generator& gen) {
     std::lock_guard<std::mutex> lk(m_);
     return entry(gen).start;
@@ -241,7 +261,7 @@ class ReplicaRandomGroup {
   /// Advances every generator drawn from past what the replicas used (once; later calls do nothing).
   void commit() {
     std::lock_guard<std::mutex> lk(m_);
-    for (auto& e : entries_) e.gen->set_offset(e.start.offset + e.used);
+    for (auto& e : entries_) e.gen->philox_close_window(e.start, e.used);
     entries_.clear();
   }
 
@@ -254,7 +274,7 @@ class ReplicaRandomGroup {
   Entry& entry(Generator& gen) {
     for (auto& e : entries_)
       if (e.gen == &gen) return e;
-    entries_.push_back({&gen, PhiloxState{gen.initial_seed(), gen.get_offset()}, 0});
+    entries_.push_back({&gen, gen.philox_open_window(), 0});
     return entries_.back();
   }
   std::mutex m_;
@@ -322,6 +342,8 @@ inline PhiloxLayout philox_layout(Generator& gen, const Shape& shape) {
     if (g == &gen) used = &u;
   if (!used) used = &rr->used.emplace_back(&gen, 0).second;
   const PhiloxState start = rr->group->start(gen);
+  CHORUS_CHECK(*used < Generator::kWindow, "random numbers: a DataParallel forward drew ", *used / 4,
+               " times from one generator, more than its window holds (Note [replica windows])");
   l.seed = start.seed;
   l.offset = start.offset + *used;
   *used += 4;

@@ -234,7 +234,7 @@ Tensor<T> sigmoid(const Tensor<T>& x) {
   return ops::detail::pointwise("SigmoidBackward", x, backend::fn::Sigmoid{}, backend::fn::SigmoidBackward{}, true);
 }
 
-// dropout lives in ops/nn.hpp (Note [dropout random numbers]).
+// dropout lives in ops/dropout.hpp (Note [dropout random numbers]).
 
 // ---- operators ----
 template <class T>

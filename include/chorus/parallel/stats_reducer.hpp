@@ -88,7 +88,9 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
     for (int j = 0; j < size_; ++j)
       if (j != rank) read_[j].block(current_stream(t.device()));
   }
-  static std::vector<Event> make_events(int size) { return std::vector<Event>(size > 0 ? static_cast<std::size_t>(size) : 0); }
+  static std::vector<Event> make_events(int size) {
+    return std::vector<Event>(size > 0 ? static_cast<std::size_t>(size) : 0);
+  }
 
   void barrier(int rank, const char* phase) {
     std::unique_lock lk(m_);

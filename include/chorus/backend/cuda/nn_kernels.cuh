@@ -357,7 +357,8 @@ __global__ void bn_finish(const A* mean, const A* m2, std::int64_t C, BnFinish<T
 // element instead of a 64-bit one, which is emulated and costs more than the memory traffic).
 template <class T, class I>
 __global__ void bn_apply(const T* x, I C, I S, I total, const T* mean, const T* invstd, const T* w, const T* b, T* y) {
-  for (I t = blockIdx.x * static_cast<I>(blockDim.x) + threadIdx.x; t < total; t += static_cast<I>(gridDim.x) * blockDim.x) {
+  const I step = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I t = blockIdx.x * static_cast<I>(blockDim.x) + threadIdx.x; t < total; t += step) {
     const I c = (t / S) % C;
     const T scale = invstd[c] * (w ? w[c] : T(1));
     y[t] = (x[t] - mean[c]) * scale + (b ? b[c] : T(0));
@@ -367,7 +368,8 @@ __global__ void bn_apply(const T* x, I C, I S, I total, const T* mean, const T* 
 template <class T, class A, class I>
 __global__ void bn_backward_input(const T* gy, const T* x, I C, I S, I total, const T* mean, const T* invstd,
                                   const T* w, const A* sums, double inv_count, T* gx) {
-  for (I t = blockIdx.x * static_cast<I>(blockDim.x) + threadIdx.x; t < total; t += static_cast<I>(gridDim.x) * blockDim.x) {
+  const I step = static_cast<I>(gridDim.x) * blockDim.x;
+  for (I t = blockIdx.x * static_cast<I>(blockDim.x) + threadIdx.x; t < total; t += step) {
     const I c = (t / S) % C;
     const T mdy = static_cast<T>(sums[c] * inv_count);
     const T kk = static_cast<T>(sums[C + c] * inv_count) * invstd[c] * invstd[c];
