@@ -392,3 +392,255 @@ TEST(Layers, OnednnConvolutionsEqualIm2col) {
     for (std::size_t i = 0; i < grads[0].size(); ++i) EXPECT_TRUE(all_close(grads[1][i], grads[0][i], 1e-5, 1e-5)) << i;
   }
 }
+
+// ==== Batch-norm statistics and gradient clipping on the device (issue 17) ====
+// The host/device pieces the CUDA kernels are made of, run on the CPU: the Welford combine, the
+// reduction plan and the kernels' walks over x (every value exactly once, in its own channel),
+// the finishing with momentum=None read through a pointer, SyncBatchNorm's two-reduction
+// combine; then the CPU paths they replaced.
+
+namespace {
+/// Two-pass reference statistics of channel c of x [N, C, S] (long double).
+std::pair<long double, long double> ref_stats(const std::vector<double>& x, std::int64_t N, std::int64_t C,
+                                              std::int64_t S, std::int64_t c) {
+  long double s = 0, q = 0;
+  for (std::int64_t n = 0; n < N; ++n)
+    for (std::int64_t i = 0; i < S; ++i) s += x[(n * C + c) * S + i];
+  const long double m = s / (N * S);
+  for (std::int64_t n = 0; n < N; ++n)
+    for (std::int64_t i = 0; i < S; ++i) q += (x[(n * C + c) * S + i] - m) * (x[(n * C + c) * S + i] - m);
+  return {m, q};
+}
+}  // namespace
+
+TEST(BatchNormStats, WelfordCombineOfAnySplitEqualsTheWhole) {
+  Generator g(17);
+  std::vector<double> v(1000);
+  g.uniform(v.data(), 1000, 1e4, 1e4 + 3);  // a large offset: sums of squares would cancel
+  auto whole = [&](std::size_t a, std::size_t b) {
+    long double s = 0, q = 0;
+    for (std::size_t i = a; i < b; ++i) s += v[i];
+    const long double m = s / (b - a);
+    for (std::size_t i = a; i < b; ++i) q += (v[i] - m) * (v[i] - m);
+    return std::pair<double, double>{double(m), double(q)};
+  };
+  auto stats = [&](std::size_t a, std::size_t b) {  // shifted sums around the first value, as a thread does
+    double s1 = 0, s2 = 0;
+    for (std::size_t i = a; i < b; ++i) {
+      s1 += v[i] - v[a];
+      s2 += (v[i] - v[a]) * (v[i] - v[a]);
+    }
+    return backend::welford_from_shifted<double>(double(b - a), v[a], s1, s2);
+  };
+  const auto [m, q] = whole(0, 1000);
+  for (std::size_t cut : {1u, 7u, 500u, 999u}) {
+    auto w = backend::welford_combine(stats(0, cut), stats(cut, 1000));
+    EXPECT_EQ(w.n, 1000);
+    EXPECT_NEAR(w.mean, m, 1e-10);
+    EXPECT_NEAR(w.m2, q, 1e-8 * q);
+  }
+  backend::Welford<double> empty;
+  auto one = stats(3, 4);
+  EXPECT_EQ(backend::welford_combine(empty, one).mean, one.mean);  // empty sides change nothing
+  EXPECT_EQ(backend::welford_combine(one, empty).m2, 0.0);
+  EXPECT_EQ(backend::welford_from_shifted<double>(0, 5.0, 0, 0).n, 0);
+}
+
+TEST(BatchNormStats, PlanAndKernelWalksVisitEveryValueOnceInItsChannel) {
+  struct Case {
+    std::int64_t N, C, S;
+  };
+  for (auto [N, C, S] : {Case{1, 1, 1}, Case{0, 3, 40}, Case{2, 3, 32}, Case{5, 4, 33}, Case{3, 2, 1000},
+                         Case{64, 16, 1024}, Case{7, 5, 1}, Case{100, 3, 5}, Case{1000, 40, 1}, Case{2, 3, 0},
+                         Case{1, 1, 100000}, Case{300, 2, 31}}) {
+    SCOPED_TRACE(::testing::Message() << "[" << N << ", " << C << ", " << S << "]");
+    const auto p = backend::bn_reduce_plan(N, C, S);
+    EXPECT_EQ(p.planar, S >= backend::kBnPlanarMinS);
+    EXPECT_GE(p.splits, 1);
+    EXPECT_LE(p.splits, 65535);
+    std::vector<int> seen(static_cast<std::size_t>(N * C * S), 0);
+    std::vector<int> partial_of(static_cast<std::size_t>(std::max<std::int64_t>(p.partials(), 1)), 0);
+    bool wrong_channel = false;
+    if (p.planar) {
+      for (std::int64_t c = 0; c < C; ++c)
+        for (std::int64_t bx = 0; bx < p.splits; ++bx)
+          for (std::int64_t t = 0; t < backend::kBnThreads; ++t)
+            backend::planar_walk(p, c, bx, t, backend::kBnThreads, [&](std::int64_t o) {
+              ++seen[o];
+              wrong_channel |= (o / S) % C != c;
+            });
+    } else {
+      for (std::int64_t tile = 0; tile < p.tiles; ++tile)
+        for (std::int64_t by = 0; by < p.splits; ++by)
+          for (int tx = 0; tx < backend::kBnColTile; ++tx)
+            for (int ty = 0; ty < backend::kBnColLanes; ++ty)
+              backend::column_walk(p, tile, by, tx, ty, [&](std::int64_t o) {
+                ++seen[o];
+                const std::int64_t j = tile * backend::kBnColTile + tx;  // the column this thread owns
+                wrong_channel |= o % (C * S) != j;
+                const std::int64_t n = o / (C * S);
+                wrong_channel |= n < by * p.chunk || n >= (by + 1) * p.chunk;
+              });
+    }
+    EXPECT_FALSE(wrong_channel);
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), static_cast<std::ptrdiff_t>(seen.size()));
+    // The combining kernel's entries: each partial once, in the channel that wrote it.
+    for (std::int64_t c = 0; c < C; ++c)
+      for (std::int64_t k = 0; k < p.entries(); ++k) {
+        const std::int64_t idx = p.entry(c, k);
+        ASSERT_GE(idx, 0);
+        ASSERT_LT(idx, p.partials());
+        ++partial_of[idx];
+        EXPECT_EQ(p.planar ? idx / p.splits : (idx % (C * S)) / S, c);
+      }
+    if (p.partials() > 0) {
+      EXPECT_EQ(std::count(partial_of.begin(), partial_of.end(), 1), static_cast<std::ptrdiff_t>(p.partials()));
+    }
+  }
+  // Many blocks for few channels (the ResNet-20 case): not one block per channel.
+  const auto r20 = backend::bn_reduce_plan(128, 16, 1024);
+  EXPECT_GE(r20.splits * 16, 512);
+  const auto mlp = backend::bn_reduce_plan(4096, 64, 1);
+  EXPECT_GE(mlp.splits * mlp.tiles, 32);
+}
+
+TEST(BatchNormStats, PlanarCursorMatchesTheDefinition) {
+  for (std::int64_t S : {1, 3, 32, 255, 256, 257, 1000})
+    for (std::int64_t step : {1, 7, 256}) {
+      const std::int64_t C = 3, c = 1, N = 5;
+      std::int64_t e = 2;
+      auto cur = backend::planar_cursor(C, S, c, e, step);
+      for (; e < N * S; e += step, backend::advance(cur))
+        ASSERT_EQ(cur.off, ((e / S) * C + c) * S + e % S) << "S " << S << " step " << step << " e " << e;
+    }
+}
+
+TYPED_TEST(LayersTyped, BatchNormStatsOnePassMatchesTwoPass) {
+  using T = TypeParam;
+  const std::int64_t N = 6, C = 3, S = 7;
+  auto x = r<T>({N, C, S}, 3, 1e3, 1e3 + 2);  // large mean, small spread
+  auto xv = x.to_vector();
+  std::vector<double> xd(xv.begin(), xv.end());
+  std::vector<double> mean(C), m2(C);
+  backend::cpu::bn_stats(x.data(), N, C, S, mean.data(), m2.data(), static_cast<const backend::BnFinish<T>*>(nullptr));
+  for (std::int64_t c = 0; c < C; ++c) {
+    const auto [m, q] = ref_stats(xd, N, C, S, c);
+    EXPECT_NEAR(mean[c], double(m), 1e-10);
+    EXPECT_NEAR(m2[c], double(q), 1e-9 * double(q));
+  }
+}
+
+TEST(BatchNormStats, FinishReadsMomentumNoneThroughTheCounter) {
+  double mean = 0, invstd = 0, rm = 1, rv = 2;
+  std::int64_t batches = 4;
+  backend::BnFinish<double> f;
+  f.count = 5, f.eps = 0, f.mean = &mean, f.invstd = &invstd, f.running_mean = &rm, f.running_var = &rv;
+  f.momentum = 0.9;  // ignored: num_batches is given
+  f.num_batches = &batches;
+  backend::bn_finish_channel(f, 0, 3.0, 20.0);
+  EXPECT_DOUBLE_EQ(mean, 3.0);
+  EXPECT_DOUBLE_EQ(invstd, 1.0 / 2.0);                 // var = 20 / 5
+  EXPECT_DOUBLE_EQ(rm, 0.75 * 1 + 0.25 * 3.0);         // momentum 1/4
+  EXPECT_DOUBLE_EQ(rv, 0.75 * 2 + 0.25 * (20.0 / 4));  // unbiased
+  batches = 1;                                         // read at the time of the call
+  backend::bn_finish_channel(f, 0, 7.0, 8.0);
+  EXPECT_DOUBLE_EQ(rm, 7.0);
+  EXPECT_DOUBLE_EQ(rv, 2.0);
+}
+
+TEST(BatchNormStats, SyncCombineOfParticipantsEqualsTheWhole) {
+  Generator g(9);
+  std::vector<double> a(40), b(25);
+  g.uniform(a.data(), 40, -1, 1);
+  g.uniform(b.data(), 25, 50, 52);  // a participant far from the other: the correction term matters
+  auto local = [](const std::vector<double>& v) {
+    double m = 0, q = 0;
+    for (double x : v) m += x;
+    m /= v.size();
+    for (double x : v) q += (x - m) * (x - m);
+    return std::pair<double, double>{m, q};
+  };
+  std::vector<double> all(a);
+  all.insert(all.end(), b.begin(), b.end());
+  const auto [ma, qa] = local(a);
+  const auto [mb, qb] = local(b);
+  const auto [m, q] = local(all);
+  double sum_a = ma * 40 + mb * 25, sum_b = sum_a, m2a = qa, m2b = qb;  // after the first all-reduce
+  backend::bn_sync_channel(ma, 40, 65, sum_a, m2a);
+  backend::bn_sync_channel(mb, 25, 65, sum_b, m2b);
+  EXPECT_NEAR(sum_a, m, 1e-12);
+  EXPECT_EQ(sum_a, sum_b);
+  EXPECT_NEAR(m2a + m2b, q, 1e-10 * q);  // the second all-reduce
+}
+
+TYPED_TEST(LayersTyped, BatchNormMomentumNoneIsTheCumulativeAverage) {
+  using T = TypeParam;
+  nn::BatchNorm1dT<T> bn(3, nn::BatchNormOptions{.momentum = std::nullopt});
+  std::vector<std::vector<T>> means, vars;
+  for (int step = 0; step < 4; ++step) {
+    auto x = r<T>({5, 3}, 40 + step, -2, 3);
+    bn(x);
+    auto xv = x.to_vector();
+    std::vector<T> m(3), v(3);
+    for (int c = 0; c < 3; ++c) {
+      double s = 0, q = 0;
+      for (int n = 0; n < 5; ++n) s += xv[n * 3 + c];
+      for (int n = 0; n < 5; ++n) q += (xv[n * 3 + c] - s / 5) * (xv[n * 3 + c] - s / 5);
+      m[c] = T(s / 5);
+      v[c] = T(q / 4);
+    }
+    means.push_back(m);
+    vars.push_back(v);
+  }
+  EXPECT_EQ(bn->num_batches_tracked.item(), 4);
+  auto rm = bn->running_mean.to_vector(), rv = bn->running_var.to_vector();
+  for (int c = 0; c < 3; ++c) {  // PyTorch: the plain average of the batch statistics (the initial 0 / 1 weigh nothing)
+    double sm = 0, sv = 0;
+    for (int s = 0; s < 4; ++s) sm += means[s][c], sv += vars[s][c];
+    EXPECT_NEAR(rm[c], sm / 4, 10 * chorus::testing::tol<T>());
+    EXPECT_NEAR(rv[c], sv / 4, 10 * chorus::testing::tol<T>());
+  }
+}
+
+// SyncBatchNorm over replicas whose chunks have very different means: the global variance comes
+// from the replicas' M2 around the global mean (Note [batch-norm statistics]).
+TEST(BatchNormStats, SyncBatchNormOverFarApartReplicasEqualsOneBatchNorm) {
+  set_cpu_device_count(std::max(cpu_device_count(), 3));
+  nn::SyncBatchNormT<double> single(2);
+  auto x = r<double>({9, 2, 4}, 12, -1, 1);
+  auto xv = x.to_vector();
+  for (std::size_t i = 0; i < xv.size(); ++i)
+    if (i >= 3 * 8) xv[i] += 1e3 * double(i / 24);  // rows 3.. shifted by 1e3, rows 6.. by 2e3
+  x = from_vector<double>(xv, x.shape());
+  auto ref = single(x.detach().requires_grad_());
+  DataParallel<nn::SyncBatchNormT<double>> dp(nn::SyncBatchNormT<double>(2),
+                                              {Device::cpu(0), Device::cpu(1), Device::cpu(2)});
+  auto xd = x.detach().requires_grad_();
+  auto y = dp(xd);
+  EXPECT_TRUE(all_close(y, ref, 1e-9, 1e-9));
+  EXPECT_TRUE(all_close(dp.module()->running_var, single->running_var, 1e-9));
+  EXPECT_TRUE(all_close(dp.module()->running_mean, single->running_mean, 1e-9));
+}
+
+TYPED_TEST(LayersTyped, ClipGradNormOverDevicesAndDtypes) {
+  using T = TypeParam;
+  set_cpu_device_count(std::max(cpu_device_count(), 2));
+  auto a = zeros<T>({2}, Device::cpu(0)).requires_grad_();
+  auto b = zeros<double>({2, 2}, Device::cpu(1)).requires_grad_();  // another (virtual) device and dtype
+  a.set_grad(from_vector<T>({3, 4}));
+  b.set_grad(from_vector<double>({1, 3, 2, 4}, Shape{2, 2}, Device::cpu(1)));
+  std::vector<AnyTensor> ps{a, b};
+  const double norm = std::sqrt(9.0 + 16 + 1 + 4 + 9 + 16);
+  auto total = nn::utils::clip_grad_norm_(ps, 1.0);
+  EXPECT_EQ(total.tensor().dim(), 0);  // a 0-dim tensor on the first gradient's device
+  EXPECT_EQ(total.tensor().device(), Device::cpu(0));
+  EXPECT_NEAR(double(total), norm, 1e-12);
+  const double coef = 1.0 / (norm + 1e-6);
+  EXPECT_TRUE(chorus::testing::values_are(a.grad(), {T(3 * coef), T(4 * coef)}, chorus::testing::tol<T>()));
+  EXPECT_TRUE(chorus::testing::values_are(b.grad(), {1 * coef, 3 * coef, 2 * coef, 4 * coef}, 1e-12));
+  EXPECT_EQ(b.grad().device(), Device::cpu(1));
+  nn::utils::clip_grad_value_(ps, 0.3);
+  EXPECT_TRUE(chorus::testing::values_are(b.grad(), {1 * coef, 0.3, 2 * coef, 0.3}, 1e-12));
+  EXPECT_EQ(nn::utils::grad_norm({}), 0.0);
+  EXPECT_EQ(double(nn::utils::clip_grad_norm_({}, 1.0)), 0.0);
+}

@@ -2,6 +2,8 @@
 // the CPU backend: forward outputs and the gradients of every input, float and double, new
 // GPU allocations poisoned. Every test skips where no GPU is present.
 #include <functional>
+#include <limits>
+#include <thread>
 
 #include "cuda_test_util.cuh"
 
@@ -105,4 +107,246 @@ TYPED_TEST(CudaLayers, BatchNormModuleRunningStatsAndEmbedding) {
   emb(idx).sum().backward();
   gemb(idx.to(kGpu)).sum().backward();
   EXPECT_TRUE(all_close(gemb->weight.grad().to(Device::cpu()), emb->weight.grad(), 0, 0));
+}
+
+// ==== Issue 17: batch-norm statistics, dropout and clipping on the device, and no host syncs ====
+
+namespace {
+
+/// Holds streams behind a kernel that spins until open() (or ~2 s pass): an operation that
+/// synchronises with the device while the gate is closed makes the spin time out, and then
+/// closed() reads false. Operations that only queue work leave the streams busy.
+__global__ void gate_kernel(const volatile int* flag, long long timeout) {
+  const long long start = clock64();
+  while (*flag == 0 && clock64() - start < timeout) {
+  }
+}
+
+class Gate {
+ public:
+  explicit Gate(std::vector<cudaStream_t> streams) : streams_(std::move(streams)) {
+    CHORUS_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(int), cudaHostAllocMapped));
+    *static_cast<volatile int*>(host_) = 0;
+    CHORUS_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_), host_, 0));
+    for (auto s : streams_) {
+      gate_kernel<<<1, 1, 0, s>>>(dev_, 4'000'000'000LL);
+      CHORUS_CUDA_CHECK(cudaGetLastError());
+    }
+  }
+  ~Gate() {
+    open();
+    (void)cuda::tolerate(cudaFreeHost(host_));
+  }
+  /// True while every stream is still held (no operation waited for the device meanwhile).
+  bool closed() const {
+    for (auto s : streams_)
+      if (cuda::tolerate(cudaStreamQuery(s)) != cudaErrorNotReady) return false;
+    return true;
+  }
+  void open() {
+    *static_cast<volatile int*>(host_) = 1;
+    for (auto s : streams_) CHORUS_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+
+ private:
+  std::vector<cudaStream_t> streams_;
+  int* host_ = nullptr;  // mapped pinned memory, written through volatile
+  int* dev_ = nullptr;
+};
+
+#define REQUIRE_ASYNC_LAUNCHES()                                                                  \
+  do {                                                                                            \
+    if (cuda::debug_sync_enabled()) GTEST_SKIP() << "CHORUS_DEBUG_SYNC synchronises every launch"; \
+  } while (0)
+
+}  // namespace
+
+TYPED_TEST(CudaLayers, BatchNormPlanarAndColumnLayouts) {
+  REQUIRE_GPU();
+  using T = TypeParam;
+  using V = std::vector<Tensor<T>>;
+  auto bn = [](const V& x) { return batch_norm(x[0], Tensor<T>(), Tensor<T>(), x[1], x[2], true, 0.1, 1e-5); };
+  struct Case {
+    Shape x;
+    const char* what;
+  };
+  for (const auto& c : {Case{{4, 3, 40}, "planar, one block per channel"},
+                        Case{{64, 16, 32, 32}, "planar, many blocks per channel (ResNet-20's first stage)"},
+                        Case{{300, 5}, "columns, S = 1, several row chunks"},
+                        Case{{50, 3, 7}, "columns, S = 7"},
+                        Case{{3, 70000}, "columns, more channels than grid rows"},
+                        Case{{2, 66000, 32}, "planar, more channels than gridDim.y"},
+                        Case{{1, 2, 33}, "planar, fewer values than threads"}}) {
+    const std::int64_t C = c.x[1];
+    check_op<T>(c.what, bn, {r<T>(c.x, 1, -1, 3), r<T>({C}, 2), r<T>({C}, 3)});
+  }
+  // No affine parameters; a large mean (the Welford pivots keep the variance exact).
+  check_op<T>("batch_norm, no affine, mean 1e3",
+              [](const V& x) { return batch_norm(x[0], Tensor<T>(), Tensor<T>(), Tensor<T>(), Tensor<T>(), true); },
+              {r<T>({16, 4, 9, 9}, 4, 1e3, 1e3 + 1)}, std::is_same_v<T, float> ? 2e-3 : 1e-9);
+}
+
+TYPED_TEST(CudaLayers, BatchNormMomentumNoneRunningStatistics) {
+  REQUIRE_GPU();
+  using T = TypeParam;
+  nn::BatchNorm1dT<T> cpu_bn(5, nn::BatchNormOptions{.momentum = std::nullopt});
+  auto gpu_bn = nn::clone(cpu_bn, kGpu);
+  for (int step = 0; step < 4; ++step) {
+    auto x = r<T>({37, 5, 3}, 10 + step, -2, 2);
+    EXPECT_TRUE(all_close(gpu_bn(x.to(kGpu)).to(Device::cpu()), cpu_bn(x), op_tol<T>(), op_tol<T>()));
+  }
+  EXPECT_EQ(gpu_bn->num_batches_tracked.to(Device::cpu()).item(), 4);
+  EXPECT_TRUE(all_close(gpu_bn->running_mean.to(Device::cpu()), cpu_bn->running_mean, op_tol<T>(), op_tol<T>()));
+  EXPECT_TRUE(all_close(gpu_bn->running_var.to(Device::cpu()), cpu_bn->running_var, op_tol<T>(), op_tol<T>()));
+}
+
+TYPED_TEST(CudaLayers, DropoutMaskIsTheCpuMaskBitForBit) {
+  REQUIRE_GPU();
+  using T = TypeParam;
+  for (const Shape& s : {Shape{7, 13}, Shape{1}, Shape{5, 3, 4, 4}, Shape{1000003}}) {
+    SCOPED_TRACE(::testing::Message() << s);
+    auto x = r<T>(s, 5, -2, 2);
+    Generator gc(31), gg(31);
+    auto xc = x.detach().requires_grad_(), xg = x.to(kGpu).requires_grad_();
+    auto yc = dropout(xc, 0.35, true, gc), yg = dropout(xg, 0.35, true, gg);
+    EXPECT_TRUE(all_close(yg.to(Device::cpu()), yc, 0, 0));
+    EXPECT_EQ(gc.get_offset(), gg.get_offset());
+    auto w = r<T>(s, 6);
+    (yc * w).sum().backward();
+    (yg * w.to(kGpu)).sum().backward();
+    EXPECT_TRUE(all_close(xg.grad().to(Device::cpu()), xc.grad(), 0, 0));
+  }
+  Generator gc(2), gg(2);
+  auto a = r<T>({6, 5}, 7);
+  EXPECT_TRUE(all_close(dropout2d(a.to(kGpu), 0.5, true, gg).to(Device::cpu()), dropout2d(a, 0.5, true, gc), 0, 0));
+  EXPECT_TRUE(all_close(dropout(a.to(kGpu).t(), 0.5, true, gg).to(Device::cpu()), dropout(a.t(), 0.5, true, gc), 0, 0));
+}
+
+TEST(CudaIssue17, DropoutUnderDataParallelOnOneGpuIsTheSingleDeviceMask) {
+  REQUIRE_GPU();
+  struct Drop : nn::Module {
+    nn::Dropout drop;
+    Drop() : drop(register_module("drop", nn::Dropout(0.4))) {}
+    Tensor<float> forward(const Tensor<float>& x) { return drop(x); }
+  };
+  auto x = ones<float>({10, 33});
+  manual_seed(4);
+  auto ref = Drop().forward(x);  // on the CPU
+  DataParallel<Drop> dp(nn::clone(Drop(), kGpu), {kGpu, kGpu, kGpu});
+  manual_seed(4);
+  EXPECT_TRUE(all_close(dp(x.to(kGpu)).to(Device::cpu()), ref, 0, 0));
+}
+
+TYPED_TEST(CudaLayers, ClipGradNormMatchesTheCpu) {
+  REQUIRE_GPU();
+  using T = TypeParam;
+  for (double norm_type : {2.0, 1.0, 3.0, double(INFINITY)}) {
+    SCOPED_TRACE(norm_type);
+    std::vector<Tensor<T>> pc, pg;
+    std::vector<AnyTensor> ac, ag;
+    for (int i = 0; i < 100; ++i) {  // more than one launch's worth of tensors, some over a block
+      const std::int64_t n = (i % 7 == 0) ? 5000 + i : 1 + i;
+      auto g = r<T>({n}, 100 + i, -1, 1);
+      pc.push_back(zeros<T>({n}).requires_grad_());
+      pg.push_back(zeros<T>({n}, kGpu).requires_grad_());
+      pc.back().set_grad(g);
+      pg.back().set_grad(g.to(kGpu));
+      ac.push_back(pc.back());
+      ag.push_back(pg.back());
+    }
+    const double nc = nn::utils::clip_grad_norm_(ac, 0.5, norm_type);
+    auto ng = nn::utils::clip_grad_norm_(ag, 0.5, norm_type);
+    EXPECT_EQ(ng.tensor().device(), kGpu);
+    EXPECT_NEAR(double(ng), nc, 1e-12 * nc);
+    for (std::size_t i = 0; i < pc.size(); ++i)
+      ASSERT_TRUE(all_close(pg[i].grad().to(Device::cpu()), pc[i].grad(), 1e-6, 1e-12)) << i;
+    nn::utils::clip_grad_value_(ac, 0.001);
+    nn::utils::clip_grad_value_(ag, 0.001);
+    for (std::size_t i = 0; i < pc.size(); ++i)
+      ASSERT_TRUE(all_close(pg[i].grad().to(Device::cpu()), pc[i].grad(), 1e-6, 1e-12)) << i;
+  }
+  auto a = zeros<T>({3}, kGpu).requires_grad_();
+  a.set_grad(from_vector<T>({1, std::numeric_limits<T>::quiet_NaN(), 2}).to(kGpu));
+  std::vector<AnyTensor> ps{a};
+  EXPECT_THROW(nn::utils::clip_grad_norm_(ps, 1.0, 2.0, true), Error);
+  EXPECT_EQ(a.grad().to(Device::cpu()).to_vector()[0], T(1));  // unchanged by the refusal
+}
+
+TEST(CudaIssue17, SyncBatchNormOnOneGpuEqualsBatchNormOverTheBatch) {
+  REQUIRE_GPU();
+  nn::SyncBatchNormT<double> single(3);
+  auto x = r<double>({12, 3, 5}, 21, -1, 4);
+  auto xr = x.detach().requires_grad_();
+  auto ref = single(xr);
+  (ref * r<double>(ref.shape(), 22)).sum().backward();
+  DataParallel<nn::SyncBatchNormT<double>> dp(nn::clone(nn::SyncBatchNormT<double>(3), kGpu), {kGpu, kGpu, kGpu});
+  auto xg = x.to(kGpu).requires_grad_();
+  auto y = dp(xg);
+  (y * r<double>(ref.shape(), 22).to(kGpu)).sum().backward();
+  EXPECT_TRUE(all_close(y.to(Device::cpu()), ref, 1e-10, 1e-10));
+  EXPECT_TRUE(all_close(xg.grad().to(Device::cpu()), xr.grad(), 1e-10, 1e-10));
+  EXPECT_TRUE(all_close(dp.module()->running_var.to(Device::cpu()), single->running_var, 1e-10, 1e-10));
+}
+
+// The operations this issue moved onto the device queue their work and return while the GPU is
+// still busy: none of them waits for the device.
+TEST(CudaIssue17, NoHostSyncInBatchNormDropoutAndClipping) {
+  REQUIRE_GPU();
+  REQUIRE_ASYNC_LAUNCHES();
+  nn::BatchNorm2dT<float> bn(8, nn::BatchNormOptions{.momentum = std::nullopt, .device = kGpu});
+  auto x = r<float>({16, 8, 12, 12}, 1).to(kGpu);
+  auto p = zeros<float>({300}, kGpu).requires_grad_();
+  p.set_grad(r<float>({300}, 2).to(kGpu));
+  std::vector<AnyTensor> ps{p};
+  auto run = [&] {
+    auto y = bn(x);
+    auto d = dropout(y, 0.2, true);
+    auto total = nn::utils::clip_grad_norm_(ps, 0.1);
+    nn::utils::clip_grad_value_(ps, 0.01);
+    return total;
+  };
+  run();  // warm-up: the allocator's pool holds the blocks
+  current_stream(kGpu).synchronize();
+  Gate gate({current_stream(kGpu).handle()});
+  auto total = run();
+  EXPECT_TRUE(gate.closed()) << "an operation waited for the device";
+  gate.open();
+  EXPECT_GT(double(total), 0.0);
+}
+
+TEST(CudaIssue17, NoHostSyncInSyncBatchNormReductions) {
+  REQUIRE_GPU();
+  REQUIRE_ASYNC_LAUNCHES();
+  auto x = r<float>({8, 4, 6}, 3, -1, 2);
+  auto x0 = x.narrow(0, 0, 4).contiguous().to(kGpu), x1 = x.narrow(0, 4, 4).contiguous().to(kGpu);
+  Stream& s0 = get_stream(kGpu, 0);
+  Stream& s1 = get_stream(kGpu, 1);
+  synchronize(kGpu);
+  std::vector<Tensor<float>> out(2);
+  auto replicas = [&](parallel::ReplicaStatsGroup& group) {
+    std::thread t1([&] {
+      StreamGuard g(s1);
+      out[1] = batch_norm(x1, Tensor<float>(), Tensor<float>(), Tensor<float>(), Tensor<float>(), true, 0.1, 1e-5,
+                          group.member(1));
+    });
+    {
+      StreamGuard g(s0);
+      out[0] = batch_norm(x0, Tensor<float>(), Tensor<float>(), Tensor<float>(), Tensor<float>(), true, 0.1, 1e-5,
+                          group.member(0));
+    }
+    t1.join();
+  };
+  auto warm = std::make_shared<parallel::ReplicaStatsGroup>(2);
+  replicas(*warm);
+  synchronize(kGpu);
+  auto group = std::make_shared<parallel::ReplicaStatsGroup>(2);
+  {
+    Gate gate({s0.handle(), s1.handle()});
+    replicas(*group);
+    EXPECT_TRUE(gate.closed()) << "a SyncBatchNorm reduction waited for the device";
+  }
+  synchronize(kGpu);
+  auto ref = batch_norm(x, Tensor<float>(), Tensor<float>(), Tensor<float>(), Tensor<float>(), true);
+  EXPECT_TRUE(all_close(out[0].to(Device::cpu()), ref.narrow(0, 0, 4), 1e-4, 1e-4));
+  EXPECT_TRUE(all_close(out[1].to(Device::cpu()), ref.narrow(0, 4, 4), 1e-4, 1e-4));
 }

@@ -8,8 +8,10 @@
 #include "../core/generator.hpp"
 #include "../core/tensor.hpp"
 #include "cpu/blas.hpp"
+#include "cpu/foreach.hpp"
 #include "cpu/kernels.hpp"
 #if CHORUS_CUDA
+#include "cuda/foreach.cuh"
 #include "cuda/kernels.cuh"
 #endif
 
@@ -319,6 +321,61 @@ void adam_step(const Tensor<T>& p, const Tensor<T>& g, const Tensor<T>& m, const
                                  step, maximize),
                   cuda::adam_step(p.data(), g.data(), m.data(), v.data(), vm, p.numel(), lr, b1, b2, eps, wd,
                                   decoupled, step, maximize, p.device()));
+}
+
+// ---- tensor lists (gradient clipping; Note [gradient clipping on the device], nn/utils.hpp) ----
+
+/// raw[0] = the accumulated norm terms (see NormSpec) of contiguous tensors on device d (CPU:
+/// raw is host memory; CUDA: device memory on d, written without waiting).
+template <class T>
+void foreach_norm(const std::vector<T*>& ptrs, const std::vector<std::int64_t>& numels, const NormSpec& s, double* raw,
+                  Device d) {
+  CHORUS_DISPATCH(
+      d,
+      {
+        double acc = 0;
+        for (std::size_t i = 0; i < ptrs.size(); ++i)
+          acc = norm_accumulate(s, acc, cpu::norm_partial(ptrs[i], numels[i], s));
+        raw[0] = acc;
+      },
+      cuda::foreach_norm(ptrs, numels, s, raw, d));
+}
+
+/// total[0] = the norm of `count` accumulated parts on d; coef[0] = min(1, max_norm / (total + 1e-6)).
+inline void norm_finish(const double* parts, std::int64_t count, const NormSpec& s, double max_norm, double* total,
+                        double* coef, Device d) {
+  CHORUS_DISPATCH(
+      d,
+      {
+        double acc = 0;
+        for (std::int64_t i = 0; i < count; ++i) acc = norm_accumulate(s, acc, parts[i]);
+        total[0] = norm_root(s, acc);
+        coef[0] = clip_coefficient(total[0], max_norm);
+      },
+      cuda::norm_finish(parts, count, s, max_norm, total, coef, d));
+}
+
+/// Every tensor *= coef[0] (memory of d; nothing happens when it is 1).
+template <class T>
+void foreach_scale(const std::vector<T*>& ptrs, const std::vector<std::int64_t>& numels, const double* coef, Device d) {
+  CHORUS_DISPATCH(
+      d,
+      {
+        if (coef[0] != 1.0)
+          for (std::size_t i = 0; i < ptrs.size(); ++i) cpu::scale_inplace(ptrs[i], numels[i], coef[0]);
+      },
+      cuda::foreach_scale(ptrs, numels, coef, d));
+}
+
+/// Every element clamped into [-hi, hi] (NaN stays NaN).
+template <class T>
+void foreach_clamp(const std::vector<T*>& ptrs, const std::vector<std::int64_t>& numels, T hi, Device d) {
+  CHORUS_DISPATCH(
+      d,
+      {
+        for (std::size_t i = 0; i < ptrs.size(); ++i) cpu::clamp_inplace(ptrs[i], numels[i], hi);
+      },
+      cuda::foreach_clamp(ptrs, numels, hi, d));
 }
 
 }  // namespace backend

@@ -63,17 +63,46 @@ void bn_apply(const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const 
   CHORUS_DISPATCH(d, cpu::bn_apply(x, N, C, S, mean, invstd, w, b, y),
                   cuda::bn_apply(x, N, C, S, mean, invstd, w, b, y, d));
 }
-template <class T>
-void bn_backward_reduce(const T* gy, const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const T* mean,
-                        T* sums, Device d) {
-  CHORUS_DISPATCH(d, cpu::bn_backward_reduce(gy, x, N, C, S, mean, sums),
-                  cuda::bn_backward_reduce(gy, x, N, C, S, mean, sums, d));
+/// Per-channel mean and M2 = Σ (x - mean)² of x [N, C, S] in the accumulator A (either may be
+/// null); with `fin`, also the finished statistics (Note [batch-norm statistics]).
+template <class T, class A>
+void bn_stats(const T* x, std::int64_t N, std::int64_t C, std::int64_t S, A* mean, A* m2, const BnFinish<T>* fin,
+              Device d) {
+  CHORUS_DISPATCH(d, cpu::bn_stats(x, N, C, S, mean, m2, fin), cuda::bn_stats(x, N, C, S, mean, m2, fin, d));
 }
-template <class T>
+/// Finishes per-channel statistics (mean, M2 over fin.count values) into `fin`.
+template <class T, class A>
+void bn_finish(const A* mean, const A* m2, std::int64_t C, const BnFinish<T>& fin, Device d) {
+  CHORUS_DISPATCH(d, cpu::bn_finish(mean, m2, C, fin), cuda::bn_finish(mean, m2, C, fin, d));
+}
+/// SyncBatchNorm between its reductions (see bn_sync_channel).
+template <class A>
+void bn_sync_stats(const A* local_mean, double local_n, double count, A* mean, A* m2, std::int64_t C, Device d) {
+  CHORUS_DISPATCH(d, cpu::bn_sync_stats(local_mean, local_n, count, mean, m2, C),
+                  cuda::bn_sync_stats(local_mean, local_n, count, mean, m2, C, d));
+}
+/// sums [2C] = (Σ dy, Σ dy·(x - mean)) per channel; gw = Σ dy·(x - mean)·invstd and gb = Σ dy
+/// when not null.
+template <class T, class A>
+void bn_backward_reduce(const T* gy, const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const T* mean,
+                        const T* invstd, A* sums, T* gw, T* gb, Device d) {
+  CHORUS_DISPATCH(d, cpu::bn_backward_reduce(gy, x, N, C, S, mean, invstd, sums, gw, gb),
+                  cuda::bn_backward_reduce(gy, x, N, C, S, mean, invstd, sums, gw, gb, d));
+}
+template <class T, class A>
 void bn_backward_input(const T* gy, const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const T* mean,
-                       const T* invstd, const T* w, const T* sums, double count, T* gx, Device d) {
-  CHORUS_DISPATCH(d, cpu::bn_backward_input(gy, x, N, C, S, mean, invstd, w, sums, count, gx),
-                  cuda::bn_backward_input(gy, x, N, C, S, mean, invstd, w, sums, count, gx, d));
+                       const T* invstd, const T* w, const A* sums, double inv_count, T* gx, Device d) {
+  CHORUS_DISPATCH(d, cpu::bn_backward_input(gy, x, N, C, S, mean, invstd, w, sums, inv_count, gx),
+                  cuda::bn_backward_input(gy, x, N, C, S, mean, invstd, w, sums, inv_count, gx, d));
+}
+
+/// out = in · (kept ? scale : 0) over n contiguous elements, the keep decisions drawn from
+/// Philox at `layout` (Note [dropout random numbers]): the same on every device.
+template <class T>
+void dropout_apply(const T* in, T* out, std::int64_t n, const PhiloxLayout& layout, std::uint64_t threshold, T scale,
+                   Device d) {
+  CHORUS_DISPATCH(d, cpu::dropout_apply(in, out, n, layout, threshold, scale),
+                  cuda::dropout_apply(in, out, n, layout, threshold, scale, d));
 }
 
 }  // namespace backend

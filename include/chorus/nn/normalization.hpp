@@ -104,15 +104,18 @@ class BatchNormImpl : public BatchNormBase {
     if (is_sync()) detail::check_bn_input<0>(layer_name(), num_features, x.shape());
     else detail::check_bn_input<Dim>(layer_name(), num_features, x.shape());
     const bool training = is_training();
-    double momentum = options.momentum.value_or(0.0);
+    const bool cumulative = training && options.track_running_stats && !options.momentum;
     if (training && options.track_running_stats) {
       NoGradGuard g;
       backend::unary(num_batches_tracked, num_batches_tracked, backend::fn::AddScalar{1.0});
-      if (!options.momentum) momentum = 1.0 / static_cast<double>(num_batches_tracked.item());
     }
     std::shared_ptr<StatsReducer> reducer;
     if (is_sync() && training) reducer = current_stats_reducer();
-    return batch_norm(x, running_mean, running_var, weight, bias, training, momentum, options.eps, std::move(reducer));
+    // momentum=None: the kernel reads 1 / num_batches_tracked on the device (no item(), no
+    // host sync; Note [batch-norm statistics]).
+    return ops::detail::batch_norm_impl(x, running_mean, running_var, weight, bias, training,
+                                        options.momentum.value_or(0.0), options.eps, std::move(reducer),
+                                        cumulative ? &num_batches_tracked : nullptr);
   }
   std::string name() const override { return std::string(layer_name()) + "(" + std::to_string(num_features) + ")"; }
 

@@ -266,26 +266,7 @@ Tensor<T> sigmoid(const Tensor<T>& x) {
   return ops::detail::pointwise("SigmoidBackward", x, backend::fn::Sigmoid{}, backend::fn::SigmoidBackward{}, true);
 }
 
-/// Zeroes each element with probability p and scales the rest by 1/(1-p) (when training).
-template <class T>
-Tensor<T> dropout(const Tensor<T>& x, double p, bool training, Generator& gen = default_generator()) {
-  CHORUS_CHECK(p >= 0.0 && p <= 1.0, "dropout: probability must be in [0, 1], got ", p);
-  if (!training || p == 0.0) return x;
-  auto mask = Tensor<T>::empty(x.shape(), x.device());
-  const double keep = 1.0 - p;
-  backend::random_fill(mask, [&](T* m, std::int64_t n) {
-    gen.bernoulli(m, n, keep);
-    if (keep > 0)
-      for (std::int64_t i = 0; i < n; ++i) m[i] = static_cast<T>(m[i] / keep);
-  });
-  auto out = ops::detail::binary_forward("dropout", ops::detail::contiguous_data(x), mask, backend::fn::Mul{});
-  if (autograd::needs_grad(x)) {
-    auto node = autograd::make_node<ops::detail::PointwiseBackward<T, backend::fn::Mul>, T>({&x}, "DropoutBackward",
-                                                                                           mask, backend::fn::Mul{});
-    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
-  }
-  return out;
-}
+// dropout lives in ops/dropout.hpp (Note [dropout random numbers]).
 
 // ---- operators ----
 template <class T>

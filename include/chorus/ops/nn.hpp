@@ -1,12 +1,14 @@
 #pragma once
 // Differentiable operations of the convolutional and normalisation layers, on NCHW tensors:
 // conv2d, max/avg/adaptive-avg pooling, batch_norm (optionally synchronised through a
-// StatsReducer), layer_norm, embedding, silu, dropout2d.
+// StatsReducer), layer_norm, embedding, silu; dropout and dropout2d (dropout.hpp).
+#include <array>
 #include <limits>
 #include <memory>
 #include <optional>
 
 #include "../backend/nn.hpp"
+#include "dropout.hpp"
 #include "elementwise.hpp"
 #include "reduce.hpp"
 #include "view.hpp"
@@ -338,31 +340,25 @@ class BatchNormBackward final : public autograd::Node<T> {
         has_w_(has_w), has_b_(has_b), reducer_(std::move(reducer)) {}
   std::string name() const override { return "BatchNormBackward"; }
   typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
+    using A = backend::bn_acc_t<T>;
     auto gy = contiguous_data(grads[0]);
     const Device dev = gy.device();
     const std::int64_t N = x_.shape()[0], C = x_.shape()[1], S = x_.numel() / std::max<std::int64_t>(N * C, 1);
-    auto sums = Tensor<T>::empty(Shape{2 * C}, dev);
-    backend::bn_backward_reduce(gy.data(), x_.data(), N, C, S, mean_.data(), sums.data(), dev);
     const auto& e = this->next_edges();
     Tensor<T> gx, gw, gb;
-    int slot = 1;
-    if (has_w_ && e[slot].valid()) {  // dw = Σ dy·x̂ (local)
-      gw = Tensor<T>::empty(Shape{C}, dev);
-      backend::binary_same(view_as_shape(sums, Shape{2 * C}).narrow(0, C, C), invstd_, gw, backend::fn::Mul{});
-    }
-    slot += has_w_;
-    if (has_b_ && e[slot].valid()) {  // db = Σ dy (local)
-      gb = Tensor<T>::empty(Shape{C}, dev);
-      backend::copy(gb, sums.narrow(0, 0, C));
-    }
+    if (has_w_ && e[1].valid()) gw = Tensor<T>::empty(Shape{C}, dev);  // dw = Σ dy·x̂ (local)
+    if (has_b_ && e[1 + has_w_].valid()) gb = Tensor<T>::empty(Shape{C}, dev);  // db = Σ dy (local)
+    // Σdy and Σdy·(x-μ) in one 2-D reduction; dw and db fall out of the same pass.
+    auto sums = Tensor<A>::empty(Shape{2 * C}, dev);
+    backend::bn_backward_reduce(gy.data(), x_.data(), N, C, S, mean_.data(), invstd_.data(), sums.data(),
+                                gw.defined() ? gw.data() : nullptr, gb.defined() ? gb.data() : nullptr, dev);
+    // The others wait for this participant's share even when it needs no input gradient.
+    if (reducer_) reducer_->all_reduce_sum(sums);
     if (e[0].valid()) {
-      if (reducer_) reducer_->all_reduce_sum(sums);
       gx = Tensor<T>::empty(x_.shape(), dev);
       backend::bn_backward_input(gy.data(), x_.data(), N, C, S, mean_.data(), invstd_.data(),
-                                 has_w_ ? w_.data() : static_cast<const T*>(nullptr), sums.data(), count_, gx.data(),
-                                 dev);
-    } else if (reducer_) {
-      reducer_->all_reduce_sum(sums);  // the others wait for this participant's share
+                                 has_w_ ? w_.data() : static_cast<const T*>(nullptr), sums.data(), 1.0 / count_,
+                                 gx.data(), dev);
     }
     typename autograd::Node<T>::TensorList out{gx};
     if (has_w_) out.push_back(gw);
@@ -545,17 +541,15 @@ Tensor<T> adaptive_avg_pool2d(const Tensor<T>& x, Pair output_size) {
   return out;
 }
 
-/// Batch normalisation over dim 1 of x [N, C, *] (as torch.nn.functional.batch_norm).
-/// Training: normalises with the batch statistics — summed over the participants of
-/// `reducer` when one is given (Note [statistics reducer]) — and, when running_mean/var are
-/// defined, updates them in place: r = (1 - momentum)·r + momentum·stat (variance unbiased).
-/// Evaluation: normalises with running_mean/var.
+namespace ops::detail {
+/// batch_norm, with momentum = 1 / *num_batches read on the device when `num_batches` is given
+/// (the cumulative average of BatchNorm's momentum=None; Note [batch-norm statistics]).
 template <class T>
-Tensor<T> batch_norm(const Tensor<T>& x, const Tensor<T>& running_mean, const Tensor<T>& running_var,
-                     const Tensor<T>& weight = Tensor<T>(), const Tensor<T>& bias = Tensor<T>(), bool training = true,
-                     double momentum = 0.1, double eps = 1e-5, std::shared_ptr<StatsReducer> reducer = nullptr) {
+Tensor<T> batch_norm_impl(const Tensor<T>& x, const Tensor<T>& running_mean, const Tensor<T>& running_var,
+                          const Tensor<T>& weight, const Tensor<T>& bias, bool training, double momentum, double eps,
+                          std::shared_ptr<StatsReducer> reducer, const Tensor<std::int64_t>* num_batches) {
   static_assert(is_floating_v<T>, "batch_norm: floating-point tensors only");
-  using namespace ops::detail;
+  using A = backend::bn_acc_t<T>;
   check_defined("batch_norm", x);
   CHORUS_CHECK(x.dim() >= 2, "batch_norm: expected an input [N, C, *] with at least 2 dimensions, got shape ",
                x.shape());
@@ -576,6 +570,11 @@ Tensor<T> batch_norm(const Tensor<T>& x, const Tensor<T>& running_mean, const Te
   CHORUS_CHECK(running_mean.defined() == running_var.defined(),
                "batch_norm: give both running_mean and running_var, or neither");
   CHORUS_CHECK(eps > 0, "batch_norm: eps must be positive, got ", eps);
+  if (num_batches) {
+    check_same_device("batch_norm", x, *num_batches);
+    CHORUS_CHECK(num_batches->numel() == 1, "batch_norm: num_batches_tracked must have one element, got shape ",
+                 num_batches->shape());
+  }
   const bool use_batch = training || !running_mean.defined();
   auto wc = weight.defined() ? contiguous_data(weight.detach()) : Tensor<T>();
   auto bc = bias.defined() ? contiguous_data(bias.detach()) : Tensor<T>();
@@ -600,30 +599,37 @@ Tensor<T> batch_norm(const Tensor<T>& x, const Tensor<T>& running_mean, const Te
     backend::bn_apply(xc.data(), N, C, S, mean.data(), invstd.data(), wp, bp, out.data(), dev);
     return out;
   }
-  std::int64_t count = N * S;
-  if (reducer) count = reducer->all_reduce_sum(count);
+  const std::int64_t local = N * S;
+  const std::int64_t count = reducer ? reducer->all_reduce_sum(local) : local;
   CHORUS_CHECK(count > 1, "batch_norm: expected more than 1 value per channel when training, got input of shape ",
                x.shape(), reducer ? " (summed over the synchronised participants)" : "");
-  backend::channel_sums(xc.data(), N, C, S, static_cast<const T*>(nullptr), mean.data(), dev);
-  if (reducer) reducer->all_reduce_sum(mean);
-  backend::unary(mean, mean, backend::fn::MulScalar{1.0 / double(count)});
-  auto sq = Tensor<T>::empty(Shape{C}, dev);
-  backend::channel_sums(xc.data(), N, C, S, mean.data(), sq.data(), dev);
-  if (reducer) reducer->all_reduce_sum(sq);
-  backend::unary(sq, invstd, backend::fn::MulScalar{1.0 / double(count)});
-  backend::unary(invstd, invstd, backend::fn::AddScalar{eps});
-  backend::unary(invstd, invstd, backend::fn::PowScalar{-0.5});
-  backend::bn_apply(xc.data(), N, C, S, mean.data(), invstd.data(), wp, bp, out.data(), dev);
+  backend::BnFinish<T> fin;
+  fin.count = static_cast<double>(count);
+  fin.eps = eps;
+  fin.mean = mean.data();
+  fin.invstd = invstd.data();
   if (running_mean.defined()) {
-    NoGradGuard ng;
-    auto tmp = Tensor<T>::empty(Shape{C}, dev);
-    backend::unary(running_mean, running_mean, backend::fn::MulScalar{1.0 - momentum});
-    backend::unary(mean, tmp, backend::fn::MulScalar{momentum});
-    backend::binary_same(running_mean, tmp, running_mean, backend::fn::Add{});
-    backend::unary(running_var, running_var, backend::fn::MulScalar{1.0 - momentum});
-    backend::unary(sq, tmp, backend::fn::MulScalar{momentum / double(count - 1)});
-    backend::binary_same(running_var, tmp, running_var, backend::fn::Add{});
+    fin.running_mean = running_mean.data();
+    fin.running_var = running_var.data();
+    fin.momentum = momentum;
+    fin.num_batches = num_batches ? num_batches->data() : nullptr;
   }
+  if (!reducer) {  // statistics, finish and running statistics: one 2-D reduction
+    backend::bn_stats<T, A>(xc.data(), N, C, S, nullptr, nullptr, &fin, dev);
+  } else {
+    // Local Welford statistics; then Σ count·mean → the global mean, and each participant's
+    // M2 around it → Σ = the global M2 (two [C] reductions, no second pass over x).
+    auto local_mean = Tensor<A>::empty(Shape{C}, dev), m2 = Tensor<A>::empty(Shape{C}, dev);
+    auto global_mean = Tensor<A>::empty(Shape{C}, dev);
+    backend::bn_stats<T, A>(xc.data(), N, C, S, local_mean.data(), m2.data(), nullptr, dev);
+    backend::unary(local_mean, global_mean, backend::fn::MulScalar{static_cast<double>(local)});
+    reducer->all_reduce_sum(global_mean);
+    backend::bn_sync_stats(local_mean.data(), static_cast<double>(local), static_cast<double>(count),
+                           global_mean.data(), m2.data(), C, dev);
+    reducer->all_reduce_sum(m2);
+    backend::bn_finish(global_mean.data(), m2.data(), C, fin, dev);
+  }
+  backend::bn_apply(xc.data(), N, C, S, mean.data(), invstd.data(), wp, bp, out.data(), dev);
   if (autograd::needs_grad(x, weight, bias)) {
     auto node = autograd::make_node<BatchNormBackward<T>, T>(
         {&x, weight.defined() ? &weight : nullptr, bias.defined() ? &bias : nullptr}, xc, wc, mean, invstd,
@@ -634,6 +640,20 @@ Tensor<T> batch_norm(const Tensor<T>& x, const Tensor<T>& running_mean, const Te
     autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
   }
   return out;
+}
+}  // namespace ops::detail
+
+/// Batch normalisation over dim 1 of x [N, C, *] (as torch.nn.functional.batch_norm).
+/// Training: normalises with the batch statistics — summed over the participants of
+/// `reducer` when one is given (Note [statistics reducer]) — and, when running_mean/var are
+/// defined, updates them in place: r = (1 - momentum)·r + momentum·stat (variance unbiased).
+/// Evaluation: normalises with running_mean/var.
+template <class T>
+Tensor<T> batch_norm(const Tensor<T>& x, const Tensor<T>& running_mean, const Tensor<T>& running_var,
+                     const Tensor<T>& weight = Tensor<T>(), const Tensor<T>& bias = Tensor<T>(), bool training = true,
+                     double momentum = 0.1, double eps = 1e-5, std::shared_ptr<StatsReducer> reducer = nullptr) {
+  return ops::detail::batch_norm_impl(x, running_mean, running_var, weight, bias, training, momentum, eps,
+                                      std::move(reducer), nullptr);
 }
 
 /// Layer normalisation over the trailing dimensions `normalized_shape` (as
@@ -696,21 +716,6 @@ Tensor<T> embedding(const Tensor<std::int64_t>& indices, const Tensor<T>& weight
 template <class T>
 Tensor<T> silu(const Tensor<T>& x) {
   return mul(x, sigmoid(x));
-}
-
-/// Zeroes whole channels (dim 1 of x [N, C, *]) with probability p while training, scaling
-/// the rest by 1/(1-p) (as torch.nn.functional.dropout2d on batched input).
-template <class T>
-Tensor<T> dropout2d(const Tensor<T>& x, double p, bool training, Generator& gen = default_generator()) {
-  CHORUS_CHECK(p >= 0.0 && p <= 1.0, "dropout2d: probability must be in [0, 1], got ", p);
-  ops::detail::check_defined("dropout2d", x);
-  CHORUS_CHECK(x.dim() >= 2, "dropout2d: expected an input [N, C, *], got shape ", x.shape());
-  if (!training || p == 0.0) return x;
-  Shape ms = Shape::filled(x.dim(), 1);
-  ms[0] = x.shape()[0];
-  ms[1] = x.shape()[1];
-  auto mask = dropout(ones<T>(ms, x.device()), p, true, gen);  // a constant: ones() needs no grad
-  return mul(x, mask);
 }
 
 CHORUS_NAMESPACE_END

@@ -160,8 +160,10 @@ class DataParallel {
     // SyncBatchNorm layers sum their statistics over the replicas of this call (Note [statistics reducer]).
     auto stats = std::make_shared<parallel::ReplicaStatsGroup>(static_cast<int>(plan.used()));
     const auto versions = replicator_->aliased_versions();
+    auto random = std::make_shared<ReplicaRandomGroup>();  // Note [dropout random numbers]
     auto outs = parallel::parallel_apply(streams, [&](std::size_t r) -> R {
       StatsReducerScope sync(stats->member(static_cast<int>(r)));
+      ReplicaRandomScope rs(random, static_cast<int>(r), dim_, plan.offsets[r], plan.sizes[r], batch);
       return parallel::detail::call_forward(*modules[r], scatter(args, plan, r)...);
     });
     replicator_->check_parameters_unwritten(versions);
@@ -326,7 +328,10 @@ class DataParallel {
     const auto versions = replicator_->aliased_versions();
     std::vector<R> outs;
     outs.reserve(plan.used());
+    auto random = std::make_shared<ReplicaRandomGroup>();  // Note [dropout random numbers]
+    const std::int64_t batch = plan.offsets.back() + plan.sizes.back();
     for (std::size_t r = 0; r < plan.used(); ++r) {
+      ReplicaRandomScope rs(random, static_cast<int>(r), dim_, plan.offsets[r], plan.sizes[r], batch);
       std::optional<StreamGuard> on_stream;  // replica r's stream is current, as on its worker
       if (r > 0) on_stream.emplace(*streams_[r]);
       autograd::ReplicaGuard rg(static_cast<int>(r));  // its nodes name the replica in backward errors

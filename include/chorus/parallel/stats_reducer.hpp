@@ -31,7 +31,7 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
   template <class T>
   void all_reduce(int rank, Tensor<T>& t) {
     if (size_ == 1) return;
-    if (t.device().is_cuda()) current_stream(t.device()).synchronize();  // the values must be there for the others
+    mark_ready(rank, t);  // Note [device statistics reduction]
     slots_[rank] = &t;
     barrier(rank, "post");
     Tensor<T> acc;
@@ -39,11 +39,13 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
       const auto& src = *static_cast<const Tensor<T>*>(slots_[j]);
       CHORUS_CHECK(src.shape() == t.shape(), "SyncBatchNorm: replica ", j, " reduces a tensor of shape ", src.shape(),
                    ", replica ", rank, " one of shape ", t.shape());
+      wait_ready(rank, j, t);
       auto here = src.to(t.device());
       acc = acc.defined() ? add(acc, here) : (j == rank ? here.clone() : here);
     }
-    if (t.device().is_cuda()) current_stream(t.device()).synchronize();  // done reading the others' tensors
+    mark_read(rank, t);
     barrier(rank, "read");
+    wait_reads(rank, t);
     backend::copy(t, acc);
   }
 
@@ -60,6 +62,36 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
   int size() const { return size_; }
 
  private:
+  // Note [device statistics reduction]
+  // On GPUs a reduction never waits on the host: each replica records an event on its stream
+  // when its tensor is ready (before the "post" barrier) and another when it has read every
+  // other replica's tensor (before the "read" barrier); a replica's stream waits for the
+  // others' "ready" events before reading their tensors and for their "read" events before
+  // overwriting its own. The barriers order the host side (every event is recorded before
+  // anyone waits on it, and re-recorded only after everyone waited on it). CPU devices run
+  // eagerly on the calling threads: the barriers alone order them.
+  template <class T>
+  void mark_ready(int rank, const Tensor<T>& t) {
+    if (t.device().is_cuda()) ready_[rank].record(current_stream(t.device()));
+  }
+  template <class T>
+  void wait_ready(int rank, int j, const Tensor<T>& t) {
+    if (t.device().is_cuda() && j != rank) ready_[j].block(current_stream(t.device()));
+  }
+  template <class T>
+  void mark_read(int rank, const Tensor<T>& t) {
+    if (t.device().is_cuda()) read_[rank].record(current_stream(t.device()));
+  }
+  template <class T>
+  void wait_reads(int rank, const Tensor<T>& t) {
+    if (!t.device().is_cuda()) return;
+    for (int j = 0; j < size_; ++j)
+      if (j != rank) read_[j].block(current_stream(t.device()));
+  }
+  static std::vector<Event> make_events(int size) {
+    return std::vector<Event>(size > 0 ? static_cast<std::size_t>(size) : 0);
+  }
+
   void barrier(int rank, const char* phase) {
     std::unique_lock lk(m_);
     const auto gen = generation_;
@@ -80,6 +112,7 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
   std::chrono::milliseconds timeout_;
   std::vector<const void*> slots_;
   std::vector<std::int64_t> counts_;
+  std::vector<Event> ready_ = make_events(size_), read_ = make_events(size_);  // Note [device statistics reduction]
   std::mutex m_;
   std::condition_variable cv_;
   int arrived_ = 0;
