@@ -414,9 +414,15 @@ TEST(RNN, DataParallelGivesTheSingleDeviceGradients) {
   auto xr = x.detach().requires_grad_(true);
   auto ref_out = reference.forward(xr);
   (ref_out * w).sum().backward();
+  const auto inline_default = parallel::inline_work_default();
+  for (bool threaded : {true, false})
   for (int k : {1, 2, 3}) {
-    SCOPED_TRACE(std::to_string(k) + " devices");
+    SCOPED_TRACE(std::to_string(k) + (threaded ? " devices, threaded" : " devices, inline"));
+    // Threaded: every replica on its device's worker; inline: replicas after one another on this
+    // thread when the step is small (Note [inline small steps]).
+    parallel::set_inline_work_default(threaded ? 0 : std::int64_t{1} << 40);
     DataParallel<Tagger> dp(nn::clone(reference, Device::cpu(0)), cpus(k));
+    parallel::set_inline_work_default(inline_default);
     auto xd = x.detach().requires_grad_(true);
     auto out = dp(xd);
     EXPECT_TRUE(all_close(out, ref_out, 1e-10, 1e-10));
