@@ -2,9 +2,9 @@
 // parameters are copied into chorus by name (which also proves the names: LibTorch's C++
 // named_parameters() uses PyTorch's), then outputs, final states and every gradient (input,
 // initial states, each parameter) agree to 1e-10 in float64. Skips where LibTorch was not found.
-#include "test_util.hpp"
-
 #include <functional>
+
+#include "test_util.hpp"
 
 #if CHORUS_HAVE_LIBTORCH
 #include <torch/torch.h>
@@ -124,10 +124,11 @@ struct Case {
   double dropout = 0;  // only with eval
   bool eval = false;
   std::string str() const {
-    return std::string(kind_name(kind)) + " layers=" + std::to_string(layers) + " bidirectional=" +
-           std::to_string(bidirectional) + " batch_first=" + std::to_string(batch_first) + " state=" +
-           std::to_string(with_state) + " bias=" + std::to_string(bias) + " proj_size=" + std::to_string(proj_size) +
-           (unbatched ? " unbatched" : "") + (eval ? " eval, dropout=" + std::to_string(dropout) : "");
+    return std::string(kind_name(kind)) + " layers=" + std::to_string(layers) +
+           " bidirectional=" + std::to_string(bidirectional) + " batch_first=" + std::to_string(batch_first) +
+           " state=" + std::to_string(with_state) + " bias=" + std::to_string(bias) +
+           " proj_size=" + std::to_string(proj_size) + (unbatched ? " unbatched" : "") +
+           (eval ? " eval, dropout=" + std::to_string(dropout) : "");
   }
 };
 
@@ -138,7 +139,8 @@ void check_layer(const Case& c) {
   const std::int64_t S = 5, B = c.unbatched ? 1 : 3, F = 4, H = 6, D = c.bidirectional ? 2 : 1;
   const std::int64_t Hout = c.proj_size > 0 ? c.proj_size : H;
   const bool lstm = c.kind == Kind::LSTM;
-  std::vector<Tensor<double>> inputs{c.unbatched ? rnd({S, F}, 1) : rnd(c.batch_first ? Shape{B, S, F} : Shape{S, B, F}, 1)};
+  std::vector<Tensor<double>> inputs{c.unbatched ? rnd({S, F}, 1)
+                                                 : rnd(c.batch_first ? Shape{B, S, F} : Shape{S, B, F}, 1)};
   if (c.with_state) {
     inputs.push_back(c.unbatched ? rnd({c.layers * D, Hout}, 2) : rnd({c.layers * D, B, Hout}, 2));
     if (lstm) inputs.push_back(c.unbatched ? rnd({c.layers * D, H}, 3) : rnd({c.layers * D, B, H}, 3));
@@ -173,8 +175,12 @@ void check_layer(const Case& c) {
                           .bidirectional(c.bidirectional)
                           .proj_size(c.proj_size));
     nn::LSTMT<double> m(F, H,
-                        nn::LSTMOptions{.num_layers = c.layers, .bias = c.bias, .batch_first = c.batch_first,
-                                        .dropout = c.dropout, .bidirectional = c.bidirectional, .proj_size = c.proj_size});
+                        nn::LSTMOptions{.num_layers = c.layers,
+                                        .bias = c.bias,
+                                        .batch_first = c.batch_first,
+                                        .dropout = c.dropout,
+                                        .bidirectional = c.bidirectional,
+                                        .proj_size = c.proj_size});
     tm = t.ptr();
     cm = m.ptr();
     run_torch = [=](const std::vector<torch::Tensor>& x0) mutable {
@@ -194,8 +200,11 @@ void check_layer(const Case& c) {
                          .dropout(c.dropout)
                          .bidirectional(c.bidirectional));
     nn::GRUT<double> m(F, H,
-                       nn::GRUOptions{.num_layers = c.layers, .bias = c.bias, .batch_first = c.batch_first,
-                                      .dropout = c.dropout, .bidirectional = c.bidirectional});
+                       nn::GRUOptions{.num_layers = c.layers,
+                                      .bias = c.bias,
+                                      .batch_first = c.batch_first,
+                                      .dropout = c.dropout,
+                                      .bidirectional = c.bidirectional});
     tm = t.ptr();
     cm = m.ptr();
     run_torch = [=](const std::vector<torch::Tensor>& x0) mutable {
@@ -214,8 +223,11 @@ void check_layer(const Case& c) {
     if (relu) o.nonlinearity(torch::kReLU);
     torch::nn::RNN t(o);
     nn::RNNT<double> m(F, H,
-                       nn::RNNOptions{.num_layers = c.layers, .nonlinearity = relu ? "relu" : "tanh", .bias = c.bias,
-                                      .batch_first = c.batch_first, .dropout = c.dropout,
+                       nn::RNNOptions{.num_layers = c.layers,
+                                      .nonlinearity = relu ? "relu" : "tanh",
+                                      .bias = c.bias,
+                                      .batch_first = c.batch_first,
+                                      .dropout = c.dropout,
                                       .bidirectional = c.bidirectional});
     tm = t.ptr();
     cm = m.ptr();
@@ -259,7 +271,8 @@ TEST(LibTorchRNN, LSTMWithProjection) {
   for (bool bidir : {false, true})
     for (bool bf : {false, true})
       for (bool state : {false, true})
-        check_layer({.kind = Kind::LSTM, .bidirectional = bidir, .batch_first = bf, .with_state = state, .proj_size = 3});
+        check_layer(
+            {.kind = Kind::LSTM, .bidirectional = bidir, .batch_first = bf, .with_state = state, .proj_size = 3});
   check_layer({.kind = Kind::LSTM, .bidirectional = true, .with_state = true, .proj_size = 2, .unbatched = true});
 }
 

@@ -1,8 +1,11 @@
 // Recurrent layers and cells: PyTorch's parameter names, shapes and initialisation, options and
 // input errors, float64 gradients, the directions and layouts against each other, checkpoints,
 // DataParallel against one device, and a small training run. (Values against LibTorch: test_libtorch_rnn.)
-#include <filesystem>
 #include <unistd.h>
+
+#include <filesystem>
+#include <map>
+#include <set>
 
 #include "test_util.hpp"
 
@@ -84,23 +87,32 @@ TEST(RNN, ParameterNamesShapesAndOrderArePyTorchs) {
   EXPECT_EQ(lstm->all_weights().size(), want.size());
 
   nn::GRU gru(3, 5, nn::GRUOptions{.bias = false});
-  EXPECT_EQ(names_and_shapes(*gru), (std::vector<NameShape>{{"weight_ih_l0", Shape{15, 3}}, {"weight_hh_l0", Shape{15, 5}}}));
+  EXPECT_EQ(names_and_shapes(*gru),
+            (std::vector<NameShape>{{"weight_ih_l0", Shape{15, 3}}, {"weight_hh_l0", Shape{15, 5}}}));
 
   nn::LSTM proj(3, 5, nn::LSTMOptions{.num_layers = 2, .proj_size = 2});
-  EXPECT_EQ(names_and_shapes(*proj),
-            (std::vector<NameShape>{{"weight_ih_l0", Shape{20, 3}}, {"weight_hh_l0", Shape{20, 2}}, {"bias_ih_l0", Shape{20}},
-                                    {"bias_hh_l0", Shape{20}}, {"weight_hr_l0", Shape{2, 5}}, {"weight_ih_l1", Shape{20, 2}},
-                                    {"weight_hh_l1", Shape{20, 2}}, {"bias_ih_l1", Shape{20}}, {"bias_hh_l1", Shape{20}},
-                                    {"weight_hr_l1", Shape{2, 5}}}));
+  EXPECT_EQ(names_and_shapes(*proj), (std::vector<NameShape>{{"weight_ih_l0", Shape{20, 3}},
+                                                             {"weight_hh_l0", Shape{20, 2}},
+                                                             {"bias_ih_l0", Shape{20}},
+                                                             {"bias_hh_l0", Shape{20}},
+                                                             {"weight_hr_l0", Shape{2, 5}},
+                                                             {"weight_ih_l1", Shape{20, 2}},
+                                                             {"weight_hh_l1", Shape{20, 2}},
+                                                             {"bias_ih_l1", Shape{20}},
+                                                             {"bias_hh_l1", Shape{20}},
+                                                             {"weight_hr_l1", Shape{2, 5}}}));
 
   nn::RNN rnn(4, 6, nn::RNNOptions{.nonlinearity = "relu"});
-  EXPECT_EQ(names_and_shapes(*rnn), (std::vector<NameShape>{{"weight_ih_l0", Shape{6, 4}}, {"weight_hh_l0", Shape{6, 6}},
-                                                           {"bias_ih_l0", Shape{6}}, {"bias_hh_l0", Shape{6}}}));
+  EXPECT_EQ(names_and_shapes(*rnn), (std::vector<NameShape>{{"weight_ih_l0", Shape{6, 4}},
+                                                            {"weight_hh_l0", Shape{6, 6}},
+                                                            {"bias_ih_l0", Shape{6}},
+                                                            {"bias_hh_l0", Shape{6}}}));
   EXPECT_EQ(rnn->name(), "RNN(4, 6, nonlinearity=relu)");
   EXPECT_EQ(lstm->name(), "LSTM(3, 5, num_layers=2, bidirectional=true)");
 
   auto cell = [](std::int64_t g) {
-    return std::vector<NameShape>{{"weight_ih", Shape{g, 3}}, {"weight_hh", Shape{g, 5}}, {"bias_ih", Shape{g}}, {"bias_hh", Shape{g}}};
+    return std::vector<NameShape>{
+        {"weight_ih", Shape{g, 3}}, {"weight_hh", Shape{g, 5}}, {"bias_ih", Shape{g}}, {"bias_hh", Shape{g}}};
   };
   EXPECT_EQ(names_and_shapes(*nn::LSTMCell(3, 5)), cell(20));
   EXPECT_EQ(names_and_shapes(*nn::GRUCell(3, 5)), cell(15));
@@ -119,7 +131,9 @@ TEST(RNN, InitialisationIsUniformWithinOneOverSqrtHidden) {
       for (double x : v) lo = std::min(lo, x), hi = std::max(hi, x);
       EXPECT_GE(lo, -0.25) << p.name;  // 1 / sqrt(16)
       EXPECT_LE(hi, 0.25) << p.name;
-      if (v.size() >= 64) { EXPECT_TRUE(lo < -0.2 && hi > 0.2) << p.name << " spans [" << lo << ", " << hi << "]"; }
+      if (v.size() >= 64) {
+        EXPECT_TRUE(lo < -0.2 && hi > 0.2) << p.name << " spans [" << lo << ", " << hi << "]";
+      }
     }
 }
 
@@ -152,12 +166,17 @@ TEST(RNN, OutputAndStateShapes) {
         EXPECT_EQ(yu.shape(), (Shape{S, D * H}));
         EXPECT_EQ(hu.shape(), (Shape{layers * D, H}));
         // With a projection, h and the output have proj_size features, c keeps hidden_size.
-        nn::LSTM proj(F, H, nn::LSTMOptions{.num_layers = layers, .batch_first = bf, .bidirectional = bidir, .proj_size = 2});
+        nn::LSTM proj(F, H,
+                      nn::LSTMOptions{.num_layers = layers, .batch_first = bf, .bidirectional = bidir, .proj_size = 2});
         auto [yp, hcp] = proj->forward(x, {zeros<float>({layers * D, B, 2}), zeros<float>(state)});
         EXPECT_EQ(yp.shape(), bf ? (Shape{B, S, D * 2}) : (Shape{S, B, D * 2}));
         EXPECT_EQ(std::get<0>(hcp).shape(), (Shape{layers * D, B, 2}));
         EXPECT_EQ(std::get<1>(hcp).shape(), state);
       }
+  // An empty batch gives empty outputs, as in PyTorch.
+  auto [y0, s0] = nn::LSTM(F, H, nn::LSTMOptions{.num_layers = 2, .bidirectional = true})(randn<float>({S, 0, F}));
+  EXPECT_EQ(y0.shape(), (Shape{S, 0, 2 * H}));
+  EXPECT_EQ(std::get<1>(s0).shape(), (Shape{4, 0, H}));
   auto [h, c] = nn::LSTMCell(4, 6)(randn<float>({3, 4}));
   EXPECT_EQ(h.shape(), (Shape{3, 6}));
   EXPECT_EQ(c.shape(), (Shape{3, 6}));
@@ -170,38 +189,54 @@ TEST(RNN, OptionsAreCheckedAtConstruction) {
   EXPECT_TRUE(throws_with([] { nn::GRU(4, -3); }, {"GRU", "hidden_size", "-3"}));
   EXPECT_TRUE(throws_with([] { nn::RNN(0, 3); }, {"RNN", "input_size must be positive"}));
   EXPECT_TRUE(throws_with([] { nn::LSTM(4, 3, nn::LSTMOptions{.num_layers = 0}); }, {"num_layers must be positive"}));
-  EXPECT_TRUE(throws_with([] { nn::GRU(4, 3, nn::GRUOptions{.dropout = -0.1}); }, {"GRU", "dropout must be in [0, 1]"}));
-  EXPECT_TRUE(throws_with([] { nn::LSTM(4, 3, nn::LSTMOptions{.dropout = 1.5}); }, {"dropout must be in [0, 1], got 1.5"}));
+  EXPECT_TRUE(
+      throws_with([] { nn::GRU(4, 3, nn::GRUOptions{.dropout = -0.1}); }, {"GRU", "dropout must be in [0, 1]"}));
+  EXPECT_TRUE(
+      throws_with([] { nn::LSTM(4, 3, nn::LSTMOptions{.dropout = 1.5}); }, {"dropout must be in [0, 1], got 1.5"}));
   EXPECT_TRUE(throws_with([] { nn::LSTM(4, 3, nn::LSTMOptions{.proj_size = 3}); },
                           {"proj_size (3) must be smaller than hidden_size (3)"}));
-  EXPECT_TRUE(throws_with([] { nn::LSTM(4, 3, nn::LSTMOptions{.proj_size = -1}); }, {"proj_size must be non-negative"}));
+  EXPECT_TRUE(
+      throws_with([] { nn::LSTM(4, 3, nn::LSTMOptions{.proj_size = -1}); }, {"proj_size must be non-negative"}));
   EXPECT_TRUE(throws_with([] { nn::RNN(4, 3, nn::RNNOptions{.nonlinearity = "sigmoid"}); },
                           {"RNN", "unknown nonlinearity 'sigmoid'", "\"tanh\" or \"relu\""}));
-  EXPECT_TRUE(throws_with([] { nn::RNNCell(4, 3, nn::RNNCellOptions{.nonlinearity = "gelu"}); }, {"RNNCell", "unknown nonlinearity"}));
+  EXPECT_TRUE(throws_with([] { nn::RNNCell(4, 3, nn::RNNCellOptions{.nonlinearity = "gelu"}); },
+                          {"RNNCell", "unknown nonlinearity"}));
   EXPECT_TRUE(throws_with([] { nn::LSTMCell(4, 0); }, {"LSTMCell", "hidden_size must be positive"}));
   EXPECT_TRUE(throws_with([] { nn::GRUCell(-1, 2); }, {"GRUCell", "input_size must be positive"}));
 }
 
 TEST(RNN, BadInputsNameWhatWasExpected) {
   nn::LSTM lstm(4, 3, nn::LSTMOptions{.num_layers = 2, .bidirectional = true});
-  EXPECT_TRUE(throws_with([&] { lstm(randn<float>({4})); },
-                          {"LSTM: expected input of shape (seq_len, batch, input_size) or unbatched", "got shape [4]"}));
+  EXPECT_TRUE(
+      throws_with([&] { lstm(randn<float>({4})); },
+                  {"LSTM: expected input of shape (seq_len, batch, input_size) or unbatched", "got shape [4]"}));
   EXPECT_TRUE(throws_with([&] { lstm(randn<float>({2, 3, 4, 4})); }, {"got shape [2, 3, 4, 4]"}));
   EXPECT_TRUE(throws_with([&] { lstm(randn<float>({5, 2, 7})); }, {"has 7 features, expected input_size=4"}));
   EXPECT_TRUE(throws_with([&] { lstm(randn<float>({0, 2, 4})); }, {"at least one step"}));
   auto x = randn<float>({5, 2, 4});
-  EXPECT_TRUE(throws_with([&] { lstm->forward(x, {zeros<float>({2, 2, 3}), zeros<float>({4, 2, 3})}); },
-                          {"expected h0 of shape [4, 2, 3] (num_layers * num_directions, batch, hidden_size)",
-                           "got [2, 2, 3]"}));
-  EXPECT_TRUE(throws_with([&] { lstm->forward(x, {zeros<float>({4, 2, 3}), zeros<float>({4, 1, 3})}); },
-                          {"expected c0 of shape [4, 2, 3]", "got [4, 1, 3]"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        lstm->forward(x, {zeros<float>({2, 2, 3}), zeros<float>({4, 2, 3})});
+      },
+      {"expected h0 of shape [4, 2, 3] (num_layers * num_directions, batch, hidden_size)", "got [2, 2, 3]"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        lstm->forward(x, {zeros<float>({4, 2, 3}), zeros<float>({4, 1, 3})});
+      },
+      {"expected c0 of shape [4, 2, 3]", "got [4, 1, 3]"}));
   EXPECT_TRUE(throws_with([&] { lstm->forward(x, {zeros<float>({4, 2, 3}), Tensor<float>()}); }, {"both h0 and c0"}));
   // Unbatched input takes unbatched states.
-  EXPECT_TRUE(throws_with([&] { lstm->forward(randn<float>({5, 4}), {zeros<float>({4, 1, 3}), zeros<float>({4, 1, 3})}); },
-                          {"expected h0 of shape [4, 3] (num_layers * num_directions, hidden_size)"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        lstm->forward(randn<float>({5, 4}), {zeros<float>({4, 1, 3}), zeros<float>({4, 1, 3})});
+      },
+      {"expected h0 of shape [4, 3] (num_layers * num_directions, hidden_size)"}));
   nn::LSTM proj(4, 3, nn::LSTMOptions{.proj_size = 2});
-  EXPECT_TRUE(throws_with([&] { proj->forward(x, {zeros<float>({1, 2, 3}), zeros<float>({1, 2, 3})}); },
-                          {"expected h0 of shape [1, 2, 2]", "proj_size)"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        proj->forward(x, {zeros<float>({1, 2, 3}), zeros<float>({1, 2, 3})});
+      },
+      {"expected h0 of shape [1, 2, 2]", "proj_size)"}));
   nn::GRU gru(4, 3, nn::GRUOptions{.batch_first = true});
   EXPECT_TRUE(throws_with([&] { gru(randn<float>({4})); }, {"GRU", "(batch, seq_len, input_size)"}));
   EXPECT_TRUE(throws_with([&] { gru(x, zeros<float>({1, 5, 3, 1})); }, {"GRU: expected h0 of shape [1, 5, 3]"}));
@@ -209,10 +244,16 @@ TEST(RNN, BadInputsNameWhatWasExpected) {
   EXPECT_TRUE(throws_with([&] { gru(x.to(Device::cpu(1))); }, {"input is on cpu:1 but the parameters are on cpu:0"}));
   nn::LSTMCell cell(4, 3);
   EXPECT_TRUE(throws_with([&] { cell(randn<float>({2, 5})); }, {"LSTMCell", "has 5 features, expected input_size=4"}));
-  EXPECT_TRUE(throws_with([&] { cell->forward(randn<float>({2, 4}), {zeros<float>({3, 3}), zeros<float>({2, 3})}); },
-                          {"LSTMCell: expected h of shape [2, 3] (batch, hidden_size), got [3, 3]"}));
-  EXPECT_TRUE(throws_with([&] { nn::GRUCell(4, 3)(randn<float>({4}), zeros<float>({1, 3})); },
-                          {"expected hx of shape [3] (hidden_size) for unbatched input"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        cell->forward(randn<float>({2, 4}), {zeros<float>({3, 3}), zeros<float>({2, 3})});
+      },
+      {"LSTMCell: expected h of shape [2, 3] (batch, hidden_size), got [3, 3]"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        nn::GRUCell(4, 3)(randn<float>({4}), zeros<float>({1, 3}));
+      },
+      {"expected hx of shape [3] (hidden_size) for unbatched input"}));
   EXPECT_TRUE(throws_with([&] { nn::RNNCell(4, 3)(randn<float>({1, 2, 4})); }, {"RNNCell", "got shape [1, 2, 4]"}));
 }
 
@@ -273,6 +314,37 @@ TEST(RNNGradcheck, Cells) {
   EXPECT_TRUE(gradcheck([&](const TL& x) { return gru(x[0], x[1]); }, with_params({r({2, 3}, 4), r({2, 4}, 5)}, *gru)));
   nn::RNNCellT<double> rnn(3, 4, nn::RNNCellOptions{.nonlinearity = "relu"});
   EXPECT_TRUE(gradcheck([&](const TL& x) { return rnn(x[0], x[1]); }, with_params({r({3}, 6), r({4}, 7)}, *rnn)));
+}
+
+namespace {
+/// How many nodes of each name the graph behind `t` holds.
+std::map<std::string, int> node_counts(const Tensor<double>& t) {
+  std::map<std::string, int> counts;
+  std::set<const autograd::Node<double>*> seen;
+  std::vector<std::shared_ptr<autograd::Node<double>>> todo{t.grad_fn()};
+  while (!todo.empty()) {
+    auto n = todo.back();
+    todo.pop_back();
+    if (!n || !seen.insert(n.get()).second) continue;
+    ++counts[n->name()];
+    for (const auto& e : n->next_edges()) todo.push_back(e.fn);
+  }
+  return counts;
+}
+}  // namespace
+
+TEST(RNN, TimeStepsAndGatesAreCutOutByOneNodeEach) {
+  // Note [one split node]: a node per slice (select/narrow) would make backward quadratic in
+  // the sequence length.
+  const std::int64_t S = 7;
+  nn::LSTMT<double> lstm(3, 4, nn::LSTMOptions{.num_layers = 2, .bidirectional = true});
+  auto h0 = r({4, 2, 4}, 2).requires_grad_(true), c0 = r({4, 2, 4}, 3).requires_grad_(true);
+  auto [y, hc] = lstm->forward(r({S, 2, 3}, 1), {h0, c0});
+  auto counts = node_counts(y + 0.0 * std::get<0>(hc).sum() + 0.0 * std::get<1>(hc).sum());
+  EXPECT_EQ(counts["UnbindBackward"], 4 + 2);  // each layer's projection per direction, h0, c0
+  EXPECT_EQ(counts["SplitBackward"], 4 * S);   // the gates of every step
+  EXPECT_EQ(counts["SelectBackward"] + counts["NarrowBackward"], 0);
+  EXPECT_EQ(counts["LinearBackward"], 4 * (S + 1));  // one projection and one GEMM per step
 }
 
 TEST(RNN, BatchFirstIsTheTransposedLayout) {
@@ -390,7 +462,21 @@ TEST(RNN, CloneIsADeepCopy) {
     b->all_weights()[0].fill_(0.5);
   }
   EXPECT_NE(a->all_weights()[0].to_vector()[0], 0.5);
-  EXPECT_EQ(b->named_parameters()[0].tensor.as<double>().to_vector()[0], 0.5) << "all_weights() and the registry differ";
+  EXPECT_EQ(b->named_parameters()[0].tensor.as<double>().to_vector()[0], 0.5)
+      << "all_weights() and the registry differ";
+}
+
+TEST(RNN, ToMovesEveryWeight) {
+  set_cpu_device_count(std::max(cpu_device_count(), 2));
+  nn::GRUT<double> a(3, 4, nn::GRUOptions{.num_layers = 2, .bidirectional = true});
+  auto x = r({3, 2, 3}, 5);
+  auto [y, h] = a(x);
+  a->to(Device::cpu(1));
+  for (const auto& w : a->all_weights()) EXPECT_EQ(w.device(), Device::cpu(1));
+  auto [y1, h1] = a(x.to(Device::cpu(1)));
+  EXPECT_EQ(y1.device(), Device::cpu(1));
+  EXPECT_TRUE(all_close(y1.to(Device::cpu()), y, 0));
+  EXPECT_TRUE(all_close(h1.to(Device::cpu()), h, 0));
 }
 
 namespace {
@@ -399,8 +485,9 @@ struct Tagger : nn::Module {
   nn::LSTMT<double> lstm;
   nn::LinearT<double> head;
   Tagger()
-      : lstm(register_module("lstm", nn::LSTMT<double>(3, 5, nn::LSTMOptions{.num_layers = 2, .batch_first = true,
-                                                                                .bidirectional = true}))),
+      : lstm(register_module(
+            "lstm",
+            nn::LSTMT<double>(3, 5, nn::LSTMOptions{.num_layers = 2, .batch_first = true, .bidirectional = true}))),
         head(register_module("head", nn::LinearT<double>(10, 2))) {}
   Tensor<double> forward(const Tensor<double>& x) { return head(std::get<0>(lstm(x))); }
 };
@@ -416,26 +503,26 @@ TEST(RNN, DataParallelGivesTheSingleDeviceGradients) {
   (ref_out * w).sum().backward();
   const auto inline_default = parallel::inline_work_default();
   for (bool threaded : {true, false})
-  for (int k : {1, 2, 3}) {
-    SCOPED_TRACE(std::to_string(k) + (threaded ? " devices, threaded" : " devices, inline"));
-    // Threaded: every replica on its device's worker; inline: replicas after one another on this
-    // thread when the step is small (Note [inline small steps]).
-    parallel::set_inline_work_default(threaded ? 0 : std::int64_t{1} << 40);
-    DataParallel<Tagger> dp(nn::clone(reference, Device::cpu(0)), cpus(k));
-    parallel::set_inline_work_default(inline_default);
-    auto xd = x.detach().requires_grad_(true);
-    auto out = dp(xd);
-    EXPECT_TRUE(all_close(out, ref_out, 1e-10, 1e-10));
-    (out * w).sum().backward();
-    EXPECT_TRUE(all_close(xd.grad(), xr.grad(), 1e-10, 1e-10)) << "input gradient";
-    auto pa = reference.named_parameters(), pb = dp.module().named_parameters();
-    ASSERT_EQ(pa.size(), pb.size());
-    for (std::size_t i = 0; i < pa.size(); ++i) {
-      auto gb = pb[i].tensor.as<double>().grad();
-      ASSERT_TRUE(gb.defined()) << pb[i].name;
-      EXPECT_TRUE(all_close(gb, pa[i].tensor.as<double>().grad(), 1e-10, 1e-10)) << "gradient of " << pa[i].name;
+    for (int k : {1, 2, 3}) {
+      SCOPED_TRACE(std::to_string(k) + (threaded ? " devices, threaded" : " devices, inline"));
+      // Threaded: every replica on its device's worker; inline: replicas after one another on this
+      // thread when the step is small (Note [inline small steps]).
+      parallel::set_inline_work_default(threaded ? 0 : std::int64_t{1} << 40);
+      DataParallel<Tagger> dp(nn::clone(reference, Device::cpu(0)), cpus(k));
+      parallel::set_inline_work_default(inline_default);
+      auto xd = x.detach().requires_grad_(true);
+      auto out = dp(xd);
+      EXPECT_TRUE(all_close(out, ref_out, 1e-10, 1e-10));
+      (out * w).sum().backward();
+      EXPECT_TRUE(all_close(xd.grad(), xr.grad(), 1e-10, 1e-10)) << "input gradient";
+      auto pa = reference.named_parameters(), pb = dp.module().named_parameters();
+      ASSERT_EQ(pa.size(), pb.size());
+      for (std::size_t i = 0; i < pa.size(); ++i) {
+        auto gb = pb[i].tensor.as<double>().grad();
+        ASSERT_TRUE(gb.defined()) << pb[i].name;
+        EXPECT_TRUE(all_close(gb, pa[i].tensor.as<double>().grad(), 1e-10, 1e-10)) << "gradient of " << pa[i].name;
+      }
     }
-  }
 }
 
 TEST(RNN, TrainingLearnsToRecallAnEarlierStep) {

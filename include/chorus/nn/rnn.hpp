@@ -97,8 +97,8 @@ class RNNImplBase : public Module {
     CHORUS_CHECK(config.proj_size >= 0, kind, ": proj_size must be non-negative, got ", config.proj_size);
     CHORUS_CHECK(config.proj_size < hidden_size, kind, ": proj_size (", config.proj_size,
                  ") must be smaller than hidden_size (", hidden_size, ")");
-    const std::int64_t gates =
-        config.mode == RNNMode::LSTM ? 4 : config.mode == RNNMode::GRU ? 3 : 1, g = gates * hidden_size;
+    const std::int64_t gates = config.mode == RNNMode::LSTM ? 4 : config.mode == RNNMode::GRU ? 3 : 1;
+    const std::int64_t g = gates * hidden_size;  // rows of weight_ih / weight_hh: the gates stacked
     const auto out = output_size();
     const Device dev = config.device;
     for (std::int64_t l = 0; l < config.num_layers; ++l) {
@@ -148,7 +148,7 @@ class RNNImplBase : public Module {
                    batched ? " (num_layers * num_directions, batch, " : " (num_layers * num_directions, ", size_name,
                    ") for input of shape ", input.shape(), ", got ", s.shape());
       CHORUS_CHECK(s.device() == dev, kind_, ": ", name, " is on ", s.device(), " but the parameters are on ", dev);
-      return unbind(batched ? s : s.unsqueeze(1), 0);
+      return nn::detail::unbind(batched ? s : s.unsqueeze(1), 0);  // qualified: no ADL onto a future chorus::unbind
     };
     const auto h_size = output_size();
     auto hs = states(h0, "h0", h_size, config_.proj_size > 0 ? "proj_size)" : "hidden_size)");
@@ -161,7 +161,7 @@ class RNNImplBase : public Module {
       for (int d = 0; d < num_directions(); ++d) {
         const auto idx = static_cast<std::size_t>(l * num_directions() + d);
         const Weights& w = weights_[idx];
-        auto steps = unbind(linear(x, w.w_ih, w.b_ih), 0);  // Note [recurrent layer GEMMs]
+        auto steps = nn::detail::unbind(linear(x, w.w_ih, w.b_ih), 0);  // Note [recurrent layer GEMMs]
         Tensor<T> h = hs.empty() ? zeros<T>(Shape{batch, h_size}, dev) : hs[idx];
         Tensor<T> c;
         if (lstm) c = cs.empty() ? zeros<T>(Shape{batch, hidden_size}, dev) : cs[idx];
@@ -180,7 +180,8 @@ class RNNImplBase : public Module {
         if (lstm) c_n.push_back(c);
       }
       x = dir_out.size() == 1 ? dir_out[0] : cat(dir_out, 2);
-      if (config_.dropout > 0 && is_training() && l + 1 < config_.num_layers) x = chorus::dropout(x, config_.dropout, true);
+      if (config_.dropout > 0 && is_training() && l + 1 < config_.num_layers)
+        x = chorus::dropout(x, config_.dropout, true);
     }
     Result r{x, stack(h_n, 0), lstm ? stack(c_n, 0) : Tensor<T>()};
     if (!batched) {
