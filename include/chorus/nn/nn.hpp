@@ -7,4 +7,5 @@
 #include "layers.hpp"
 #include "module.hpp"
 #include "normalization.hpp"
+#include "rnn.hpp"
 #include "utils.hpp"
