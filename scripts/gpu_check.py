@@ -355,18 +355,44 @@ def write_archive(staging, carry):
     return os.path.getsize(os.path.join(carry, ARCHIVE))
 
 
-def unpack_carry(carry):
-    """Unpacks carry/ARCHIVE into a new temporary folder and returns that folder."""
-    dest = tempfile.mkdtemp(prefix="chorus-gpu-carry-")
+def have_lzma():
     try:
-        with tarfile.open(os.path.join(carry, ARCHIVE), "r:xz") as tar:
+        import lzma  # noqa: F401  (a Python built without liblzma has none)
+        return True
+    except ImportError:
+        return False
+
+
+def unpack_carry(carry):
+    """Unpacks carry/ARCHIVE into a new temporary folder and returns that folder. Python's lzma
+    does it; without one (a Python built without liblzma) an xz tool on PATH decompresses."""
+    dest = tempfile.mkdtemp(prefix="chorus-gpu-carry-")
+    archive = os.path.join(carry, ARCHIVE)
+    xz = None
+    try:
+        if have_lzma():
+            tar = tarfile.open(archive, "r:xz")
+        else:
+            if not shutil.which("xz"):
+                raise RuntimeError("this python3 has no lzma module and there is no xz tool on PATH")
+            xz = subprocess.Popen(["xz", "-dc", archive], stdout=subprocess.PIPE)
+            tar = tarfile.open(fileobj=xz.stdout, mode="r|")
+        with tar:
             if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4/3.12: no path outside dest
                 tar.extractall(dest, filter="data")
             else:
                 tar.extractall(dest)
+        if xz and xz.wait() != 0:
+            raise RuntimeError(f"xz -dc {archive} exited with status {xz.returncode}")
     except BaseException:
+        if xz:
+            xz.kill()
+            xz.wait()
         shutil.rmtree(dest, ignore_errors=True)
         raise
+    finally:
+        if xz:
+            xz.stdout.close()
     return dest
 
 
@@ -539,10 +565,14 @@ class Run:
         self.unpacked = None  # the temporary folder unpack_stage made, removed by cleanup()
         self.summary = {"status": "running", "gpu_machine": gpu, "dry_run": dry, "budget_s": BUDGET_S,
                         "build": build, "stages": {}}
-        manifest = os.path.join(build, "MANIFEST.json")
-        if os.path.isfile(manifest):
-            self.summary["packed"] = json.load(open(manifest)).get("commit")
+        self.read_manifest(build)
         self.failed = False
+
+    def read_manifest(self, folder):
+        path = os.path.join(folder, "MANIFEST.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                self.summary["packed"] = json.load(f).get("commit")
 
     def cleanup(self):
         shutil.rmtree(self.logs, ignore_errors=True)
@@ -725,9 +755,7 @@ class Run:
         if ok:
             self.build = self.summary["build"] = self.unpacked
             result.update(into=self.unpacked, unpacked_bytes=dir_bytes(self.unpacked))
-            manifest = os.path.join(self.unpacked, "MANIFEST.json")
-            if os.path.isfile(manifest):
-                self.summary["packed"] = json.load(open(manifest)).get("commit")
+            self.read_manifest(self.unpacked)
         self.stage("unpack", result, ok)
         return ok
 

@@ -599,6 +599,18 @@ class TestCarry(Base):
         run.cleanup()
         self.assertFalse(os.path.exists(unpacked))
 
+    @unittest.skipUnless(shutil.which("xz"), "no xz tool here")
+    def test_without_python_lzma_the_xz_tool_unpacks(self):
+        staging, carry, _, _ = self.packed()
+        with mock.patch.object(gpu_check, "have_lzma", lambda: False):
+            unpacked = gpu_check.unpack_carry(carry)
+            try:
+                self.assertEqual(gpu_check.tree_listing(unpacked), gpu_check.tree_listing(staging))
+            finally:
+                shutil.rmtree(unpacked)
+            with mock.patch.dict(os.environ, {"PATH": self.tmp}), self.assertRaisesRegex(RuntimeError, "no xz tool"):
+                gpu_check.unpack_carry(carry)
+
     def test_an_archive_that_does_not_unpack_stops_the_run(self):
         _, carry, _, _ = self.packed()
         path = os.path.join(carry, gpu_check.ARCHIVE)
