@@ -20,8 +20,18 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 CARRY = ".gpu-carry"  # the carried folder, relative to the repo root (ignored by git)
-# The GPU test programs (each a GoogleTest binary), then the other programs the stages run.
-TEST_BINARIES = ["tests/test_cuda", "tests/test_cuda_layers"]
+# Note [packed carry]: the carried folder holds one xz-compressed tar of the binaries and their
+# libraries (and a copy of its MANIFEST.json), not the files themselves: OpenBLAS alone is 35 MB
+# (4 MB packed) and the binaries 3-4 MB each, which unpacked left 2 MiB of the tool's 64 MiB.
+# The run unpacks it first into a new temporary folder (unpack_carry, the same code in the dry
+# run, its time counted in the budget) and every stage runs from there: BUILD/tests/...,
+# BUILD/lib (carried first on LD_LIBRARY_PATH), BUILD/lib-fallback, as in the folder packed.
+# xz through Python's tarfile/lzma, because python3 is on every GPU machine; an xz or zstd tool
+# may not be.
+ARCHIVE = "chorus-gpu.tar.xz"
+# The GPU test programs (each a GoogleTest binary, each its own stage, in this order), then the
+# other programs the stages run.
+TEST_BINARIES = ["tests/test_cuda", "tests/test_cuda_layers", "tests/test_cuda_ops"]
 # DistributedDataParallel over NCCL (built where MPI is found; on the GPU machine they run under
 # torchrun's environment, which needs no MPI launcher, and under mpirun where it exists).
 DIST_BINARIES = ["tests/distributed/test_distributed_cuda", "examples/train_mlp_cuda"]
@@ -31,13 +41,15 @@ BINARIES = TEST_BINARIES + ["examples/data_parallel_tutorial_cuda", "benchmarks/
 BENCH_DRIVER = os.path.join(REPO, "benchmarks/pytorch_gpu_bench.py")
 COMPARE = os.path.join(REPO, "scripts/compare_benchmarks.py")
 # What compute-sanitizer memcheck runs: the tests whose kernels index memory (elementwise,
-# reductions, products, copies and views, the layers), not the ones about streams, events, the
-# allocator or NCCL (slowed ten- to a hundredfold they time nothing and use up the budget: all of
-# test_cuda does not finish under memcheck in the ~150 s the stages before leave it).
+# reductions, products, copies and views, the layers, the sequence-model operators with their
+# gathers, scatters and selections), not the ones about streams, events, the allocator or NCCL
+# (slowed ten- to a hundredfold they time nothing and use up the budget: all of test_cuda does not
+# finish under memcheck in the 150 s or so that the stages before may leave it).
 MEMCHECK_PLAN = [
     ("tests/test_cuda", "CudaOps/*:Cuda.MoreThan65535RowsAndTwoDimensionalReductions:Cuda.AnMlpTrainingStepMatchesTheCpu:"
                         "Cuda.LinearOnMisalignedOperandsFallsBackOrRunsAligned:Cuda.AmsgradMaxKeepsNaN"),
     ("tests/test_cuda_layers", "CudaLayers/*"),
+    ("tests/test_cuda_ops", "CudaSeqOps/*"),
 ]  # typed tests are named Suite/0.Test: "Suite/*" (the dry run checks that each pattern matches)
 
 
@@ -74,17 +86,52 @@ def serve_problems(build, env):
 
 # The device tool's limits (/work/.library/device/README.md).
 TREE_LIMIT = 64 << 20       # the working tree that travels, carried paths included
-TREE_MARGIN = 2 << 20       # headroom for files added after the dry run (an issue note, a log)
+TREE_MARGIN = 8 << 20       # headroom for files added after the dry run (an issue note, a log, a wheel)
 MAX_OUT_FILES = 8           # files back from $OUT
 MAX_OUT_FILE_BYTES = 16 << 20
 BUDGET_S = 540              # all stages together, inside the tool's 600 s per command
 # Note [time budget]: a stage's limit is min(its cap, the time left less what it keeps for the
-# stages after it), at least 5 s, so the stages end inside BUDGET_S however long each one runs
-# (the 5 s floors aside). Caps: test_cuda 180; reruns 90 (none with under 240 s left);
-# test_cuda_layers 90; tutorial 45; distributed 90, keeping 300 (the benchmarks at least 120, and
-# memcheck 180); the interleaved benchmarks 250, keeping 180 for memcheck; memcheck the rest. The
-# caps add up to more than the budget: when the early stages run long, the later ones get less.
-# TestBudget in tests/scripts/test_gpu_check.py checks this with a fake clock.
+# stages after it), at least 5 s; what a stage keeps is the sum of the later stages' floors, and
+# the floors add up to BUDGET_S. So each stage gets at least its floor however long the ones
+# before it ran (each is killed at its limit), and the run ends inside BUDGET_S (the 5 s minimum
+# aside, which binds only when the in-process work between stages ate a later floor). The unpack
+# of the carried archive (Note [packed carry], about 1 s) and that in-process work come out of
+# the next stage's share; memcheck, last, gets the rest, split evenly between its binaries.
+#   stage               cap  floor  keeps
+#   test_cuda           145    145    395
+#   test_cuda_layers     60     45    350
+#   test_cuda_ops        60     45    305
+#   tutorial             45     30    275
+#   distributed          90     45    230   (gpu-check-distributed.sh: the limit less 10 s)
+#   benchmarks          250     80    150   (the driver keeps 10 s more: compare_benchmarks.py's)
+#   memcheck           rest    150      0
+# Reruns (after each test stage, every failed, crashed or GPU-skipped test alone with
+# CHORUS_DEBUG_SYNC=1): 45 s each, 60 s per binary, only from the time above what that test stage
+# keeps ("not rerun (time)" when under 15 s of it is left). When the early stages are quick the
+# later ones get up to their caps; the caps add up to more than the budget. TestBudget in
+# tests/scripts/test_gpu_check.py checks this with a fake clock.
+TIME_PLAN = [  # (stage, cap, floor), in the order gpu_run runs them; cap None: the rest
+    ("tests/test_cuda", 145, 145),
+    ("tests/test_cuda_layers", 60, 45),
+    ("tests/test_cuda_ops", 60, 45),
+    ("tutorial", 45, 30),
+    ("distributed", 90, 45),
+    ("benchmarks", 250, 80),
+    ("memcheck", None, 150),
+]
+RERUN_EACH_S, RERUN_BINARY_S, RERUN_MIN_S = 45, 60, 15
+COMPARE_S = 10  # compare_benchmarks.py, inside the benchmarks' floor
+
+
+def time_cap(stage, default=None):
+    return next((cap for n, cap, _ in TIME_PLAN if n == stage), default)
+
+
+def time_keep(stage):
+    """What `stage` keeps for the stages after it: the sum of their floors (0 if not planned)."""
+    names = [n for n, _, _ in TIME_PLAN]
+    return sum(f for _, _, f in TIME_PLAN[names.index(stage) + 1:]) if stage in names else 0
+
 
 # Libraries the GPU machine provides: the C runtime (never carried: it must match the kernel
 # and the loader there) and the CUDA libraries, from the toolkit or from PyTorch's wheels.
@@ -256,12 +303,13 @@ def dir_bytes(d):
 # Packing and the dry run (here, no GPU needed)
 
 
-def pack(build, carry):
-    """Copies the binaries and every library they load that the GPU machine may lack."""
-    if os.path.isdir(carry):
-        shutil.rmtree(carry)
-    os.makedirs(os.path.join(carry, "lib"))
-    os.makedirs(os.path.join(carry, "lib-fallback"))
+def pack(build, staging):
+    """Copies the binaries and every library they load that the GPU machine may lack into
+    `staging`, the layout the stages expect (Note [packed carry])."""
+    if os.path.isdir(staging):
+        shutil.rmtree(staging)
+    os.makedirs(os.path.join(staging, "lib"))
+    os.makedirs(os.path.join(staging, "lib-fallback"))
     manifest = {"binaries": {}, "libs": {}, "fallback_libs": {}}
     env = dict(os.environ)
     for b in BINARIES:
@@ -269,7 +317,7 @@ def pack(build, carry):
         if not os.path.isfile(src):
             raise SystemExit(f"gpu-check: {src} is missing: build it first (cmake --build {build} --target "
                              f"{os.path.basename(b)})")
-        dst = os.path.join(carry, b)
+        dst = os.path.join(staging, b)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         shutil.copy2(src, dst)
         manifest["binaries"][b] = os.path.getsize(dst)
@@ -279,20 +327,85 @@ def pack(build, carry):
             if path is None:
                 raise SystemExit(f"gpu-check: {src} needs {name}, which is not found here either")
             fallback = bool(FALLBACK_LIB.match(name))
-            out = os.path.join(carry, "lib-fallback" if fallback else "lib", name)
+            out = os.path.join(staging, "lib-fallback" if fallback else "lib", name)
             if not os.path.exists(out):
                 shutil.copy2(os.path.realpath(path), out)  # the file itself, under its soname
                 manifest["fallback_libs" if fallback else "libs"][name] = os.path.getsize(out)
     head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     manifest["commit"] = head
     manifest["packed"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    with open(os.path.join(carry, "MANIFEST.json"), "w") as f:
+    manifest["unpacked_bytes"] = dir_bytes(staging)
+    with open(os.path.join(staging, "MANIFEST.json"), "w") as f:
         json.dump(manifest, f, indent=2)
     return manifest
 
 
+def write_archive(staging, carry):
+    """`carry` afresh, holding ARCHIVE (xz-compressed tar of `staging`'s contents) and a copy
+    of MANIFEST.json beside it (Note [packed carry]). Returns the archive's size in bytes."""
+    if os.path.isdir(carry):
+        shutil.rmtree(carry)
+    os.makedirs(carry)
+    tmp = os.path.join(carry, ARCHIVE + ".tmp")
+    with tarfile.open(tmp, "w:xz", preset=6) as tar:
+        for name in sorted(os.listdir(staging)):
+            tar.add(os.path.join(staging, name), arcname=name)  # directories in sorted order
+    os.replace(tmp, os.path.join(carry, ARCHIVE))
+    shutil.copy2(os.path.join(staging, "MANIFEST.json"), os.path.join(carry, "MANIFEST.json"))
+    return os.path.getsize(os.path.join(carry, ARCHIVE))
+
+
+def have_lzma():
+    try:
+        import lzma  # noqa: F401  (a Python built without liblzma has none)
+        return True
+    except ImportError:
+        return False
+
+
+def unpack_carry(carry):
+    """Unpacks carry/ARCHIVE into a new temporary folder and returns that folder. Python's lzma
+    does it; without one (a Python built without liblzma) an xz tool on PATH decompresses."""
+    dest = tempfile.mkdtemp(prefix="chorus-gpu-carry-")
+    archive = os.path.join(carry, ARCHIVE)
+    xz = None
+    try:
+        if have_lzma():
+            tar = tarfile.open(archive, "r:xz")
+        else:
+            if not shutil.which("xz"):
+                raise RuntimeError("this python3 has no lzma module and there is no xz tool on PATH")
+            xz = subprocess.Popen(["xz", "-dc", archive], stdout=subprocess.PIPE)
+            tar = tarfile.open(fileobj=xz.stdout, mode="r|")
+        with tar:
+            if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4/3.12: no path outside dest
+                tar.extractall(dest, filter="data")
+            else:
+                tar.extractall(dest)
+        if xz and xz.wait() != 0:
+            raise RuntimeError(f"xz -dc {archive} exited with status {xz.returncode}")
+    except BaseException:
+        if xz:
+            xz.kill()
+            xz.wait()
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+    finally:
+        if xz:
+            xz.stdout.close()
+    return dest
+
+
+def tree_listing(d):
+    """{relative path: (size, executable)} of every file under d."""
+    return {os.path.relpath(os.path.join(r, f), d): (os.path.getsize(os.path.join(r, f)),
+                                                      os.access(os.path.join(r, f), os.X_OK))
+            for r, _, fs in os.walk(d) for f in fs}
+
+
 def verify(build, carry):
-    """What the device call relies on, checked here. Returns a list of problems."""
+    """What the device call relies on, checked here on `carry`, the folder unpacked from the
+    archive as on the GPU machine. Returns a list of problems."""
     problems = []
     # As on a machine whose C++ runtime is too old: the fallback folder in use too.
     env = chorus_env(carry)
@@ -327,10 +440,20 @@ def verify(build, carry):
                        env=env)
     if r.returncode != 0 or "Cuda." not in r.stdout:
         problems.append(f"test_cuda does not start with the carried environment: {r.stderr[-500:]}")
+    return problems
+
+
+def size_problems(carry):
+    """The working tree plus the packed carry folder must fit the tool's limit, less the margin.
+    Returns (problems, total bytes)."""
+    problems = []
     total = tree_bytes() + dir_bytes(carry)
     if total > TREE_LIMIT - TREE_MARGIN:
         problems.append(f"working tree + {carry} = {total / 2**20:.1f} MiB, over the device tool's "
                         f"{TREE_LIMIT >> 20} MiB (less {TREE_MARGIN >> 20} MiB headroom)")
+    extra = sorted(set(os.listdir(carry)) - {ARCHIVE, "MANIFEST.json"})
+    if extra:
+        problems.append(f"{carry} holds more than the archive and its manifest: {extra}")
     ignored = subprocess.run(["git", "-C", REPO, "check-ignore", "-q", CARRY]).returncode == 0
     if not ignored:
         problems.append(f"{CARRY} is not ignored by git (it must travel as a carried path, not as tree files)")
@@ -439,18 +562,32 @@ class Run:
         self.t0 = time.monotonic()
         # Raw logs live outside $OUT (the tool returns 8 files): archived after every stage.
         self.logs = tempfile.mkdtemp(prefix="gpu-check-logs-")
+        self.unpacked = None  # the temporary folder unpack_stage made, removed by cleanup()
         self.summary = {"status": "running", "gpu_machine": gpu, "dry_run": dry, "budget_s": BUDGET_S,
                         "build": build, "stages": {}}
-        manifest = os.path.join(build, "MANIFEST.json")
-        if os.path.isfile(manifest):
-            self.summary["packed"] = json.load(open(manifest)).get("commit")
+        self.read_manifest(build)
         self.failed = False
+
+    def read_manifest(self, folder):
+        path = os.path.join(folder, "MANIFEST.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                self.summary["packed"] = json.load(f).get("commit")
+
+    def cleanup(self):
+        shutil.rmtree(self.logs, ignore_errors=True)
+        if self.unpacked:
+            shutil.rmtree(self.unpacked, ignore_errors=True)
 
     def left(self):
         return BUDGET_S - (time.monotonic() - self.t0)
 
     def timeout(self, cap, reserve=0):
         return max(5, min(cap, self.left() - reserve))
+
+    def limit(self, stage, cap=None):
+        """A planned stage's limit (Note [time budget]): min(cap, time left - what it keeps)."""
+        return self.timeout(time_cap(stage) if cap is None else cap, reserve=time_keep(stage))
 
     def exe(self, rel):
         return os.path.join(self.build, rel)
@@ -545,10 +682,12 @@ class Run:
                     running = None
         return passed, failed, skipped, seen, running
 
-    def gtest(self, label, binary, env, cap, extra_args=(), prefix=(), gtest_filter=None):
-        """Runs a gtest binary; after a crash, records the crashed test and resumes after it.
-        `report` says whether the last run wrote its JSON report; `rc` is the first non-zero exit
-        status (negative: killed by that signal)."""
+    def gtest(self, label, binary, env, cap, extra_args=(), prefix=(), gtest_filter=None, keep=0):
+        """Runs a gtest binary within one limit, min(cap, time left - keep); after a crash,
+        records the crashed test and resumes after it inside the same limit. `report` says whether
+        the last run wrote its JSON report; `rc` is the first non-zero exit status (negative:
+        killed by that signal)."""
+        deadline = time.monotonic() + self.timeout(cap, reserve=keep)
         passed, failed, skipped, crashed, excluded = [], [], [], [], []
         attempt = 0
         rc_all = 0
@@ -560,7 +699,8 @@ class Run:
             args = list(prefix) + [binary, f"--gtest_output=json:{jpath}"] + list(extra_args)
             if gtest_filter or excluded:
                 args.append("--gtest_filter=" + (gtest_filter or "*") + ("-" + ":".join(excluded) if excluded else ""))
-            rc, to, _, lpath = self.run(label, args, self.timeout(cap), env=env, log_name=f"{label}-{attempt}.log")
+            rc, to, _, lpath = self.run(label, args, max(1, deadline - time.monotonic()), env=env,
+                                        log_name=f"{label}-{attempt}.log")
             p, f, s, seen, crash = self.parse_gtest(jpath, lpath)
             report = os.path.isfile(jpath)
             passed += p
@@ -572,7 +712,7 @@ class Run:
                 if crash:
                     crashed.append(crash + " (timed out)")
                 break
-            if report or not crash or attempt >= 4 or self.left() < 30:
+            if report or not crash or attempt >= 4 or self.left() < 30 or deadline - time.monotonic() < 10:
                 if crash and not report:
                     crashed.append(crash)
                 break
@@ -596,9 +736,33 @@ class Run:
         self.stage("libraries", {"missing": missing, "ld_library_path": env["LD_LIBRARY_PATH"]}, not missing)
         return not missing
 
-    def tests_stage(self, rel="tests/test_cuda", cap=180):
+    def unpack_stage(self):
+        """Unpacks BUILD/ARCHIVE into a temporary folder, which the later stages run from (Note
+        [packed carry]); its time counts in the budget. A BUILD without the archive (a build
+        folder, or a folder packed before the archive) is used as it is. False when unpacking
+        failed: no other stage can run then."""
+        archive = os.path.join(self.build, ARCHIVE)
+        if not os.path.isfile(archive):
+            return True
+        t = time.monotonic()
+        try:
+            self.unpacked = unpack_carry(self.build)
+            ok, verdict = True, "passed"
+        except Exception as e:
+            ok, verdict = False, f"failed (the archive does not unpack: {type(e).__name__}: {e})"[:400]
+        result = {"archive": archive, "archive_bytes": os.path.getsize(archive), "seconds": round(time.monotonic() - t, 1),
+                  "verdict": verdict}
+        if ok:
+            self.build = self.summary["build"] = self.unpacked
+            result.update(into=self.unpacked, unpacked_bytes=dir_bytes(self.unpacked))
+            self.read_manifest(self.unpacked)
+        self.stage("unpack", result, ok)
+        return ok
+
+    def tests_stage(self, rel="tests/test_cuda", cap=None):
         label = os.path.basename(rel)
-        r = self.gtest(label, self.exe(rel), chorus_env(self.build), cap=cap)
+        r = self.gtest(label, self.exe(rel), chorus_env(self.build), cap=time_cap(rel, 60) if cap is None else cap,
+                       keep=time_keep(rel))
         r["binary"] = rel
         # On a GPU machine a skipped test is a test that did not run: a failure (gtest_verdict).
         verdict, ok = gtest_verdict(r, self.gpu, self.dry)
@@ -608,16 +772,20 @@ class Run:
 
     def rerun_stage(self, r):
         todo = r["failed"] + [c.replace(" (timed out)", "") for c in r["crashed"]] + (r["skipped"] if self.gpu else [])
+        rel = r.get("binary", "tests/test_cuda")
+        keep = time_keep(rel)  # the reruns take only time above what the test stage keeps
         results = {}
         start = time.monotonic()
         for name in todo:
-            if time.monotonic() - start > 90 or self.left() < 240:  # keep time for the later stages
+            limit = min(RERUN_EACH_S, RERUN_BINARY_S - (time.monotonic() - start), self.left() - keep)
+            if limit < RERUN_MIN_S:
                 results[name] = "not rerun (time)"
                 continue
-            jpath = os.path.join(self.logs, "rerun-" + re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".json")
-            rc, to, secs, lpath = self.run("rerun", [self.exe(r.get("binary", "tests/test_cuda")), f"--gtest_filter={name}",
+            jpath = os.path.join(self.logs, f"rerun-{os.path.basename(rel)}-" + re.sub(r"[^A-Za-z0-9._-]", "_", name) +
+                                 ".json")
+            rc, to, secs, lpath = self.run("rerun", [self.exe(rel), f"--gtest_filter={name}",
                                                      f"--gtest_output=json:{jpath}"],
-                                           self.timeout(45), env=chorus_env(self.build, {"CHORUS_DEBUG_SYNC": "1"}),
+                                           limit, env=chorus_env(self.build, {"CHORUS_DEBUG_SYNC": "1"}),
                                            log_name="rerun-debug-sync.log")
             p, f, sk, _, crash = self.parse_gtest(jpath, lpath)
             if to:
@@ -627,7 +795,7 @@ class Run:
             else:
                 results[name] = "skipped" if sk else (f"crashed (rc {rc})" if crash or not f else f"failed (rc {rc})")
         if todo:
-            label = os.path.basename(r.get("binary", "tests/test_cuda"))
+            label = os.path.basename(rel)
             good = sum(v == "passed" for v in results.values())
             self.stage("rerun_alone_debug_sync" + ("" if label == "test_cuda" else "_" + label),
                        {"results": results, "verdict": f"{good} of {len(results)} passed alone (a diagnosis: the "
@@ -636,7 +804,7 @@ class Run:
 
     def tutorial_stage(self):
         rc, to, secs, path = self.run("tutorial", [self.exe("examples/data_parallel_tutorial_cuda"), "--gpus"],
-                                      self.timeout(45), env=chorus_env(self.build))
+                                      self.limit("tutorial"), env=chorus_env(self.build))
         with open(path, errors="replace") as f:
             text = f.read()
         batches = len(re.findall(r"^Outside: input size", text, re.M))
@@ -654,8 +822,8 @@ class Run:
             self.stage("distributed", {"verdict": "did not start (not built: no MPI where the build ran)"}, False)
             return
         dist_out = os.path.join(self.logs, "distributed")
-        # Keeps 300 s for the benchmarks and memcheck (Note [time budget]).
-        limit = self.timeout(90 if not self.dry else 60, reserve=300 if not self.dry else 0)
+        # Keeps the benchmarks' and memcheck's floors (Note [time budget]); a dry run has no plan.
+        limit = self.limit("distributed") if not self.dry else self.timeout(60)
         # The script's own limits stay inside this one (Note: a stage past its limit is killed
         # with its whole session, gpu-check-distributed.sh's children included).
         extra = {"CHORUS_DIST_TIMEOUT_S": "60", "CHORUS_DIST_CHECK_TIMEOUT_S": "40",
@@ -717,7 +885,8 @@ class Run:
         reported, and rows that came out unpaired or are missing are named."""
         cj, pj, cmp_json = (os.path.join(self.logs, n) for n in ("chorus_gpu.json", "pytorch_gpu.json", "compare.json"))
         cenv = chorus_env(self.build)
-        limit = self.timeout(250, reserve=180)  # memcheck, the last stage, keeps 180 s
+        # Memcheck's floor and compare_benchmarks.py's time stay (Note [time budget]).
+        limit = self.timeout(time_cap("benchmarks"), reserve=time_keep("benchmarks") + COMPARE_S)
         # PyTorch runs with python3's own environment (its own CUDA libraries); only
         # chorus_gpu_bench gets the chorus binaries' LD_LIBRARY_PATH (--chorus-env).
         rc, to, secs, _ = self.run("gpu_bench",
@@ -739,7 +908,8 @@ class Run:
         # A timeout leaves what the driver wrote after each workload: that is compared too.
         rows = None
         if len(docs) == 2:
-            self.run("compare", [sys.executable, COMPARE, cj, pj, cmp_json], self.timeout(60), env=dict(os.environ))
+            self.run("compare", [sys.executable, COMPARE, cj, pj, cmp_json],
+                     self.timeout(COMPARE_S, reserve=time_keep("benchmarks")), env=dict(os.environ))
             try:
                 with open(cmp_json) as f:
                     rows = json.load(f)
@@ -833,37 +1003,62 @@ class Run:
 
 def dry_run(out, build):
     carry = os.path.join(REPO, CARRY)
-    log(f"== packing {build} into {carry}")
-    manifest = pack(build, carry)
-    for name, size in sorted(manifest["libs"].items()):
-        log(f"   carried {name:28s} {size / 2**20:6.1f} MiB")
-    for name, size in sorted(manifest["fallback_libs"].items()):
-        log(f"   carried {name:28s} {size / 2**20:6.1f} MiB (used only where the machine's own is too old)")
-    problems, total = verify(build, carry)
-    log(f"== working tree + {CARRY}: {total / 2**20:.1f} MiB of {TREE_LIMIT >> 20} MiB; "
+    staging = tempfile.mkdtemp(prefix="gpu-carry-staging-")
+    try:
+        log(f"== packing {build} into {carry}/{ARCHIVE}")
+        manifest = pack(build, staging)
+        for name, size in sorted(manifest["binaries"].items()):
+            log(f"   carried {name:40s} {size / 2**20:6.1f} MiB")
+        for name, size in sorted(manifest["libs"].items()):
+            log(f"   carried lib/{name:36s} {size / 2**20:6.1f} MiB")
+        for name, size in sorted(manifest["fallback_libs"].items()):
+            log(f"   carried lib-fallback/{name:27s} {size / 2**20:6.1f} MiB (used only where the machine's own is too old)")
+        t = time.monotonic()
+        packed = write_archive(staging, carry)
+        log(f"== {ARCHIVE}: {manifest['unpacked_bytes'] / 2**20:.1f} MiB packed into {packed / 2**20:.1f} MiB "
+            f"in {time.monotonic() - t:.0f} s")
+        expected = tree_listing(staging)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    problems, total = size_problems(carry)
+    log(f"== working tree + {CARRY}: {total / 2**20:.1f} MiB of {TREE_LIMIT >> 20} MiB "
+        f"(must stay under {(TREE_LIMIT - TREE_MARGIN) >> 20} MiB; {(TREE_LIMIT - total) / 2**20:.1f} MiB to spare); "
         f"{len(manifest['libs'])} libraries, {len(BINARIES)} binaries")
     san = find_sanitizer()
     log(f"== compute-sanitizer here: {san or 'not found (the GPU machine has it next to nvcc)'}")
-    # The stages' own machinery, run here on the carried binaries: test_cuda starts with the
-    # carried environment, its tests skip (no GPU), and $OUT holds what the tool returns.
+    # The stages' own machinery, run here on the carried binaries as the GPU run runs them: the
+    # archive unpacked first into a temporary folder, test_cuda starts with the carried
+    # environment, its tests skip (no GPU), and $OUT holds what the tool returns.
     os.makedirs(out, exist_ok=True)
     run = Run(out, carry, gpu=has_gpu(), dry=True)
-    if not run.ldd_stage():
-        problems.append("libraries: " + json.dumps(run.summary["stages"]["libraries"]["missing"]))
-    for rel in TEST_BINARIES:
-        r = run.tests_stage(rel)
-        if not r["ok"]:
-            problems.append(f"{rel}: {r['verdict']}")
-    problems += memcheck_plan_problems(carry, chorus_env(carry))
-    problems += serve_problems(carry, chorus_env(carry))
-    # The distributed stage's script with the carried binaries (the tests skip, train_mlp_cuda runs
-    # on the CPU): its environment, launchers and report files work before a GPU is lent.
-    run.distributed_stage()
-    if not run.summary["stages"]["distributed"]["ok"]:
-        problems.append("distributed: " + run.summary["stages"]["distributed"]["verdict"])
-    run.summary["dry_run_problems"] = problems
-    run.save(final=True)
-    shutil.rmtree(run.logs)
+    try:
+        if not run.unpack_stage() or run.build == carry:
+            problems.append("unpack: " + run.summary["stages"].get("unpack", {}).get("verdict", "no archive"))
+        else:
+            log(f"== unpacked into {run.build} in {run.summary['stages']['unpack']['seconds']} s")
+            got = tree_listing(run.build)
+            if got != expected:
+                diff = sorted(k for k in set(got) | set(expected) if got.get(k) != expected.get(k))
+                problems.append(f"unpack: the unpacked folder differs from the one packed: {diff[:10]}")
+            problems += verify(build, run.build)
+            if not run.ldd_stage():
+                problems.append("libraries: " + json.dumps(run.summary["stages"]["libraries"]["missing"]))
+            for rel in TEST_BINARIES:
+                r = run.tests_stage(rel)
+                if not r["ok"]:
+                    problems.append(f"{rel}: {r['verdict']}")
+            problems += memcheck_plan_problems(run.build, chorus_env(run.build))
+            problems += serve_problems(run.build, chorus_env(run.build))
+            # The distributed stage's script with the carried binaries (the tests skip, train_mlp_cuda
+            # runs on the CPU): its environment, launchers and report files work before a GPU is lent.
+            run.distributed_stage()
+            if not run.summary["stages"]["distributed"]["ok"]:
+                problems.append("distributed: " + run.summary["stages"]["distributed"]["verdict"])
+        run.summary["dry_run_problems"] = problems
+        run.summary["carry_bytes"] = {"archive": packed, "unpacked": manifest["unpacked_bytes"], "tree_and_carry": total}
+        run.save(final=True)
+    finally:
+        run.cleanup()
     out_problems, files = check_out_dir(out)
     problems += out_problems
     log(f"== $OUT would return: {', '.join(sorted(files))}")
@@ -876,7 +1071,7 @@ def dry_run(out, build):
 def gpu_run(out, build):
     os.makedirs(out, exist_ok=True)
     gpu = has_gpu()
-    run = Run(out, build, gpu=gpu, dry=False)
+    run = Run(out, build, gpu=gpu, dry=False)  # the budget's clock starts here, before the unpack
     try:
         smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
     except Exception as e:
@@ -886,17 +1081,17 @@ def gpu_run(out, build):
     run.summary["nvidia_smi"] = [l for l in smi.splitlines() if "H200" in l or "H100" in l or "Driver" in l][:4]
     if not gpu:
         run.stage("gpu", {"error": "no GPU visible (nvidia-smi -L)"}, False)
-    if run.ldd_stage():
-        r = run.tests_stage()
-        run.rerun_stage(r)
-        r = run.tests_stage("tests/test_cuda_layers", cap=90)
-        run.rerun_stage(r)
-        run.tutorial_stage()
-        run.distributed_stage()
-        run.bench_stage()
-        run.memcheck_stage()  # last: the slowest, and a timeout there still leaves the rest
-    run.save(final=True)
-    shutil.rmtree(run.logs, ignore_errors=True)
+    try:
+        if run.unpack_stage() and run.ldd_stage():
+            for rel in TEST_BINARIES:  # in TIME_PLAN's order (Note [time budget])
+                run.rerun_stage(run.tests_stage(rel))
+            run.tutorial_stage()
+            run.distributed_stage()
+            run.bench_stage()
+            run.memcheck_stage()  # last: the slowest, and a timeout there still leaves the rest
+        run.save(final=True)
+    finally:
+        run.cleanup()
     log(json.dumps(run.summary, indent=1)[:9000])
     # Last, so that the device tool's output tail holds them however long the summary was.
     for name, verdict in run.summary.get("verdicts", {}).items():

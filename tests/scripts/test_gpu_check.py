@@ -555,65 +555,271 @@ class TestDryRunChecks(Base):
         self.assertIn("needs a GPU", problems[0])
 
 
+def fake_clock():
+    """A fake `time` module for gpu_check whose clock moves only when told (clock[0] += s)."""
+    clock = [0.0]
+    return clock, types.SimpleNamespace(monotonic=lambda: clock[0], sleep=lambda s: None, strftime=time.strftime,
+                                        gmtime=time.gmtime)
+
+
+class TestCarry(Base):
+    """Note [packed carry]: one xz archive travels; the run unpacks it first, into the layout the
+    stages expect."""
+
+    def packed(self):
+        for b in gpu_check.BINARIES:
+            write_exe(os.path.join(self.build, b), FAKE_GTEST.replace("@MODE@", "pass"))
+        staging, carry = os.path.join(self.tmp, "staging"), os.path.join(self.tmp, "carry")
+        manifest = gpu_check.pack(self.build, staging)
+        with open(os.path.join(staging, "lib", "libfake.so.1"), "wb") as f:  # a carried library
+            f.write(os.urandom(1000) * 50)
+        size = gpu_check.write_archive(staging, carry)
+        return staging, carry, manifest, size
+
+    def test_the_archive_unpacks_into_the_layout_packed(self):
+        staging, carry, manifest, size = self.packed()
+        self.assertEqual(sorted(os.listdir(carry)), sorted([gpu_check.ARCHIVE, "MANIFEST.json"]))
+        self.assertEqual(sorted(manifest["binaries"]), sorted(gpu_check.BINARIES))
+        self.assertIn("tests/test_cuda_ops", manifest["binaries"])
+        self.assertLess(size, gpu_check.dir_bytes(staging) / 2)  # compressed
+        run = self.make_run(gpu=False, dry=True)
+        run.build = carry
+        self.assertTrue(run.unpack_stage())
+        unpacked = run.build
+        self.assertNotEqual(unpacked, carry)
+        self.assertFalse(unpacked.startswith(REPO + os.sep), "unpacked inside the tree that travels")
+        self.assertEqual(gpu_check.tree_listing(unpacked), gpu_check.tree_listing(staging))
+        self.assertTrue(os.access(os.path.join(unpacked, "tests/test_cuda_ops"), os.X_OK))
+        u = run.summary["stages"]["unpack"]
+        self.assertEqual((u["verdict"], u["into"], u["archive_bytes"]), ("passed", unpacked, size))
+        # The binaries run from the unpacked folder, with its lib/ first on LD_LIBRARY_PATH.
+        self.assertEqual(gpu_check.chorus_env(unpacked)["LD_LIBRARY_PATH"].split(":")[0], os.path.join(unpacked, "lib"))
+        r = run.tests_stage("tests/test_cuda_ops")
+        self.assertTrue(r["ok"], r)
+        run.cleanup()
+        self.assertFalse(os.path.exists(unpacked))
+
+    @unittest.skipUnless(shutil.which("xz"), "no xz tool here")
+    def test_without_python_lzma_the_xz_tool_unpacks(self):
+        staging, carry, _, _ = self.packed()
+        with mock.patch.object(gpu_check, "have_lzma", lambda: False):
+            unpacked = gpu_check.unpack_carry(carry)
+            try:
+                self.assertEqual(gpu_check.tree_listing(unpacked), gpu_check.tree_listing(staging))
+            finally:
+                shutil.rmtree(unpacked)
+            with mock.patch.dict(os.environ, {"PATH": self.tmp}), self.assertRaisesRegex(RuntimeError, "no xz tool"):
+                gpu_check.unpack_carry(carry)
+
+    def test_an_archive_that_does_not_unpack_stops_the_run(self):
+        _, carry, _, _ = self.packed()
+        path = os.path.join(carry, gpu_check.ARCHIVE)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            rc = gpu_check.gpu_run(self.out, carry)
+        self.assertEqual(rc, 1)
+        with open(os.path.join(self.out, "summary.json")) as f:
+            summary = json.load(f)
+        self.assertTrue(summary["verdicts"]["unpack"].startswith("failed (the archive does not unpack"), summary)
+        self.assertNotIn("tests", summary["verdicts"])  # nothing ran from a half-unpacked folder
+        self.assertIn("\nverdict unpack: failed", printed.getvalue())
+
+    def test_the_size_check_counts_the_archive_against_the_limit_and_margin(self):
+        _, carry, _, size = self.packed()
+        with mock.patch.object(gpu_check, "REPO", REPO):
+            problems, total = gpu_check.size_problems(carry)
+            self.assertEqual(total, gpu_check.tree_bytes() + size + os.path.getsize(os.path.join(carry, "MANIFEST.json")))
+            self.assertFalse([p for p in problems if "MiB" in p or "holds more" in p], problems)
+            with mock.patch.object(gpu_check, "TREE_LIMIT", total + gpu_check.TREE_MARGIN - 1):
+                problems, _ = gpu_check.size_problems(carry)
+            self.assertTrue(any("over the device tool's" in p for p in problems), problems)
+            os.makedirs(os.path.join(carry, "tests"))  # an unpacked copy left beside the archive
+            problems, _ = gpu_check.size_problems(carry)
+            self.assertTrue(any("holds more than the archive" in p for p in problems), problems)
+
+
 class TestBudget(Base):
     """Note [time budget]: gpu_run's stages on a fake clock, each command taking the time a
     scenario gives it, or its whole limit when that is shorter."""
 
-    def simulate(self, need, failing=0):
+    # The first command of each planned stage, by the name Run.run gets.
+    COMMAND = {"tests/test_cuda": "test_cuda", "tests/test_cuda_layers": "test_cuda_layers",
+               "tests/test_cuda_ops": "test_cuda_ops", "tutorial": "tutorial", "distributed": "distributed",
+               "benchmarks": "gpu_bench", "memcheck": "memcheck-"}
+
+    def simulate(self, need, failing=None, unpack_s=None):
+        """gpu_run with every command taking need(name) s or its limit; `failing` {command: n}
+        gives that test binary's report n failures; `unpack_s` packs the build and makes its
+        unpack take that long."""
         for b in gpu_check.BINARIES:
             write_exe(os.path.join(self.build, b), FAKE_GTEST.replace("@MODE@", "pass"))
-        clock, calls = [0.0], []
+        build = self.build
+        clock, fake_time = fake_clock()
+        calls = []
 
         def run(run_self, name, cmd, timeout, env=None, log_name=None):
             path = os.path.join(run_self.logs, log_name or f"{name}.log")
             open(path, "a").close()
             secs = min(need(name), timeout)
-            calls.append((name, gpu_check.BUDGET_S - clock[0], timeout))
+            calls.append((name, gpu_check.BUDGET_S - clock[0], timeout, cmd, env))
             clock[0] += secs
             out = next((a.split(":", 1)[1] for a in cmd if a.startswith("--gtest_output=json:")), None)
-            if name == "test_cuda" and failing and need(name) <= timeout:  # a report with failures
+            n = (failing or {}).get(name)
+            if out and need(name) <= timeout:  # its report: n failures, or two tests passed (one alone)
+                cases = ([{"name": f"T{i}", "failures": [{"failure": "x"}]} for i in range(n)] if n else
+                         [{"name": "A"}] + ([] if name == "rerun" else [{"name": "B"}]))
                 with open(out, "w") as f:
-                    json.dump({"testsuites": [{"name": "Cuda", "testsuite": [
-                        {"name": f"T{i}", "failures": [{"failure": "x"}]} for i in range(failing)]}]}, f)
+                    json.dump({"testsuites": [{"name": "Cuda", "testsuite": cases}]}, f)
             return (0 if need(name) <= timeout else -9), need(name) > timeout, secs, path
 
-        fake_time = types.SimpleNamespace(monotonic=lambda: clock[0], sleep=lambda s: None,
-                                          strftime=time.strftime, gmtime=time.gmtime)
+        if unpack_s is not None:
+            build = os.path.join(self.tmp, "carry")
+            staging = os.path.join(self.tmp, "staging")
+            gpu_check.pack(self.build, staging)
+            gpu_check.write_archive(staging, build)
+        real_unpack = gpu_check.unpack_carry
+
+        def timed_unpack(carry):
+            clock[0] += unpack_s or 0
+            return real_unpack(carry)
+
         with mock.patch.object(gpu_check, "time", fake_time), mock.patch.object(gpu_check.Run, "run", run), \
+                mock.patch.object(gpu_check, "unpack_carry", timed_unpack), \
                 mock.patch.object(gpu_check, "has_gpu", lambda: True), \
                 mock.patch.object(gpu_check, "find_sanitizer", lambda: "/fake/compute-sanitizer"), \
                 contextlib.redirect_stdout(io.StringIO()) as printed:
-            gpu_check.gpu_run(self.out, self.build)
+            self.rc = gpu_check.gpu_run(self.out, build)
         self.printed = printed.getvalue()
-        stages = [n for n, _, _ in calls]
+        with open(os.path.join(self.out, "summary.json")) as f:
+            self.summary = json.load(f)
+        self.calls = calls
+        stages = [n for n, _, _, _, _ in calls]
         self.assertEqual(stages.count("gpu_bench"), 1, stages)
         self.assertIn("distributed", stages)
+        for rel in gpu_check.TEST_BINARIES:
+            self.assertIn(os.path.basename(rel), stages)
         self.assertTrue(stages[-1].startswith("memcheck-"), stages)
-        first = lambda name: next((left, limit) for n, left, limit in calls if n.startswith(name))
+        first = lambda name: next((left, limit) for n, left, limit, _, _ in calls if n.startswith(name))
         return clock[0], first
+
+    def floors(self):
+        return {stage: floor for stage, _, floor in gpu_check.TIME_PLAN}
+
+    def test_the_plan_covers_every_test_binary_and_its_floors_fit(self):
+        stages = [s for s, _, _ in gpu_check.TIME_PLAN]
+        self.assertEqual([s for s in stages if s.startswith("tests/")], gpu_check.TEST_BINARIES)
+        self.assertEqual(sorted(rel for rel, _ in gpu_check.MEMCHECK_PLAN), sorted(gpu_check.TEST_BINARIES))
+        self.assertLessEqual(sum(self.floors().values()), gpu_check.BUDGET_S)
+        self.assertEqual(gpu_check.time_keep("tests/test_cuda"), gpu_check.BUDGET_S - 145)
+        self.assertEqual(gpu_check.time_keep("memcheck"), 0)
+        for stage, cap, floor in gpu_check.TIME_PLAN:
+            self.assertTrue(cap is None or cap >= floor, stage)
 
     def test_every_command_running_to_its_limit_ends_inside_the_budget(self):
         total, first = self.simulate(lambda name: 1e9)
         self.assertLessEqual(total, gpu_check.BUDGET_S)
+        self.assertEqual(self.rc, 1)
+        # Every stage still gets its floor (the benchmarks' driver less compare_benchmarks.py's 10 s).
+        floors = self.floors()
+        for stage, command in self.COMMAND.items():
+            if stage != "memcheck":
+                want = floors[stage] - (gpu_check.COMPARE_S if stage == "benchmarks" else 0)
+                self.assertEqual(first(command)[1], want, stage)
         left, limit = first("gpu_bench")
-        self.assertEqual(limit, min(250, left - 180))
-        self.assertGreaterEqual(first("memcheck-")[0], 180)
+        self.assertEqual(limit, min(250, left - 150 - 10))
+        self.assertGreaterEqual(first("memcheck-")[0], floors["memcheck"])
+        for rel in gpu_check.TEST_BINARIES:
+            self.assertTrue(self.summary["verdicts"]["tests" if rel == "tests/test_cuda" else os.path.basename(rel)]
+                            .startswith("timed out"))
 
     def test_a_passing_run_gives_each_stage_its_share(self):
-        times = {"test_cuda": 60, "test_cuda_layers": 20, "tutorial": 10, "distributed": 60, "gpu_bench": 150}
+        times = {"test_cuda": 60, "test_cuda_layers": 20, "test_cuda_ops": 20, "tutorial": 10, "distributed": 60,
+                 "gpu_bench": 150}
         total, first = self.simulate(lambda name: times.get(name, 1e9))
+        self.assertEqual(first("test_cuda_ops"), (540 - 80, 60))  # its whole cap
         self.assertEqual(first("distributed")[1], 90)  # its whole cap
-        self.assertEqual(first("gpu_bench"), (540 - 150, 540 - 150 - 180))  # all but memcheck's 180 s
-        self.assertEqual(first("memcheck-")[0], 540 - 300)
+        self.assertEqual(first("gpu_bench"), (540 - 170, 540 - 170 - 160))  # all but memcheck's floor and compare's
+        self.assertEqual(first("memcheck-")[0], 540 - 320)
+        self.assertEqual(self.summary["verdicts"]["test_cuda_ops"], "passed (ran 2: 2 passed, 0 failed, 0 skipped)")
+        self.assertIn("\nverdict test_cuda_ops: passed", self.printed)
         self.assertIn("\nverdict benchmarks: did not start", self.printed)  # the output's tail has every verdict
         self.assertLessEqual(total, gpu_check.BUDGET_S)
+        self.assertEqual(self.rc, 1)  # the benchmarks did not start
 
     def test_slow_failing_tests_and_hanging_reruns_still_end_inside_the_budget(self):
-        times = {"test_cuda": 150, "test_cuda_layers": 20, "tutorial": 10}
-        total, first = self.simulate(lambda name: times.get(name, 1e9), failing=20)
+        times = {"test_cuda": 80, "test_cuda_layers": 20, "test_cuda_ops": 20, "tutorial": 10}
+        total, first = self.simulate(lambda name: times.get(name, 1e9), failing={"test_cuda": 20, "test_cuda_ops": 3})
+        reruns = [(left, limit, cmd[0]) for n, left, limit, cmd, _ in self.calls if n == "rerun"]
         self.assertEqual(first("rerun")[1], 45)
-        self.assertLessEqual(total, gpu_check.BUDGET_S + 10)  # two 5 s floors at most
-        self.assertGreaterEqual(first("memcheck-")[0], 180)
+        self.assertEqual([l for _, l, c in reruns if c.endswith("/test_cuda")], [45, 15])  # 60 s per binary
+        self.assertEqual(self.summary["stages"]["rerun_alone_debug_sync"]["results"]["Cuda.T2"], "not rerun (time)")
+        # test_cuda_ops's reruns: 55 s above what its stage keeps (305 s), one rerun of 45 s.
+        self.assertEqual([(left, l) for left, l, c in reruns if c.endswith("/test_cuda_ops")], [(360, 45)])
+        self.assertEqual(self.summary["stages"]["rerun_alone_debug_sync_test_cuda_ops"]["results"],
+                         {"Cuda.T0": "timeout", "Cuda.T1": "not rerun (time)", "Cuda.T2": "not rerun (time)"})
+        self.assertTrue(self.summary["verdicts"]["test_cuda_ops"].startswith("failed (3 test(s))"))
+        floors = self.floors()
+        for stage, command in self.COMMAND.items():
+            if stage not in ("memcheck", "benchmarks"):
+                self.assertGreaterEqual(first(command)[1], floors[stage], stage)
+        self.assertLessEqual(total, gpu_check.BUDGET_S)
+        self.assertGreaterEqual(first("memcheck-")[0], floors["memcheck"])
+        self.assertEqual(self.rc, 1)
+
+    def test_reruns_of_a_later_binary_use_the_time_it_does_not_keep(self):
+        times = {"test_cuda": 30, "test_cuda_layers": 10, "test_cuda_ops": 10, "rerun": 5}
+        self.simulate(lambda name: times.get(name, 1e9), failing={"test_cuda_ops": 2})
+        reruns = [(limit, cmd, env) for n, _, limit, cmd, env in self.calls if n == "rerun"]
+        self.assertEqual(len(reruns), 2)
+        for limit, cmd, env in reruns:
+            self.assertEqual(limit, 45)
+            self.assertTrue(cmd[0].endswith("tests/test_cuda_ops"), cmd)
+            self.assertEqual(env["CHORUS_DEBUG_SYNC"], "1")
+        self.assertEqual(self.summary["stages"]["rerun_alone_debug_sync_test_cuda_ops"]["results"],
+                         {"Cuda.T0": "passed", "Cuda.T1": "passed"})
+        self.assertTrue(self.summary["verdicts"]["test_cuda_ops"].startswith("failed (2 test(s))"))
+        self.assertEqual(self.rc, 1)  # passing alone is a diagnosis, not a pass
+
+    def test_the_unpack_counts_in_the_budget(self):
+        total, first = self.simulate(lambda name: 1e9, unpack_s=30)
+        u = self.summary["stages"]["unpack"]
+        self.assertEqual((u["verdict"], u["seconds"]), ("passed", 30))
+        self.assertEqual(first("test_cuda"), (540 - 30, 540 - 30 - 395))  # out of the first stage's share
+        self.assertEqual(first("test_cuda_layers")[1], 45)  # the later floors are whole
+        self.assertLessEqual(total, gpu_check.BUDGET_S)
+        # Every command ran from the unpacked folder, which is gone afterwards.
+        into = u["into"]
+        for name, _, _, cmd, _ in self.calls:
+            exe = cmd[0] if not name.startswith(("memcheck", "distributed", "gpu_bench", "compare")) else None
+            if exe:
+                self.assertTrue(exe.startswith(into + os.sep), (name, cmd))
+        self.assertFalse(os.path.exists(into))
+
+
+class TestCrashResume(Base):
+    def test_resuming_after_crashes_stays_inside_the_stage_limit(self):
+        # A binary that crashes in a new test every run: the resumed runs share the stage's one
+        # limit instead of each getting the whole cap anew.
+        clock, fake_time = fake_clock()
+        limits = []
+
+        def run(run_self, name, cmd, timeout, env=None, log_name=None):
+            path = os.path.join(run_self.logs, log_name)
+            limits.append(timeout)
+            with open(path, "w") as f:
+                f.write(f"[ RUN      ] Fake.T{len(limits)}\n")
+            clock[0] += min(40, timeout)
+            return (-11 if timeout > 40 else -9), timeout <= 40, min(40, timeout), path
+
+        r = self.make_run()
+        with mock.patch.object(gpu_check, "time", fake_time), mock.patch.object(gpu_check.Run, "run", run):
+            r.t0 = 0.0
+            res = r.gtest("fake", os.path.join(self.build, "tests/fake_crash"), dict(os.environ), cap=100)
+        self.assertLessEqual(clock[0], 100)
+        self.assertEqual(limits, [100, 60, 20])
+        self.assertEqual(res["crashed"], ["Fake.T1", "Fake.T2", "Fake.T3 (timed out)"])
+        self.assertTrue(res["timed_out"])
 
 
 if __name__ == "__main__":
