@@ -1,5 +1,6 @@
 #pragma once
 // Modules, layers, losses and initialisation.
+#include "attention.hpp"
 #include "conv.hpp"
 #include "embedding.hpp"
 #include "functional.hpp"
@@ -7,4 +8,5 @@
 #include "layers.hpp"
 #include "module.hpp"
 #include "normalization.hpp"
+#include "transformer.hpp"
 #include "utils.hpp"
