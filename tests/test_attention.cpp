@@ -84,8 +84,9 @@ TYPED_TEST(SdpaTyped, IsSoftmaxOfScaledScoresTimesValues) {
   auto fm = randn<T>({4, 6});
   auto keep = ids({1, 0, 1, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 1, 0, 1, 0, 1}, {4, 6});
   auto scores = matmul(q, k.transpose(-2, -1)) * 0.25;
-  EXPECT_TRUE(all_close(scaled_dot_product_attention(q, k, v, fm, 0.0, false, 0.25), matmul(softmax(scores + fm, -1), v),
-                        10 * chorus::testing::tol<T>(), 10 * chorus::testing::tol<T>()));
+  EXPECT_TRUE(all_close(scaled_dot_product_attention(q, k, v, fm, 0.0, false, 0.25),
+                        matmul(softmax(scores + fm, -1), v), 10 * chorus::testing::tol<T>(),
+                        10 * chorus::testing::tol<T>()));
   EXPECT_TRUE(all_close(scaled_dot_product_attention(q, k, v, keep, 0.0, false, 0.25),
                         matmul(softmax(masked_fill(scores, eq(keep, 0.0), -kInf), -1), v),
                         10 * chorus::testing::tol<T>(), 10 * chorus::testing::tol<T>()));
@@ -136,21 +137,43 @@ TEST(Sdpa, DropoutAndEmptyShapes) {
   auto none = scaled_dot_product_attention(in[0], r({2, 0, 4}, 4), r({2, 0, 3}, 5), ones<mask_t>({3, 0}));
   EXPECT_EQ(none.shape(), (Shape{2, 3, 3}));
   for (double v : none.to_vector()) EXPECT_EQ(v, 0.0);
-  EXPECT_EQ(scaled_dot_product_attention(r({0, 3, 4}, 6), r({0, 5, 4}, 7), r({0, 5, 3}, 8), ones<mask_t>({3, 5})).shape(),
-            (Shape{0, 3, 3}));
+  EXPECT_EQ(
+      scaled_dot_product_attention(r({0, 3, 4}, 6), r({0, 5, 4}, 7), r({0, 5, 3}, 8), ones<mask_t>({3, 5})).shape(),
+      (Shape{0, 3, 3}));
 }
 
 TEST(Sdpa, BadInputIsNamed) {
   auto q = r({2, 3, 4}, 1), k = r({2, 5, 4}, 2), v = r({2, 5, 6}, 3);
-  EXPECT_TRUE(throws_with([&] { scaled_dot_product_attention(q, k, v, ones<mask_t>({3, 5}), 0.0, true); },
-                          {"attn_mask", "is_causal", "a boolean (int64) mask of shape [3, 5]"}));
-  EXPECT_TRUE(throws_with([&] { scaled_dot_product_attention(q, k, v, ones<mask_t>({3, 4})); },
-                          {"attn_mask", "a boolean (int64) mask", "[3, 4]", "cannot be broadcast", "[2, 3, 5]"}));
-  EXPECT_TRUE(throws_with([&] { scaled_dot_product_attention(q, k, v, zeros<double>({4, 3, 5})); },
-                          {"attn_mask", "a float mask", "[4, 3, 5]", "[2, 3, 5]"}));
-  EXPECT_TRUE(throws_with([&] { scaled_dot_product_attention(q, r({2, 5, 3}, 4), v); }, {"embedding size E", "[2, 5, 3]"}));
-  EXPECT_TRUE(throws_with([&] { scaled_dot_product_attention(q, k, r({2, 4, 6}, 5)); }, {"sequence length S", "[2, 4, 6]"}));
-  EXPECT_TRUE(throws_with([&] { scaled_dot_product_attention(q, r({3, 5, 4}, 6), r({3, 5, 6}, 7)); }, {"cannot be broadcast"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        scaled_dot_product_attention(q, k, v, ones<mask_t>({3, 5}), 0.0, true);
+      },
+      {"attn_mask", "is_causal", "a boolean (int64) mask of shape [3, 5]"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        scaled_dot_product_attention(q, k, v, ones<mask_t>({3, 4}));
+      },
+      {"attn_mask", "a boolean (int64) mask", "[3, 4]", "cannot be broadcast", "[2, 3, 5]"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        scaled_dot_product_attention(q, k, v, zeros<double>({4, 3, 5}));
+      },
+      {"attn_mask", "a float mask", "[4, 3, 5]", "[2, 3, 5]"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        scaled_dot_product_attention(q, r({2, 5, 3}, 4), v);
+      },
+      {"embedding size E", "[2, 5, 3]"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        scaled_dot_product_attention(q, k, r({2, 4, 6}, 5));
+      },
+      {"sequence length S", "[2, 4, 6]"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        scaled_dot_product_attention(q, r({3, 5, 4}, 6), r({3, 5, 6}, 7));
+      },
+      {"cannot be broadcast"}));
   EXPECT_TRUE(throws_with([&] { scaled_dot_product_attention(q, k, v, {}, 1.5); }, {"dropout_p", "1.5"}));
   EXPECT_TRUE(throws_with([&] { scaled_dot_product_attention(r({4}, 8), k, v); }, {"at least 2 dimensions"}));
 }
@@ -160,7 +183,8 @@ TEST(Sdpa, BadInputIsNamed) {
 TEST(MultiheadAttention, NamesShapesAndInitialisation) {
   manual_seed(3);
   nn::MultiheadAttentionT<double> mha(8, 2);
-  EXPECT_EQ(names_of(*mha), (std::vector<std::string>{"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"}));
+  EXPECT_EQ(names_of(*mha),
+            (std::vector<std::string>{"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"}));
   EXPECT_EQ(mha->in_proj_weight.shape(), (Shape{24, 8}));
   const double xavier = std::sqrt(6.0 / (8 + 24)), linear = 1 / std::sqrt(8.0);
   EXPECT_LE(amax(abs(mha->in_proj_weight)).item(), xavier);
@@ -220,14 +244,15 @@ TEST(MultiheadAttention, Gradcheck) {
     nn::MultiheadAttentionT<double> mha(E, H);
     EXPECT_TRUE(gradcheck(
         [&](const TL& x) {
-          auto [o, w] = mha(x[0], x[0], x[0], ids({0, 0, 0, 0, 0, 1}, {N, L}), true, tril(ones<mask_t>({L, L}), -1), false);
+          auto [o, w] =
+              mha(x[0], x[0], x[0], ids({0, 0, 0, 0, 0, 1}, {N, L}), true, tril(ones<mask_t>({L, L}), -1), false);
           return flat({o, w});
         },
         concat({r({L, N, E}, 1)}, params_of(*mha))));
   }
   {  // separate projections, float key padding mask, add_bias_kv and add_zero_attn, batch_first
-    nn::MultiheadAttentionT<double> mha(E, H, {.add_bias_kv = true, .add_zero_attn = true, .kdim = 3, .vdim = 5,
-                                               .batch_first = true});
+    nn::MultiheadAttentionT<double> mha(
+        E, H, {.add_bias_kv = true, .add_zero_attn = true, .kdim = 3, .vdim = 5, .batch_first = true});
     auto fkpm = masked_fill(r({N, S}, 7), kpm, -kInf);
     EXPECT_TRUE(gradcheck(
         [&](const TL& x) {
@@ -249,7 +274,8 @@ TEST(MultiheadAttention, FullyMaskedQueriesGiveZeroAttention) {
   }
   auto x = r({3, 2, 4}, 1);
   auto pad = ids({0, 0, 0, 1, 1, 1}, {2, 3});  // batch element 1 has no keys at all
-  for (const AttentionMask<double>& kpm : {AttentionMask<double>(pad), AttentionMask<double>(masked_fill(zeros<double>({2, 3}), pad, -kInf))}) {
+  for (const AttentionMask<double>& kpm :
+       {AttentionMask<double>(pad), AttentionMask<double>(masked_fill(zeros<double>({2, 3}), pad, -kInf))}) {
     SCOPED_TRACE(kpm.describe());
     auto [o, w] = mha(x, x, x, kpm);
     auto [o2, w2] = mha(x, x, x, kpm, false);
@@ -279,18 +305,32 @@ TEST(MultiheadAttention, DropoutOnlyWhileTraining) {
 }
 
 TEST(MultiheadAttention, BadOptionsAndMasksAreNamed) {
-  EXPECT_TRUE(throws_with([] { nn::MultiheadAttention(6, 4); }, {"embed_dim must be divisible by num_heads", "6", "4"}));
+  EXPECT_TRUE(
+      throws_with([] { nn::MultiheadAttention(6, 4); }, {"embed_dim must be divisible by num_heads", "6", "4"}));
   EXPECT_TRUE(throws_with([] { nn::MultiheadAttention(8, 0); }, {"num_heads", "positive"}));
   EXPECT_TRUE(throws_with([] { nn::MultiheadAttention(8, 2, {.dropout = 2}); }, {"dropout", "[0, 1]"}));
   nn::MultiheadAttentionT<double> mha(8, 2);
   auto q = r({4, 3, 8}, 1), k = r({5, 3, 8}, 2);
-  EXPECT_TRUE(throws_with([&] { mha(q, k, k, ones<mask_t>({5, 3})); },
-                          {"key_padding_mask", "[3, 5]", "a boolean (int64) mask of shape [5, 3]"}));
-  EXPECT_TRUE(throws_with([&] { mha(q, k, k, zeros<double>({3, 4})); }, {"key_padding_mask", "a float mask of shape [3, 4]"}));
-  EXPECT_TRUE(throws_with([&] { mha(q, k, k, {}, true, ones<mask_t>({5, 4})); },
-                          {"2-D attn_mask", "[4, 5]", "a boolean (int64) mask of shape [5, 4]"}));
-  EXPECT_TRUE(throws_with([&] { mha(q, k, k, {}, true, zeros<double>({3, 4, 5})); },
-                          {"3-D attn_mask", "[6, 4, 5]", "a float mask of shape [3, 4, 5]"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        mha(q, k, k, ones<mask_t>({5, 3}));
+      },
+      {"key_padding_mask", "[3, 5]", "a boolean (int64) mask of shape [5, 3]"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        mha(q, k, k, zeros<double>({3, 4}));
+      },
+      {"key_padding_mask", "a float mask of shape [3, 4]"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        mha(q, k, k, {}, true, ones<mask_t>({5, 4}));
+      },
+      {"2-D attn_mask", "[4, 5]", "a boolean (int64) mask of shape [5, 4]"}));
+  EXPECT_TRUE(throws_with(
+      [&] {
+        mha(q, k, k, {}, true, zeros<double>({3, 4, 5}));
+      },
+      {"3-D attn_mask", "[6, 4, 5]", "a float mask of shape [3, 4, 5]"}));
   EXPECT_TRUE(throws_with([&] { mha(q, k, k, {}, true, zeros<double>({1, 2, 4, 5})); }, {"attn_mask", "2-D", "3-D"}));
   EXPECT_TRUE(throws_with([&] { mha(q, k, k, {}, true, {}, true, true); }, {"is_causal", "needs attn_mask"}));
   EXPECT_TRUE(throws_with([&] { mha(r({4, 3, 6}, 3), k, k); }, {"embed_dim = 8", "[4, 3, 6]"}));
@@ -303,10 +343,10 @@ TEST(MultiheadAttention, BadOptionsAndMasksAreNamed) {
 
 TEST(Transformer, LayerNamesOptionsAndErrors) {
   nn::TransformerEncoderLayerT<double> enc(8, 2, {.dim_feedforward = 16});
-  EXPECT_EQ(names_of(*enc), (std::vector<std::string>{"self_attn.in_proj_weight", "self_attn.in_proj_bias",
-                                                      "self_attn.out_proj.weight", "self_attn.out_proj.bias",
-                                                      "linear1.weight", "linear1.bias", "linear2.weight", "linear2.bias",
-                                                      "norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias"}));
+  EXPECT_EQ(names_of(*enc),
+            (std::vector<std::string>{"self_attn.in_proj_weight", "self_attn.in_proj_bias", "self_attn.out_proj.weight",
+                                      "self_attn.out_proj.bias", "linear1.weight", "linear1.bias", "linear2.weight",
+                                      "linear2.bias", "norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias"}));
   EXPECT_EQ(enc->options.dim_feedforward, 16);
   EXPECT_EQ(enc->options.dropout, 0.1);  // PyTorch's defaults
   EXPECT_EQ(nn::TransformerEncoderLayer(8, 2)->options.dim_feedforward, 2048);
@@ -318,7 +358,8 @@ TEST(Transformer, LayerNamesOptionsAndErrors) {
                                                       "norm2.weight", "norm3.weight"}));
   EXPECT_TRUE(throws_with([] { nn::TransformerEncoderLayer(8, 2, {.activation = "tanh"}); },
                           {"TransformerEncoderLayer", "activation should be relu/gelu, not 'tanh'"}));
-  EXPECT_TRUE(throws_with([] { nn::TransformerDecoderLayer(6, 4); }, {"TransformerDecoderLayer", "divisible", "6", "4"}));
+  EXPECT_TRUE(
+      throws_with([] { nn::TransformerDecoderLayer(6, 4); }, {"TransformerDecoderLayer", "divisible", "6", "4"}));
   EXPECT_TRUE(throws_with([] { nn::TransformerEncoderLayer(8, 2, {.dim_feedforward = 0}); }, {"dim_feedforward"}));
   EXPECT_TRUE(throws_with([] { nn::TransformerEncoderLayer(8, 2, {.layer_norm_eps = 0}); }, {"layer_norm_eps"}));
   EXPECT_TRUE(throws_with([&] { enc(r({4, 3, 8}, 1), {}, {}, true); }, {"is_causal", "attn_mask"}));
@@ -356,7 +397,8 @@ TEST(Transformer, GradcheckEncoderAndDecoderLayers) {
     EXPECT_TRUE(gradcheck([&](const TL& x) { return enc(x[0], causal, kpm, true); },
                           concat({r({L, N, E}, 1)}, params_of(*enc))));
     nn::TransformerDecoderLayerT<double> dec(
-        E, H, {.dim_feedforward = 6, .dropout = 0.0, .activation = "gelu", .batch_first = true, .norm_first = norm_first});
+        E, H,
+        {.dim_feedforward = 6, .dropout = 0.0, .activation = "gelu", .batch_first = true, .norm_first = norm_first});
     auto mem_kpm = ids({0, 0, 0, 1, 0, 1, 0, 0}, {N, S});
     EXPECT_TRUE(gradcheck([&](const TL& x) { return dec(x[0], x[1], causal, {}, kpm, mem_kpm, true); },
                           concat({r({N, L, E}, 2), r({N, S, E}, 3)}, params_of(*dec))));
@@ -365,8 +407,13 @@ TEST(Transformer, GradcheckEncoderAndDecoderLayers) {
 
 TEST(Transformer, TransformerAndUnbatchedInput) {
   manual_seed(10);
-  nn::TransformerT<double> t({.d_model = 8, .nhead = 2, .num_encoder_layers = 2, .num_decoder_layers = 1,
-                              .dim_feedforward = 16, .dropout = 0.0, .batch_first = true});
+  nn::TransformerT<double> t({.d_model = 8,
+                              .nhead = 2,
+                              .num_encoder_layers = 2,
+                              .num_decoder_layers = 1,
+                              .dim_feedforward = 16,
+                              .dropout = 0.0,
+                              .batch_first = true});
   auto names = names_of(*t);
   EXPECT_EQ(names.front(), "encoder.layers.0.self_attn.in_proj_weight");
   EXPECT_EQ(names.back(), "decoder.norm.bias");
@@ -389,15 +436,17 @@ TEST(Transformer, TransformerAndUnbatchedInput) {
 
 TEST(Transformer, SaveAndLoadUsePyTorchsNames) {
   manual_seed(11);
-  nn::TransformerEncoderT<double> a(nn::TransformerEncoderLayerT<double>(8, 2, {.dim_feedforward = 16, .dropout = 0.0}), 2,
-                                    nn::LayerNormT<double>(8));
-  nn::TransformerEncoderT<double> b(nn::TransformerEncoderLayerT<double>(8, 2, {.dim_feedforward = 16, .dropout = 0.0}), 2,
-                                    nn::LayerNormT<double>(8));
+  nn::TransformerEncoderT<double> a(nn::TransformerEncoderLayerT<double>(8, 2, {.dim_feedforward = 16, .dropout = 0.0}),
+                                    2, nn::LayerNormT<double>(8));
+  nn::TransformerEncoderT<double> b(nn::TransformerEncoderLayerT<double>(8, 2, {.dim_feedforward = 16, .dropout = 0.0}),
+                                    2, nn::LayerNormT<double>(8));
   {
     NoGradGuard g;
     for (auto& p : a->parameters()) p.as<double>().copy_(randn<double>(p.shape()));  // non-default values
   }
-  const auto path = (std::filesystem::temp_directory_path() / ("chorus_attention_" + std::to_string(::getpid()) + ".safetensors")).string();
+  const auto path =
+      (std::filesystem::temp_directory_path() / ("chorus_attention_" + std::to_string(::getpid()) + ".safetensors"))
+          .string();
   save(a, path);
   auto file = io::read(path);
   std::vector<std::string> keys;
@@ -459,7 +508,8 @@ TEST(AttentionDataParallel, EncoderGradientsEqualTheSingleDeviceRun) {
   }
   // A mask passed as an argument is not split or moved to the replicas' devices (per-argument
   // scattering is a later item): refused with the reason, not used wrongly.
-  DataParallel<nn::TransformerEncoderT<double>> dp(nn::clone(reference.enc, Device::cpu(0)), {Device::cpu(0), Device::cpu(1)});
+  DataParallel<nn::TransformerEncoderT<double>> dp(nn::clone(reference.enc, Device::cpu(0)),
+                                                   {Device::cpu(0), Device::cpu(1)});
   auto mask = nn::generate_square_subsequent_mask<double>(6);
   EXPECT_TRUE(throws_with([&] { dp(r({4, 6, 8}, 40), AttentionMask<double>(mask)); }, {"attn_mask", "cpu:0", "cpu:1"}));
 }
@@ -473,10 +523,11 @@ TEST(AttentionTraining, LossFalls) {
     Net()
         : embed(register_module("embed", nn::Linear(3, 16))),
           head(register_module("head", nn::Linear(16, 3))),
-          enc(register_module("enc", nn::TransformerEncoder(nn::TransformerEncoderLayer(
-                                                                16, 2, {.dim_feedforward = 32, .dropout = 0.0,
-                                                                        .batch_first = true, .norm_first = true}),
-                                                            1))) {}
+          enc(register_module(
+              "enc", nn::TransformerEncoder(
+                         nn::TransformerEncoderLayer(
+                             16, 2, {.dim_feedforward = 32, .dropout = 0.0, .batch_first = true, .norm_first = true}),
+                         1))) {}
     Tensor<float> forward(const Tensor<float>& x) { return head(enc(embed(x))); }
   } net;
   optim::Adam opt(net.parameters(), {.lr = 3e-3});

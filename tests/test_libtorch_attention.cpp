@@ -5,10 +5,10 @@
 // attention masks in MultiheadAttention, and reads a boolean attn_mask as a number: those cases
 // are checked against references written here with LibTorch's operators and modules (with
 // PyTorch's parameter names). Skips where LibTorch was not found.
-#include "test_util.hpp"
-
 #include <functional>
 #include <limits>
+
+#include "test_util.hpp"
 
 #if CHORUS_HAVE_LIBTORCH
 #include <torch/torch.h>
@@ -150,34 +150,43 @@ TEST(LibTorchAttention, ScaledDotProductAttentionMasksCausalScaleAndBroadcasting
   };
   const CL in = {r({2, 3, 4, 5}, 1), r({2, 3, 6, 5}, 2), r({2, 3, 6, 7}, 3)};
   const double s0 = 1 / std::sqrt(5.0);
-  cross("no mask", none, tnone, in, [&](const CL& x) { return sdpa(x, {}, false, std::nullopt); },
-        [&](const TL& x) { return TL{torch_sdpa(x[0], x[1], x[2], {}, s0)}; });
-  cross("scale", none, tnone, in, [&](const CL& x) { return sdpa(x, {}, false, 0.3); },
-        [&](const TL& x) { return TL{torch_sdpa(x[0], x[1], x[2], {}, 0.3)}; });
+  cross(
+      "no mask", none, tnone, in, [&](const CL& x) { return sdpa(x, {}, false, std::nullopt); },
+      [&](const TL& x) { return TL{torch_sdpa(x[0], x[1], x[2], {}, s0)}; });
+  cross(
+      "scale", none, tnone, in, [&](const CL& x) { return sdpa(x, {}, false, 0.3); },
+      [&](const TL& x) { return TL{torch_sdpa(x[0], x[1], x[2], {}, 0.3)}; });
   // Boolean: nonzero takes part (PyTorch's True); broadcast [L, S] and [B, 1, L, S].
   auto keep = ids({1, 1, 0, 1, 0, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 1, 0, 0, 1, 1}, {4, 6});
   auto keep_t = to_torch(keep).to(torch::kBool);
   auto drop_add = torch::zeros({4, 6}, torch::kFloat64).masked_fill(keep_t.logical_not(), -kInf);
-  cross("boolean mask", none, tnone, in, [&](const CL& x) { return sdpa(x, keep, false, std::nullopt); },
-        [&](const TL& x) { return TL{torch_sdpa(x[0], x[1], x[2], drop_add, s0)}; });
+  cross(
+      "boolean mask", none, tnone, in, [&](const CL& x) { return sdpa(x, keep, false, std::nullopt); },
+      [&](const TL& x) { return TL{torch_sdpa(x[0], x[1], x[2], drop_add, s0)}; });
   auto fmask = r({2, 1, 4, 6}, 4, -2, 2);
-  cross("float mask", none, tnone, in, [&](const CL& x) { return sdpa(x, fmask, false, std::nullopt); },
-        [&](const TL& x) { return TL{torch_sdpa(x[0], x[1], x[2], to_torch(fmask), s0)}; });
+  cross(
+      "float mask", none, tnone, in, [&](const CL& x) { return sdpa(x, fmask, false, std::nullopt); },
+      [&](const TL& x) { return TL{torch_sdpa(x[0], x[1], x[2], to_torch(fmask), s0)}; });
   // Causal with L != S: top-left aligned (query i sees keys 0..i).
   auto causal_add = torch::ones({4, 6}, torch::kBool).tril().logical_not();
-  cross("is_causal", none, tnone, in, [&](const CL& x) { return sdpa(x, {}, true, std::nullopt); },
-        [&](const TL& x) {
-          return TL{torch_sdpa(x[0], x[1], x[2], torch::zeros({4, 6}, torch::kFloat64).masked_fill(causal_add, -kInf), s0)};
-        });
+  cross(
+      "is_causal", none, tnone, in, [&](const CL& x) { return sdpa(x, {}, true, std::nullopt); },
+      [&](const TL& x) {
+        return TL{
+            torch_sdpa(x[0], x[1], x[2], torch::zeros({4, 6}, torch::kFloat64).masked_fill(causal_add, -kInf), s0)};
+      });
   // Keys and values shared by the heads (broadcast batch dimensions), 3-D query.
   const CL bc = {r({3, 4, 5}, 5), r({1, 6, 5}, 6), r({6, 7}, 7)};
-  cross("broadcast batch", none, tnone, bc, [&](const CL& x) { return sdpa(x, keep, false, std::nullopt); },
-        [&](const TL& x) { return TL{torch_sdpa(x[0], x[1], x[2], drop_add, s0)}; });
+  cross(
+      "broadcast batch", none, tnone, bc, [&](const CL& x) { return sdpa(x, keep, false, std::nullopt); },
+      [&](const TL& x) { return TL{torch_sdpa(x[0], x[1], x[2], drop_add, s0)}; });
   // A fully masked row gives zeros and zero gradients (PyTorch >= 2.5).
   auto dead = ids({0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1}, {4, 6});
-  auto dead_add = torch::zeros({4, 6}, torch::kFloat64).masked_fill(to_torch(dead).to(torch::kBool).logical_not(), -kInf);
-  cross("fully masked rows", none, tnone, in, [&](const CL& x) { return sdpa(x, dead, false, std::nullopt); },
-        [&](const TL& x) { return TL{torch_sdpa(x[0], x[1], x[2], dead_add, s0)}; });
+  auto dead_add =
+      torch::zeros({4, 6}, torch::kFloat64).masked_fill(to_torch(dead).to(torch::kBool).logical_not(), -kInf);
+  cross(
+      "fully masked rows", none, tnone, in, [&](const CL& x) { return sdpa(x, dead, false, std::nullopt); },
+      [&](const TL& x) { return TL{torch_sdpa(x[0], x[1], x[2], dead_add, s0)}; });
   auto out = scaled_dot_product_attention(in[0], in[1], in[2], dead);
   for (double v : out.select(2, 0).to_vector()) EXPECT_EQ(v, 0.0);
 }
@@ -186,11 +195,8 @@ namespace {
 /// Key padding (nonzero = padding) and attention masks (nonzero = forbidden) for L = 4, N = 3,
 /// S = 5 that leave every query at least one key.
 Tensor<mask_t> padding_mask() { return ids({0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0}, {3, 5}); }
-Tensor<mask_t> forbidden_mask() {
-  return ids({0, 1, 0, 1, 0, 0, 0, 1, 0, 1, 1, 0, 0, 0, 1, 0, 1, 0, 0, 0}, {4, 5});
-}
+Tensor<mask_t> forbidden_mask() { return ids({0, 1, 0, 1, 0, 0, 0, 1, 0, 1, 1, 0, 0, 0, 1, 0, 1, 0, 0, 0}, {4, 5}); }
 torch::Tensor as_bool(const Tensor<mask_t>& m) { return to_torch(m).to(torch::kBool); }
-torch::Tensor tr(const torch::Tensor& t) { return t.transpose(0, 1); }
 Tensor<double> tr(const Tensor<double>& t) { return t.transpose(0, 1); }
 }  // namespace
 
@@ -211,16 +217,17 @@ TEST(LibTorchAttention, MultiheadAttentionMasksBatchFirstAndWeights) {
     // Self-attention: one tensor as query, key and value.
     const CL self = {r({L, N, E}, 2)};
     for (bool average : {true, false})
-      cross("self-attention, weights" + std::string(average ? " averaged" : " per head") + bf, *cm, *tm, self,
-            [&](const CL& x) {
-              auto q = in(x[0]);
-              auto [o, w] = cm(q, q, q, {}, true, {}, average);
-              return CL{out(o), w};
-            },
-            [&](const TL& x) {
-              auto [o, w] = tm->forward(x[0], x[0], x[0], {}, true, {}, average);
-              return TL{o, w};
-            });
+      cross(
+          "self-attention, weights" + std::string(average ? " averaged" : " per head") + bf, *cm, *tm, self,
+          [&](const CL& x) {
+            auto q = in(x[0]);
+            auto [o, w] = cm(q, q, q, {}, true, {}, average);
+            return CL{out(o), w};
+          },
+          [&](const TL& x) {
+            auto [o, w] = tm->forward(x[0], x[0], x[0], {}, true, {}, average);
+            return TL{o, w};
+          });
     // Both masks, in their boolean and float forms, against LibTorch's boolean padding mask and
     // float attention mask; query, key and value distinct.
     const CL qkv = {r({L, N, E}, 3), r({S, N, E}, 4), r({S, N, E}, 5)};
@@ -233,20 +240,22 @@ TEST(LibTorchAttention, MultiheadAttentionMasksBatchFirstAndWeights) {
         {"attn_mask only", {}, am, to_torch(additive(am))}};
     for (const auto& [name, ck, ca, ta] : forms) {
       const bool has_kpm = ck.defined();
-      cross(name + bf, *cm, *tm, qkv,
-            [&, ck = ck, ca = ca](const CL& x) {
-              auto [o, w] = cm(in(x[0]), in(x[1]), in(x[2]), ck, true, ca);
-              return CL{out(o), w};
-            },
-            [&, ta = ta](const TL& x) {
-              auto [o, w] = tm->forward(x[0], x[1], x[2], has_kpm ? as_bool(kpm) : torch::Tensor(), true, ta);
-              return TL{o, w};
-            });
+      cross(
+          name + bf, *cm, *tm, qkv,
+          [&, ck = ck, ca = ca](const CL& x) {
+            auto [o, w] = cm(in(x[0]), in(x[1]), in(x[2]), ck, true, ca);
+            return CL{out(o), w};
+          },
+          [&, ta = ta](const TL& x) {
+            auto [o, w] = tm->forward(x[0], x[1], x[2], has_kpm ? as_bool(kpm) : torch::Tensor(), true, ta);
+            return TL{o, w};
+          });
     }
     // need_weights = false: an undefined weights tensor, the same output.
     auto [o, w] = cm(in(qkv[0]), in(qkv[1]), in(qkv[2]), kpm, false, am);
     EXPECT_FALSE(w.defined());
-    auto [to, tw] = tm->forward(to_torch(qkv[0]), to_torch(qkv[1]), to_torch(qkv[2]), as_bool(kpm), false, to_torch(additive(am)));
+    auto [to, tw] =
+        tm->forward(to_torch(qkv[0]), to_torch(qkv[1]), to_torch(qkv[2]), as_bool(kpm), false, to_torch(additive(am)));
     EXPECT_TRUE(same(out(o), to, "need_weights = false" + bf));
   }
 }
@@ -260,9 +269,10 @@ TEST(LibTorchAttention, MultiheadAttentionKdimVdimBiasKvZeroAttn) {
     std::int64_t kdim, vdim;
     bool bias, bias_kv, zero_attn;
   };
-  for (const auto& c : {Case{"kdim = vdim != embed_dim", 4, 4, true, false, false}, Case{"no bias", 6, 6, false, false, false},
-                        Case{"add_bias_kv", 6, 6, true, true, false}, Case{"add_zero_attn", 5, 5, true, false, true},
-                        Case{"add_bias_kv and add_zero_attn", 6, 6, true, true, true}}) {
+  for (const auto& c :
+       {Case{"kdim = vdim != embed_dim", 4, 4, true, false, false}, Case{"no bias", 6, 6, false, false, false},
+        Case{"add_bias_kv", 6, 6, true, true, false}, Case{"add_zero_attn", 5, 5, true, false, true},
+        Case{"add_bias_kv and add_zero_attn", 6, 6, true, true, true}}) {
     torch::nn::MultiheadAttention tm(torch::nn::MultiheadAttentionOptions(E, H)
                                          .kdim(c.kdim)
                                          .vdim(c.vdim)
@@ -270,21 +280,22 @@ TEST(LibTorchAttention, MultiheadAttentionKdimVdimBiasKvZeroAttn) {
                                          .add_bias_kv(c.bias_kv)
                                          .add_zero_attn(c.zero_attn));
     randomise(*tm, 2);
-    nn::MultiheadAttentionT<double> cm(E, H, {.bias = c.bias, .add_bias_kv = c.bias_kv, .add_zero_attn = c.zero_attn,
-                                              .kdim = c.kdim, .vdim = c.vdim});
+    nn::MultiheadAttentionT<double> cm(
+        E, H, {.bias = c.bias, .add_bias_kv = c.bias_kv, .add_zero_attn = c.zero_attn, .kdim = c.kdim, .vdim = c.vdim});
     copy_parameters(*tm, *cm);
     const CL qkv = {r({L, N, E}, 3), r({S, N, c.kdim}, 4), r({S, N, c.vdim}, 5)};
     for (bool masks : {false, true})
-      cross(c.name + (masks ? ", masks" : ""), *cm, *tm, qkv,
-            [&](const CL& x) {
-              auto [o, w] = masks ? cm(x[0], x[1], x[2], kpm, true, am) : cm(x[0], x[1], x[2]);
-              return CL{o, w};
-            },
-            [&](const TL& x) {
-              auto [o, w] = masks ? tm->forward(x[0], x[1], x[2], as_bool(kpm), true, to_torch(additive(am)))
-                                  : tm->forward(x[0], x[1], x[2]);
-              return TL{o, w};
-            });
+      cross(
+          c.name + (masks ? ", masks" : ""), *cm, *tm, qkv,
+          [&](const CL& x) {
+            auto [o, w] = masks ? cm(x[0], x[1], x[2], kpm, true, am) : cm(x[0], x[1], x[2]);
+            return CL{o, w};
+          },
+          [&](const TL& x) {
+            auto [o, w] = masks ? tm->forward(x[0], x[1], x[2], as_bool(kpm), true, to_torch(additive(am)))
+                                : tm->forward(x[0], x[1], x[2]);
+            return TL{o, w};
+          });
   }
 }
 
@@ -309,11 +320,14 @@ TEST(LibTorchAttention, MultiheadAttentionThreeDimensionalMask) {
     return TL{tm->out_proj(o.transpose(0, 1).reshape({L, N, E}))};
   };
   const CL qkv = {r({L, N, E}, 3), r({S, N, E}, 4), r({S, N, E}, 5)};
-  cross("3-D float mask", *cm, *tm, qkv, [&](const CL& x) { return CL{std::get<0>(cm(x[0], x[1], x[2], {}, false, m3))}; },
-        [&](const TL& x) { return reference(x, to_torch(m3)); });
-  cross("3-D boolean mask", *cm, *tm, qkv,
-        [&](const CL& x) { return CL{std::get<0>(cm(x[0], x[1], x[2], {}, false, forbid))}; },
-        [&](const TL& x) { return reference(x, to_torch(additive(forbid))); });
+  cross(
+      "3-D float mask", *cm, *tm, qkv,
+      [&](const CL& x) { return CL{std::get<0>(cm(x[0], x[1], x[2], {}, false, m3))}; },
+      [&](const TL& x) { return reference(x, to_torch(m3)); });
+  cross(
+      "3-D boolean mask", *cm, *tm, qkv,
+      [&](const CL& x) { return CL{std::get<0>(cm(x[0], x[1], x[2], {}, false, forbid))}; },
+      [&](const TL& x) { return reference(x, to_torch(additive(forbid))); });
 }
 
 namespace {
@@ -386,11 +400,9 @@ TEST(LibTorchAttention, TransformerEncoderLayerPostAndPreNorm) {
   for (bool gelu : {false, true}) {
     const std::string act = gelu ? "gelu" : "relu";
     {  // post-norm: LibTorch's own layer
-      torch::nn::TransformerEncoderLayer tm(torch::nn::TransformerEncoderLayerOptions(E, H)
-                                                .dim_feedforward(F)
-                                                .dropout(0.0)
-                                                .activation(gelu ? torch::nn::activation_t(torch::kGELU)
-                                                                 : torch::nn::activation_t(torch::kReLU)));
+      torch::nn::TransformerEncoderLayer tm(
+          torch::nn::TransformerEncoderLayerOptions(E, H).dim_feedforward(F).dropout(0.0).activation(
+              gelu ? torch::nn::activation_t(torch::kGELU) : torch::nn::activation_t(torch::kReLU)));
       randomise(*tm, 4);
       for (bool batch_first : {false, true}) {
         nn::TransformerEncoderLayerT<double> cm(
@@ -399,14 +411,17 @@ TEST(LibTorchAttention, TransformerEncoderLayerPostAndPreNorm) {
         auto in = [&](const Tensor<double>& x) { return batch_first ? tr(x).contiguous() : x; };
         auto out = [&](const Tensor<double>& y) { return batch_first ? tr(y) : y; };
         const std::string what = "post-norm " + act + (batch_first ? ", batch_first" : "");
-        cross(what, *cm, *tm, src, [&](const CL& x) { return CL{out(cm(in(x[0])))}; },
-              [&](const TL& x) { return TL{tm->forward(x[0])}; });
-        cross(what + ", float causal mask and boolean padding", *cm, *tm, src,
-              [&](const CL& x) { return CL{out(cm(in(x[0]), causal, kpm))}; },
-              [&](const TL& x) { return TL{tm->forward(x[0], to_torch(causal), as_bool(kpm))}; });
-        cross(what + ", boolean causal mask, is_causal", *cm, *tm, src,
-              [&](const CL& x) { return CL{out(cm(in(x[0]), causal_bool, {}, true))}; },
-              [&](const TL& x) { return TL{tm->forward(x[0], to_torch(causal))}; });
+        cross(
+            what, *cm, *tm, src, [&](const CL& x) { return CL{out(cm(in(x[0])))}; },
+            [&](const TL& x) { return TL{tm->forward(x[0])}; });
+        cross(
+            what + ", float causal mask and boolean padding", *cm, *tm, src,
+            [&](const CL& x) { return CL{out(cm(in(x[0]), causal, kpm))}; },
+            [&](const TL& x) { return TL{tm->forward(x[0], to_torch(causal), as_bool(kpm))}; });
+        cross(
+            what + ", boolean causal mask, is_causal", *cm, *tm, src,
+            [&](const CL& x) { return CL{out(cm(in(x[0]), causal_bool, {}, true))}; },
+            [&](const TL& x) { return TL{tm->forward(x[0], to_torch(causal))}; });
       }
     }
     {  // pre-norm (norm_first) with another layer_norm_eps
@@ -415,8 +430,9 @@ TEST(LibTorchAttention, TransformerEncoderLayerPostAndPreNorm) {
       nn::TransformerEncoderLayerT<double> cm(
           E, H, {.dim_feedforward = F, .dropout = 0.0, .activation = act, .layer_norm_eps = 1e-3, .norm_first = true});
       copy_by_name(*tm, *cm);
-      cross("pre-norm " + act, *cm, *tm, src, [&](const CL& x) { return CL{cm(x[0], causal, kpm)}; },
-            [&](const TL& x) { return TL{tm->forward(x[0], to_torch(causal), as_bool(kpm))}; });
+      cross(
+          "pre-norm " + act, *cm, *tm, src, [&](const CL& x) { return CL{cm(x[0], causal, kpm)}; },
+          [&](const TL& x) { return TL{tm->forward(x[0], to_torch(causal), as_bool(kpm))}; });
     }
   }
 }
@@ -431,31 +447,34 @@ TEST(LibTorchAttention, TransformerDecoderLayerPostAndPreNorm) {
   const CL in = {r({T, N, E}, 1), r({S, N, E}, 2)};
   for (bool gelu : {false, true}) {
     const std::string act = gelu ? "gelu" : "relu";
-    torch::nn::TransformerDecoderLayer tm(torch::nn::TransformerDecoderLayerOptions(E, H)
-                                              .dim_feedforward(F)
-                                              .dropout(0.0)
-                                              .activation(gelu ? torch::nn::activation_t(torch::kGELU)
-                                                               : torch::nn::activation_t(torch::kReLU)));
+    torch::nn::TransformerDecoderLayer tm(
+        torch::nn::TransformerDecoderLayerOptions(E, H).dim_feedforward(F).dropout(0.0).activation(
+            gelu ? torch::nn::activation_t(torch::kGELU) : torch::nn::activation_t(torch::kReLU)));
     randomise(*tm, 6);
     nn::TransformerDecoderLayerT<double> cm(E, H, {.dim_feedforward = F, .dropout = 0.0, .activation = act});
     copy_parameters(*tm, *cm);
-    cross("post-norm " + act, *cm, *tm, in, [&](const CL& x) { return CL{cm(x[0], x[1])}; },
-          [&](const TL& x) { return TL{tm->forward(x[0], x[1])}; });
-    cross("post-norm " + act + ", all four masks", *cm, *tm, in,
-          [&](const CL& x) { return CL{cm(x[0], x[1], tgt_mask, mem_mask, tgt_kpm, mem_kpm)}; },
-          [&](const TL& x) {
-            return TL{tm->forward(x[0], x[1], to_torch(tgt_mask), to_torch(additive(mem_mask)), as_bool(tgt_kpm), as_bool(mem_kpm))};
-          });
+    cross(
+        "post-norm " + act, *cm, *tm, in, [&](const CL& x) { return CL{cm(x[0], x[1])}; },
+        [&](const TL& x) { return TL{tm->forward(x[0], x[1])}; });
+    cross(
+        "post-norm " + act + ", all four masks", *cm, *tm, in,
+        [&](const CL& x) { return CL{cm(x[0], x[1], tgt_mask, mem_mask, tgt_kpm, mem_kpm)}; },
+        [&](const TL& x) {
+          return TL{tm->forward(x[0], x[1], to_torch(tgt_mask), to_torch(additive(mem_mask)), as_bool(tgt_kpm),
+                                as_bool(mem_kpm))};
+        });
     TorchPreNormDecoderLayer tp(E, H, F, gelu, 1e-5);
     randomise(*tp, 7);
     nn::TransformerDecoderLayerT<double> cp(
         E, H, {.dim_feedforward = F, .dropout = 0.0, .activation = act, .norm_first = true});
     copy_by_name(*tp, *cp);
-    cross("pre-norm " + act + ", all four masks", *cp, *tp, in,
-          [&](const CL& x) { return CL{cp(x[0], x[1], tgt_mask, mem_mask, tgt_kpm, mem_kpm)}; },
-          [&](const TL& x) {
-            return TL{tp->forward(x[0], x[1], to_torch(tgt_mask), to_torch(additive(mem_mask)), as_bool(tgt_kpm), as_bool(mem_kpm))};
-          });
+    cross(
+        "pre-norm " + act + ", all four masks", *cp, *tp, in,
+        [&](const CL& x) { return CL{cp(x[0], x[1], tgt_mask, mem_mask, tgt_kpm, mem_kpm)}; },
+        [&](const TL& x) {
+          return TL{tp->forward(x[0], x[1], to_torch(tgt_mask), to_torch(additive(mem_mask)), as_bool(tgt_kpm),
+                                as_bool(mem_kpm))};
+        });
   }
 }
 
@@ -471,40 +490,56 @@ TEST(LibTorchAttention, EncoderDecoderStacksAndTransformer) {
   {
     torch::nn::TransformerEncoder tm(
         torch::nn::TransformerEncoderOptions(
-            torch::nn::TransformerEncoderLayer(torch::nn::TransformerEncoderLayerOptions(E, H).dim_feedforward(F).dropout(0.0)), 2)
+            torch::nn::TransformerEncoderLayer(
+                torch::nn::TransformerEncoderLayerOptions(E, H).dim_feedforward(F).dropout(0.0)),
+            2)
             .norm(torch::nn::AnyModule(torch::nn::LayerNorm(torch::nn::LayerNormOptions({E})))));
     randomise(*tm, 8);
-    nn::TransformerEncoderT<double> cm(nn::TransformerEncoderLayerT<double>(E, H, {.dim_feedforward = F, .dropout = 0.0}), 2,
-                                       nn::LayerNormT<double>(E));
+    nn::TransformerEncoderT<double> cm(
+        nn::TransformerEncoderLayerT<double>(E, H, {.dim_feedforward = F, .dropout = 0.0}), 2,
+        nn::LayerNormT<double>(E));
     copy_parameters(*tm, *cm);
-    cross("encoder of 2 layers and a norm", *cm, *tm, {r({S, N, E}, 1)},
-          [&](const CL& x) { return CL{cm(x[0], {}, src_kpm)}; },
-          [&](const TL& x) { return TL{tm->forward(x[0], {}, as_bool(src_kpm))}; });
+    cross(
+        "encoder of 2 layers and a norm", *cm, *tm, {r({S, N, E}, 1)},
+        [&](const CL& x) { return CL{cm(x[0], {}, src_kpm)}; },
+        [&](const TL& x) { return TL{tm->forward(x[0], {}, as_bool(src_kpm))}; });
   }
   {
     torch::nn::TransformerDecoder tm(
         torch::nn::TransformerDecoderOptions(
-            torch::nn::TransformerDecoderLayer(torch::nn::TransformerDecoderLayerOptions(E, H).dim_feedforward(F).dropout(0.0)), 2)
+            torch::nn::TransformerDecoderLayer(
+                torch::nn::TransformerDecoderLayerOptions(E, H).dim_feedforward(F).dropout(0.0)),
+            2)
             .norm(torch::nn::AnyModule(torch::nn::LayerNorm(torch::nn::LayerNormOptions({E})))));
     randomise(*tm, 9);
-    nn::TransformerDecoderT<double> cm(nn::TransformerDecoderLayerT<double>(E, H, {.dim_feedforward = F, .dropout = 0.0}), 2,
-                                       nn::LayerNormT<double>(E));
+    nn::TransformerDecoderT<double> cm(
+        nn::TransformerDecoderLayerT<double>(E, H, {.dim_feedforward = F, .dropout = 0.0}), 2,
+        nn::LayerNormT<double>(E));
     copy_parameters(*tm, *cm);
-    cross("decoder of 2 layers and a norm", *cm, *tm, {r({T, N, E}, 1), r({S, N, E}, 2)},
-          [&](const CL& x) { return CL{cm(x[0], x[1], tgt_mask, {}, tgt_kpm, src_kpm)}; },
-          [&](const TL& x) { return TL{tm->forward(x[0], x[1], to_torch(tgt_mask), {}, as_bool(tgt_kpm), as_bool(src_kpm))}; });
+    cross(
+        "decoder of 2 layers and a norm", *cm, *tm, {r({T, N, E}, 1), r({S, N, E}, 2)},
+        [&](const CL& x) { return CL{cm(x[0], x[1], tgt_mask, {}, tgt_kpm, src_kpm)}; },
+        [&](const TL& x) {
+          return TL{tm->forward(x[0], x[1], to_torch(tgt_mask), {}, as_bool(tgt_kpm), as_bool(src_kpm))};
+        });
   }
   {
     torch::nn::Transformer tm(torch::nn::TransformerOptions(E, H, 2, 1).dim_feedforward(F).dropout(0.0));
     randomise(*tm, 10);
-    nn::TransformerT<double> cm(
-        {.d_model = E, .nhead = H, .num_encoder_layers = 2, .num_decoder_layers = 1, .dim_feedforward = F, .dropout = 0.0});
+    nn::TransformerT<double> cm({.d_model = E,
+                                 .nhead = H,
+                                 .num_encoder_layers = 2,
+                                 .num_decoder_layers = 1,
+                                 .dim_feedforward = F,
+                                 .dropout = 0.0});
     copy_parameters(*tm, *cm);
-    cross("Transformer", *cm, *tm, {r({S, N, E}, 1), r({T, N, E}, 2)},
-          [&](const CL& x) { return CL{cm(x[0], x[1], {}, tgt_mask, {}, src_kpm, tgt_kpm, src_kpm)}; },
-          [&](const TL& x) {
-            return TL{tm->forward(x[0], x[1], {}, to_torch(tgt_mask), {}, as_bool(src_kpm), as_bool(tgt_kpm), as_bool(src_kpm))};
-          });
+    cross(
+        "Transformer", *cm, *tm, {r({S, N, E}, 1), r({T, N, E}, 2)},
+        [&](const CL& x) { return CL{cm(x[0], x[1], {}, tgt_mask, {}, src_kpm, tgt_kpm, src_kpm)}; },
+        [&](const TL& x) {
+          return TL{tm->forward(x[0], x[1], {}, to_torch(tgt_mask), {}, as_bool(src_kpm), as_bool(tgt_kpm),
+                                as_bool(src_kpm))};
+        });
   }
 }
 #else

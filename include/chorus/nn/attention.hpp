@@ -54,8 +54,9 @@ class MultiheadAttentionImpl : public Module {
         options(options) {
     CHORUS_CHECK(embed_dim > 0 && num_heads > 0, "MultiheadAttention: embed_dim and num_heads must be positive, got ",
                  embed_dim, " and ", num_heads);
-    CHORUS_CHECK(embed_dim % num_heads == 0, "MultiheadAttention: embed_dim must be divisible by num_heads, got embed_dim ",
-                 embed_dim, " and num_heads ", num_heads);
+    CHORUS_CHECK(embed_dim % num_heads == 0,
+                 "MultiheadAttention: embed_dim must be divisible by num_heads, got embed_dim ", embed_dim,
+                 " and num_heads ", num_heads);
     CHORUS_CHECK(kdim > 0 && vdim > 0, "MultiheadAttention: kdim and vdim must be positive, got ", kdim, " and ", vdim);
     CHORUS_CHECK(options.dropout >= 0.0 && options.dropout <= 1.0,
                  "MultiheadAttention: dropout must be in [0, 1], got ", options.dropout);
@@ -141,9 +142,10 @@ AttentionMask<T> pad_key(const AttentionMask<T>& mask) {
 
 template <class T>
 std::tuple<Tensor<T>, Tensor<T>> MultiheadAttentionImpl<T>::forward(const Tensor<T>& query, const Tensor<T>& key,
-                                                                     const Tensor<T>& value, const Mask& key_padding_mask,
-                                                                     bool need_weights, const Mask& attn_mask,
-                                                                     bool average_attn_weights, bool is_causal) const {
+                                                                    const Tensor<T>& value,
+                                                                    const Mask& key_padding_mask, bool need_weights,
+                                                                    const Mask& attn_mask, bool average_attn_weights,
+                                                                    bool is_causal) const {
   constexpr const char* op = "MultiheadAttention";
   ops::detail::check_defined(op, query, "query");
   ops::detail::check_defined(op, key, "key");

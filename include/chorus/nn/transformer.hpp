@@ -137,7 +137,8 @@ class TransformerEncoderLayerImpl : public Module {
   Dropout dropout1, dropout2;
 
   static MultiheadAttentionT<T> make_attention(std::int64_t d, std::int64_t h, const TransformerLayerOptions& o) {
-    return MultiheadAttentionT<T>(d, h, {.dropout = o.dropout, .bias = o.bias, .batch_first = o.batch_first, .device = o.device});
+    return MultiheadAttentionT<T>(
+        d, h, {.dropout = o.dropout, .bias = o.bias, .batch_first = o.batch_first, .device = o.device});
   }
   static LinearT<T> make_linear(std::int64_t in, std::int64_t out, const TransformerLayerOptions& o) {
     return LinearT<T>(in, out, {.bias = o.bias, .device = o.device});
@@ -150,7 +151,9 @@ class TransformerEncoderLayerImpl : public Module {
   Tensor<T> sa_block(const Tensor<T>& x, const Mask& mask, const Mask& kpm, bool is_causal) const {
     return dropout1(std::get<0>(self_attn(x, x, x, kpm, /*need_weights=*/false, mask, true, is_causal)));
   }
-  Tensor<T> ff_block(const Tensor<T>& x) const { return dropout2(detail::feed_forward(act_, linear1, dropout, linear2, x)); }
+  Tensor<T> ff_block(const Tensor<T>& x) const {
+    return dropout2(detail::feed_forward(act_, linear1, dropout, linear2, x));
+  }
 };
 
 /// Holder (Note [layer options]): `TransformerEncoderLayerT<T>(64, 4, {.dim_feedforward = 128, .norm_first = true})`.
@@ -233,7 +236,9 @@ class TransformerDecoderLayerImpl : public Module {
                       bool is_causal) const {
     return dropout2(std::get<0>(multihead_attn(x, mem, mem, kpm, /*need_weights=*/false, mask, true, is_causal)));
   }
-  Tensor<T> ff_block(const Tensor<T>& x) const { return dropout3(detail::feed_forward(act_, linear1, dropout, linear2, x)); }
+  Tensor<T> ff_block(const Tensor<T>& x) const {
+    return dropout3(detail::feed_forward(act_, linear1, dropout, linear2, x));
+  }
 };
 
 /// Holder (Note [layer options]): `TransformerDecoderLayerT<T>(64, 4, {.dropout = 0.0})`.
@@ -374,10 +379,14 @@ class TransformerImpl : public Module {
   using Mask = AttentionMask<T>;
   explicit TransformerImpl(TransformerOptions options = {})
       : options(options),
-        encoder(register_module("encoder", TransformerEncoderT<T>(TransformerEncoderLayerT<T>(options.d_model, options.nhead, layer_options(options)),
-                                                                  options.num_encoder_layers, make_norm(options)))),
-        decoder(register_module("decoder", TransformerDecoderT<T>(TransformerDecoderLayerT<T>(options.d_model, options.nhead, layer_options(options)),
-                                                                  options.num_decoder_layers, make_norm(options)))) {
+        encoder(register_module(
+            "encoder",
+            TransformerEncoderT<T>(TransformerEncoderLayerT<T>(options.d_model, options.nhead, layer_options(options)),
+                                   options.num_encoder_layers, make_norm(options)))),
+        decoder(register_module(
+            "decoder",
+            TransformerDecoderT<T>(TransformerDecoderLayerT<T>(options.d_model, options.nhead, layer_options(options)),
+                                   options.num_decoder_layers, make_norm(options)))) {
     reset_parameters();
   }
   void reset_parameters() {
@@ -418,9 +427,14 @@ class TransformerImpl : public Module {
 
  private:
   static TransformerLayerOptions layer_options(const TransformerOptions& o) {
-    return {.dim_feedforward = o.dim_feedforward, .dropout = o.dropout, .activation = o.activation,
-            .layer_norm_eps = o.layer_norm_eps, .batch_first = o.batch_first, .norm_first = o.norm_first,
-            .bias = o.bias, .device = o.device};
+    return {.dim_feedforward = o.dim_feedforward,
+            .dropout = o.dropout,
+            .activation = o.activation,
+            .layer_norm_eps = o.layer_norm_eps,
+            .batch_first = o.batch_first,
+            .norm_first = o.norm_first,
+            .bias = o.bias,
+            .device = o.device};
   }
   static LayerNormT<T> make_norm(const TransformerOptions& o) {
     return LayerNormT<T>(o.d_model, {.eps = o.layer_norm_eps, .bias = o.bias, .device = o.device});

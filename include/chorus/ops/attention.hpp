@@ -36,9 +36,9 @@ class AttentionMask {
 
  public:
   AttentionMask() = default;
-  AttentionMask(std::nullopt_t) {}                                     // NOLINT
-  AttentionMask(Tensor<mask_t> mask) : bool_(std::move(mask)) {}      // NOLINT
-  AttentionMask(Tensor<T> mask) : float_(std::move(mask)) {}          // NOLINT
+  AttentionMask(std::nullopt_t) {}                                // NOLINT
+  AttentionMask(Tensor<mask_t> mask) : bool_(std::move(mask)) {}  // NOLINT
+  AttentionMask(Tensor<T> mask) : float_(std::move(mask)) {}      // NOLINT
   template <class U>
     requires(!std::is_same_v<U, T> && !std::is_same_v<U, mask_t>)
   AttentionMask(const Tensor<U>&) {  // NOLINT
@@ -133,9 +133,15 @@ std::pair<Tensor<T>, Tensor<T>> attend(const char* op, const Tensor<T>& q, const
                  m.kind == ScoreMask<T>::Add ? "a float mask" : "a boolean (int64) mask", ") of shape ", m.shape(),
                  " cannot be broadcast to the attention scores' shape ", scores.shape(), " ([..., L, S])");
     switch (m.kind) {
-      case ScoreMask<T>::Add: scores = add(scores, m.values); break;
-      case ScoreMask<T>::Ignore: scores = masked_fill(scores, m.bools, -inf); break;
-      case ScoreMask<T>::Attend: scores = where(m.bools, scores, -inf); break;
+      case ScoreMask<T>::Add:
+        scores = add(scores, m.values);
+        break;
+      case ScoreMask<T>::Ignore:
+        scores = masked_fill(scores, m.bools, -inf);
+        break;
+      case ScoreMask<T>::Attend:
+        scores = where(m.bools, scores, -inf);
+        break;
     }
   }
   Tensor<T> attn;
@@ -191,15 +197,18 @@ Tensor<T> scaled_dot_product_attention(const Tensor<T>& query, const Tensor<T>& 
   ops::detail::check_defined(op, value, "value");
   ops::detail::check_same_device(op, query, key);
   ops::detail::check_same_device(op, query, value);
-  CHORUS_CHECK(query.dim() >= 2 && key.dim() >= 2 && value.dim() >= 2, op,
-               ": query, key and value need at least 2 dimensions ([..., L, E], [..., S, E], [..., S, Ev]), got shapes ",
-               query.shape(), ", ", key.shape(), " and ", value.shape());
+  CHORUS_CHECK(
+      query.dim() >= 2 && key.dim() >= 2 && value.dim() >= 2, op,
+      ": query, key and value need at least 2 dimensions ([..., L, E], [..., S, E], [..., S, Ev]), got shapes ",
+      query.shape(), ", ", key.shape(), " and ", value.shape());
   const int qd = query.dim(), kd = key.dim(), vd = value.dim();
   const std::int64_t L = query.shape()[qd - 2], E = query.shape()[qd - 1], S = key.shape()[kd - 2];
-  CHORUS_CHECK(key.shape()[kd - 1] == E, op, ": query and key need the same embedding size E (their last dimension), got ",
-               "query of shape ", query.shape(), " and key of shape ", key.shape());
-  CHORUS_CHECK(value.shape()[vd - 2] == S, op, ": key and value need the same sequence length S (dimension -2), got key ",
-               "of shape ", key.shape(), " and value of shape ", value.shape());
+  CHORUS_CHECK(key.shape()[kd - 1] == E, op,
+               ": query and key need the same embedding size E (their last dimension), got query of shape ",
+               query.shape(), " and key of shape ", key.shape());
+  CHORUS_CHECK(value.shape()[vd - 2] == S, op,
+               ": key and value need the same sequence length S (dimension -2), got key of shape ", key.shape(),
+               " and value of shape ", value.shape());
   auto batch = [](const Shape& s) { return Shape(std::span<const std::int64_t>(s.begin(), s.end() - 2)); };
   (void)broadcast_shapes(broadcast_shapes(batch(query.shape()), batch(key.shape()), op), batch(value.shape()), op);
   CHORUS_CHECK(dropout_p >= 0.0 && dropout_p <= 1.0, op, ": dropout_p must be in [0, 1], got ", dropout_p);
@@ -208,7 +217,8 @@ Tensor<T> scaled_dot_product_attention(const Tensor<T>& query, const Tensor<T>& 
   std::vector<ops::detail::ScoreMask<T>> masks;
   if (attn_mask.defined()) masks.push_back(ops::detail::ScoreMask<T>::from(attn_mask, "attn_mask", true));
   if (is_causal)
-    masks.push_back({ops::detail::ScoreMask<T>::Attend, "the causal mask", tril(ones<mask_t>({L, S}, query.device())), {}});
+    masks.push_back(
+        {ops::detail::ScoreMask<T>::Attend, "the causal mask", tril(ones<mask_t>({L, S}, query.device())), {}});
   const double s = scale.value_or(1.0 / std::sqrt(static_cast<double>(E)));
   return ops::detail::attend(op, query, key, value, masks, dropout_p, s).first;
 }
