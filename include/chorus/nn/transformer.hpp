@@ -50,6 +50,21 @@ inline void check_layer_options(const char* layer, std::int64_t d_model, std::in
   CHORUS_CHECK(o.layer_norm_eps > 0, layer, ": layer_norm_eps must be positive, got ", o.layer_norm_eps);
 }
 
+/// The sublayers, built from one set of options (so encoder and decoder layers agree).
+template <class T>
+MultiheadAttentionT<T> make_attention(std::int64_t d, std::int64_t h, const TransformerLayerOptions& o) {
+  return MultiheadAttentionT<T>(
+      d, h, {.dropout = o.dropout, .bias = o.bias, .batch_first = o.batch_first, .device = o.device});
+}
+template <class T>
+LinearT<T> make_linear(std::int64_t in, std::int64_t out, const TransformerLayerOptions& o) {
+  return LinearT<T>(in, out, {.bias = o.bias, .device = o.device});
+}
+template <class T>
+LayerNormT<T> make_norm(std::int64_t d, const TransformerLayerOptions& o) {
+  return LayerNormT<T>(d, {.eps = o.layer_norm_eps, .bias = o.bias, .device = o.device});
+}
+
 /// The feed-forward block's parts shared by both layers: linear1, dropout, linear2 and the
 /// activation between them.
 template <class T>
@@ -99,12 +114,12 @@ class TransformerEncoderLayerImpl : public Module {
   TransformerEncoderLayerImpl(std::int64_t d_model, std::int64_t nhead, TransformerLayerOptions options = {})
       : options((detail::check_layer_options("TransformerEncoderLayer", d_model, nhead, options), options)),
         act_(detail::parse_activation("TransformerEncoderLayer", options.activation)),
-        self_attn(register_module("self_attn", make_attention(d_model, nhead, options))),
-        linear1(register_module("linear1", make_linear(d_model, options.dim_feedforward, options))),
+        self_attn(register_module("self_attn", detail::make_attention<T>(d_model, nhead, options))),
+        linear1(register_module("linear1", detail::make_linear<T>(d_model, options.dim_feedforward, options))),
         dropout(register_module("dropout", Dropout(options.dropout))),
-        linear2(register_module("linear2", make_linear(options.dim_feedforward, d_model, options))),
-        norm1(register_module("norm1", make_norm(d_model, options))),
-        norm2(register_module("norm2", make_norm(d_model, options))),
+        linear2(register_module("linear2", detail::make_linear<T>(options.dim_feedforward, d_model, options))),
+        norm1(register_module("norm1", detail::make_norm<T>(d_model, options))),
+        norm2(register_module("norm2", detail::make_norm<T>(d_model, options))),
         dropout1(register_module("dropout1", Dropout(options.dropout))),
         dropout2(register_module("dropout2", Dropout(options.dropout))) {}
 
@@ -135,17 +150,6 @@ class TransformerEncoderLayerImpl : public Module {
   LinearT<T> linear2;
   LayerNormT<T> norm1, norm2;
   Dropout dropout1, dropout2;
-
-  static MultiheadAttentionT<T> make_attention(std::int64_t d, std::int64_t h, const TransformerLayerOptions& o) {
-    return MultiheadAttentionT<T>(
-        d, h, {.dropout = o.dropout, .bias = o.bias, .batch_first = o.batch_first, .device = o.device});
-  }
-  static LinearT<T> make_linear(std::int64_t in, std::int64_t out, const TransformerLayerOptions& o) {
-    return LinearT<T>(in, out, {.bias = o.bias, .device = o.device});
-  }
-  static LayerNormT<T> make_norm(std::int64_t d, const TransformerLayerOptions& o) {
-    return LayerNormT<T>(d, {.eps = o.layer_norm_eps, .bias = o.bias, .device = o.device});
-  }
 
  private:
   Tensor<T> sa_block(const Tensor<T>& x, const Mask& mask, const Mask& kpm, bool is_causal) const {
@@ -179,18 +183,17 @@ template <class T = float>
 class TransformerDecoderLayerImpl : public Module {
  public:
   using Mask = AttentionMask<T>;
-  using Enc = TransformerEncoderLayerImpl<T>;
   TransformerDecoderLayerImpl(std::int64_t d_model, std::int64_t nhead, TransformerLayerOptions options = {})
       : options((detail::check_layer_options("TransformerDecoderLayer", d_model, nhead, options), options)),
         act_(detail::parse_activation("TransformerDecoderLayer", options.activation)),
-        self_attn(register_module("self_attn", Enc::make_attention(d_model, nhead, options))),
-        multihead_attn(register_module("multihead_attn", Enc::make_attention(d_model, nhead, options))),
-        linear1(register_module("linear1", Enc::make_linear(d_model, options.dim_feedforward, options))),
+        self_attn(register_module("self_attn", detail::make_attention<T>(d_model, nhead, options))),
+        multihead_attn(register_module("multihead_attn", detail::make_attention<T>(d_model, nhead, options))),
+        linear1(register_module("linear1", detail::make_linear<T>(d_model, options.dim_feedforward, options))),
         dropout(register_module("dropout", Dropout(options.dropout))),
-        linear2(register_module("linear2", Enc::make_linear(options.dim_feedforward, d_model, options))),
-        norm1(register_module("norm1", Enc::make_norm(d_model, options))),
-        norm2(register_module("norm2", Enc::make_norm(d_model, options))),
-        norm3(register_module("norm3", Enc::make_norm(d_model, options))),
+        linear2(register_module("linear2", detail::make_linear<T>(options.dim_feedforward, d_model, options))),
+        norm1(register_module("norm1", detail::make_norm<T>(d_model, options))),
+        norm2(register_module("norm2", detail::make_norm<T>(d_model, options))),
+        norm3(register_module("norm3", detail::make_norm<T>(d_model, options))),
         dropout1(register_module("dropout1", Dropout(options.dropout))),
         dropout2(register_module("dropout2", Dropout(options.dropout))),
         dropout3(register_module("dropout3", Dropout(options.dropout))) {}
@@ -382,11 +385,11 @@ class TransformerImpl : public Module {
         encoder(register_module(
             "encoder",
             TransformerEncoderT<T>(TransformerEncoderLayerT<T>(options.d_model, options.nhead, layer_options(options)),
-                                   options.num_encoder_layers, make_norm(options)))),
+                                   options.num_encoder_layers, final_norm(options)))),
         decoder(register_module(
             "decoder",
             TransformerDecoderT<T>(TransformerDecoderLayerT<T>(options.d_model, options.nhead, layer_options(options)),
-                                   options.num_decoder_layers, make_norm(options)))) {
+                                   options.num_decoder_layers, final_norm(options)))) {
     reset_parameters();
   }
   void reset_parameters() {
@@ -436,7 +439,7 @@ class TransformerImpl : public Module {
             .bias = o.bias,
             .device = o.device};
   }
-  static LayerNormT<T> make_norm(const TransformerOptions& o) {
+  static LayerNormT<T> final_norm(const TransformerOptions& o) {
     return LayerNormT<T>(o.d_model, {.eps = o.layer_norm_eps, .bias = o.bias, .device = o.device});
   }
 };
