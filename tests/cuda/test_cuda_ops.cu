@@ -199,3 +199,108 @@ TYPED_TEST(CudaSeqOps, GatherScatterAddOneHot) {
   EXPECT_EQ(gather(x, 1, ids({4, 0}, {1, 2}, kGpu)).to_vector(),
             gather(x.to(Device::cpu()), 1, ids({4, 0}, {1, 2}, Device::cpu())).to_vector());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Attention and Transformers (issue 18, item 3) on the GPU against the CPU: batched GEMMs, the
+// softmax kernel and the masks applied on the device, forward and every gradient.
+namespace {
+/// A module and its copy on the GPU: the same outputs of `f` and the same gradients of the inputs
+/// and of every parameter.
+template <class M>
+void check_module(const char* name, M& cpu,
+                  const std::function<Tensor<double>(M&, const std::vector<Tensor<double>>&)>& f,
+                  std::vector<Tensor<double>> in) {
+  SCOPED_TRACE(name);
+  M gpu = nn::clone(cpu, kGpu);
+  std::vector<Tensor<double>> in_g;
+  for (auto& x : in) {
+    x.requires_grad_(true);
+    in_g.push_back(x.detach().to(kGpu).requires_grad_(true));
+  }
+  auto out_c = f(cpu, in);
+  auto out_g = f(gpu, in_g);
+  ASSERT_EQ(out_g.device(), kGpu);
+  EXPECT_TRUE(all_close(out_g.to(Device::cpu()), out_c, 1e-10, 1e-10)) << "forward";
+  auto w = r<double>(out_c.shape(), 5);
+  sum(out_c * w).backward();
+  sum(out_g * w.to(kGpu)).backward();
+  for (std::size_t i = 0; i < in.size(); ++i)
+    EXPECT_TRUE(all_close(in_g[i].grad().to(Device::cpu()), in[i].grad(), 1e-10, 1e-10)) << "gradient of input " << i;
+  auto pc = nn::module_of(cpu).named_parameters(), pg = nn::module_of(gpu).named_parameters();
+  for (std::size_t i = 0; i < pc.size(); ++i)
+    EXPECT_TRUE(all_close(pg[i].tensor.template as<double>().grad().to(Device::cpu()),
+                          pc[i].tensor.template as<double>().grad(), 1e-10, 1e-10))
+        << "gradient of " << pc[i].name;
+}
+}  // namespace
+
+TYPED_TEST(CudaSeqOps, ScaledDotProductAttention) {
+  REQUIRE_GPU();
+  using T = TypeParam;
+  using L = std::vector<Tensor<T>>;
+  // Fresh inputs for every check (check_op accumulates the CPU inputs' gradients).
+  auto in = [] { return L{r<T>({2, 4, 33, 16}, 1), r<T>({2, 4, 40, 16}, 2), r<T>({2, 4, 40, 8}, 3)}; };
+  auto keep = gt(r<T>({33, 40}, 4), -0.5);
+  auto dead = ones<std::int64_t>({33, 40});
+  {
+    NoGradGuard g;
+    dead.narrow(0, 3, 2).fill_(0);  // queries 3 and 4 attend no key
+  }
+  auto add = r<T>({2, 1, 33, 40}, 5, -2, 2);
+  auto on = [](const Tensor<std::int64_t>& m, const Tensor<T>& x) { return m.to(x.device()); };
+  check_op<T>(
+      "sdpa", [](const L& x) { return scaled_dot_product_attention(x[0], x[1], x[2]); }, in());
+  check_op<T>(
+      "sdpa-boolean", [&](const L& x) { return scaled_dot_product_attention(x[0], x[1], x[2], on(keep, x[0])); }, in());
+  check_op<T>(
+      "sdpa-float", [&](const L& x) { return scaled_dot_product_attention(x[0], x[1], x[2], add.to(x[0].device())); },
+      in());
+  check_op<T>(
+      "sdpa-causal-scale",
+      [](const L& x) { return scaled_dot_product_attention(x[0], x[1], x[2], {}, 0.0, true, 0.3); }, in());
+  check_op<T>(
+      "sdpa-fully-masked", [&](const L& x) { return scaled_dot_product_attention(x[0], x[1], x[2], on(dead, x[0])); },
+      in());
+  auto out = scaled_dot_product_attention(in()[0].to(kGpu), in()[1].to(kGpu), in()[2].to(kGpu), dead.to(kGpu));
+  for (double v : out.narrow(2, 3, 2).to_vector()) EXPECT_EQ(v, 0.0);
+}
+
+TEST(CudaAttention, MultiheadAttentionAndTransformerLayers) {
+  REQUIRE_GPU();
+  manual_seed(1);
+  const std::int64_t E = 32, H = 4, L = 17, S = 23, N = 3;
+  auto kpm = zeros<std::int64_t>({N, S});
+  {
+    NoGradGuard g;
+    kpm.narrow(0, 1, 1).narrow(1, 20, 3).fill_(1);
+    kpm.narrow(0, 2, 1).fill_(1);  // batch element 2 has no keys: zero attention
+  }
+  auto on = [](const Tensor<std::int64_t>& m, const Tensor<double>& x) { return m.to(x.device()); };
+  using MHA = nn::MultiheadAttentionT<double>;
+  MHA mha(E, H, {.add_bias_kv = true, .kdim = 24, .vdim = 24, .batch_first = true});
+  check_module<MHA>(
+      "MultiheadAttention", mha,
+      [&](MHA& m, const std::vector<Tensor<double>>& x) {
+        auto [o, w] = m(x[0], x[1], x[2], on(kpm, x[0]), true, on(triu(ones<std::int64_t>({L, S}), 5), x[0]));
+        return cat(std::vector<Tensor<double>>{o.reshape({-1}), w.reshape({-1})});
+      },
+      {r<double>({N, L, E}, 1), r<double>({N, S, 24}, 2), r<double>({N, S, 24}, 3)});
+  using Enc = nn::TransformerEncoderT<double>;
+  Enc enc(nn::TransformerEncoderLayerT<double>(E, H, {.dim_feedforward = 64, .dropout = 0.0, .activation = "gelu"}), 2,
+          nn::LayerNormT<double>(E));
+  auto src_kpm = zeros<std::int64_t>({N, L});
+  check_module<Enc>("TransformerEncoder", enc,
+                    [&](Enc& m, const std::vector<Tensor<double>>& x) {
+                      return m(x[0], nn::generate_square_subsequent_mask<double>(L, x[0].device()), on(src_kpm, x[0]),
+                               true);
+                    },
+                    {r<double>({L, N, E}, 4)});
+  using Dec = nn::TransformerDecoderLayerT<double>;
+  Dec dec(E, H, {.dim_feedforward = 64, .dropout = 0.0, .batch_first = true, .norm_first = true});
+  check_module<Dec>("TransformerDecoderLayer", dec,
+                    [&](Dec& m, const std::vector<Tensor<double>>& x) {
+                      return m(x[0], x[1], nn::generate_square_subsequent_mask<double>(L, x[0].device()), {}, {},
+                               on(kpm, x[0]), true);
+                    },
+                    {r<double>({N, L, E}, 5), r<double>({N, S, E}, 6)});
+}

@@ -1,5 +1,6 @@
 #pragma once
 // Modules, layers, losses and initialisation.
+#include "attention.hpp"
 #include "conv.hpp"
 #include "embedding.hpp"
 #include "functional.hpp"
@@ -8,4 +9,5 @@
 #include "module.hpp"
 #include "normalization.hpp"
 #include "rnn.hpp"
+#include "transformer.hpp"
 #include "utils.hpp"

@@ -186,11 +186,12 @@ using SyncBatchNorm = SyncBatchNormT<float>;
 struct LayerNormOptions {
   double eps = 1e-5;
   bool elementwise_affine = true;
+  bool bias = true;  // with elementwise_affine: a `bias` parameter too (PyTorch 2.1's bias=False has none)
   Device device = Device::cpu();
 };
 
 /// Layer normalisation over the trailing `normalized_shape`, as torch.nn.LayerNorm
-/// (parameters `weight` = ones, `bias` = zeros of that shape).
+/// (parameters `weight` = ones, `bias` = zeros of that shape; no bias with .bias = false).
 template <class T = float>
 class LayerNormImpl : public Module {
  public:
@@ -201,7 +202,7 @@ class LayerNormImpl : public Module {
     CHORUS_CHECK(options.eps > 0, "LayerNorm: eps must be positive, got ", options.eps);
     if (options.elementwise_affine) {
       weight = register_parameter("weight", ones<T>(normalized_shape, options.device));
-      bias = register_parameter("bias", zeros<T>(normalized_shape, options.device));
+      if (options.bias) bias = register_parameter("bias", zeros<T>(normalized_shape, options.device));
     }
   }
   explicit LayerNormImpl(std::int64_t dim, LayerNormOptions options = {}) : LayerNormImpl(Shape{dim}, options) {}

@@ -16,3 +16,5 @@
 #include "minmax.hpp"
 #include "shape.hpp"
 #include "statistics.hpp"
+// Attention, built from the operators above.
+#include "attention.hpp"
