@@ -13,6 +13,18 @@ Tensor<double> r(const Shape& s, std::uint64_t seed, double lo = -1, double hi =
 }
 }  // namespace
 
+// The checkers themselves: a NaN is a mismatch, never a match (NaN > tol is false).
+TEST(Gradcheck, ANaNAnalyticGradientFailsTheCheck) {
+  // sqrt(x * x) at 0: the value is 0 either side (numeric gradient 0), autograd gives
+  // 0.5 / sqrt(0) * 2x = inf * 0 = NaN.
+  EXPECT_FALSE(gradcheck([](const TL& x) { return sqrt(x[0] * x[0]); }, {zeros<double>({2})}));
+  EXPECT_FALSE(chorus::testing::values_are(from_vector<double>({1.0, std::nan("")}, {2}), {1.0, 2.0}));
+  EXPECT_FALSE(chorus::testing::all_close(from_vector<double>({std::nan("")}, {1}), from_vector<double>({1.0}, {1}), 1e-6));
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_TRUE(chorus::testing::values_are(from_vector<double>({1.0, -inf}, {2}), {1.0, -inf}));
+  EXPECT_TRUE(chorus::testing::all_close(from_vector<double>({inf}, {1}), from_vector<double>({inf}, {1}), 1e-6));
+}
+
 TEST(Gradcheck, BinaryOpsWithBroadcasting) {
   EXPECT_TRUE(gradcheck([](const TL& x) { return x[0] + x[1]; }, {r({3, 4}, 1), r({4}, 2)}));
   EXPECT_TRUE(gradcheck([](const TL& x) { return x[0] - x[1]; }, {r({3, 1}, 3), r({1, 4}, 4)}));

@@ -4,6 +4,7 @@
 
 #include <chorus/chorus.hpp>
 #include <cmath>
+#include <limits>
 #include <functional>
 #include <vector>
 
@@ -25,7 +26,7 @@ template <class T>
   auto a = actual.to_vector(), e = expected.to_vector();
   for (std::size_t i = 0; i < a.size(); ++i) {
     const double diff = std::abs(double(a[i]) - double(e[i]));
-    if (!(diff <= atol + rtol * std::abs(double(e[i]))))
+    if (a[i] != e[i] && !(diff <= atol + rtol * std::abs(double(e[i]))))  // equal infinities match; NaN never
       return ::testing::AssertionFailure() << "element " << i << ": " << a[i] << " vs " << e[i] << " (diff " << diff
                                            << ", rtol " << rtol << ", atol " << atol << ")";
   }
@@ -38,7 +39,8 @@ template <class T>
   if (a.size() != expected.size())
     return ::testing::AssertionFailure() << a.size() << " elements, expected " << expected.size();
   for (std::size_t i = 0; i < a.size(); ++i)
-    if (std::abs(double(a[i]) - double(expected[i])) > tol * (1 + std::abs(double(expected[i]))))
+    if (a[i] != expected[i] &&  // equal infinities match; a NaN never does
+        !(std::abs(double(a[i]) - double(expected[i])) <= tol * (1 + std::abs(double(expected[i])))))
       return ::testing::AssertionFailure() << "element " << i << ": " << a[i] << " vs " << expected[i];
   return ::testing::AssertionSuccess();
 }
@@ -77,7 +79,7 @@ inline ::testing::AssertionResult gradcheck(const std::function<Tensor<double>(c
         numeric = (lp - lm) / (2 * eps);
       }
       const double a = analytic[i];
-      if (std::abs(a - numeric) > atol + rtol * std::abs(numeric))
+      if (!(std::abs(a - numeric) <= atol + rtol * std::abs(numeric)))  // a NaN on either side fails
         return ::testing::AssertionFailure() << "input " << k << " element " << i << ": analytic " << a
                                              << " vs numeric " << numeric;
     }
