@@ -37,10 +37,11 @@ inline AnyTensor host_alias(const AnyTensor& t, Device device) {
   return t.visit([&](const auto& x) { return AnyTensor(host_alias(x, device)); });
 }
 /// `t` (any layout) as a tensor of CPU device `device` over the same memory: an alias of its
-/// whole storage, with t's offset and strides. Taking `t` by value lets a caller hand its only
-/// handle over, so the view is then all that sees the memory (storage_unshared).
+/// whole storage, with t's offset and strides. `t` is handed over (it is empty on return), so
+/// where it was the only handle, the view is all that sees the memory (storage_unshared).
 template <class T>
-Tensor<T> host_view(Tensor<T> t, Device device) {
+Tensor<T> host_view(Tensor<T>&& handed_over, Device device) {
+  const Tensor<T> t = std::move(handed_over);
   const auto& st = t.impl()->storage;
   auto impl = std::make_shared<TensorImpl<T>>();
   impl->storage = make_alias_storage(device, st, 0, st->nbytes());
