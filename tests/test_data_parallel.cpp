@@ -974,3 +974,19 @@ TEST(DataParallel, AForwardWithoutArgumentsRunsOnThePrimary) {
     EXPECT_TRUE(throws_with([&] { dp(2.0); }, {"1 argument(s) and none is a Tensor"}));
   }
 }
+
+// A sibling of item 9: the flat layout has room for each tensor's shape at construction; a
+// tensor re-seated with another shape would be copied past its slot. Refused, naming it.
+TEST(DataParallel, ATensorThatChangedShapeIsRefused) {
+  DataParallel<Net<float>> dp(Net<float>(), cpus(2));
+  {
+    NoGradGuard g;
+    auto bigger = zeros<float>({32, 6});
+    auto& impl = *dp.module().fc1->weight.impl();
+    impl.storage = bigger.impl()->storage;
+    impl.shape = bigger.shape();
+    impl.strides = bigger.strides();
+  }
+  EXPECT_TRUE(throws_with([&] { dp(randn<float>({4, 6})); },
+                          {"parameter 'fc1.weight' has shape [32, 6] but had shape [16, 6]", "build a new DataParallel"}));
+}
