@@ -159,3 +159,65 @@ TEST(Autograd, ErrorInABackwardNodeNamesNodeAndDevice) {
   (x * 2.0).sum().backward();
   EXPECT_TRUE(x.grad().defined());
 }
+
+// Issue 16, item 11: moving a module whose parameters have a live gradient accumulator (a graph
+// built before the move still holds it) gives them a new one on the new device, as PyTorch
+// resets it; the old one would refuse gradients from the new device.
+TEST(Autograd, ModuleToGivesMovedParametersANewGradientAccumulator) {
+  set_cpu_device_count(std::max(cpu_device_count(), 2));
+  nn::LinearT<double> fc(3, 2);
+  auto x = from_vector<double>({1, 2, 3, 4, 5, 6}, {2, 3});
+  auto first = fc(x).sum();
+  first.backward();  // `first` keeps its graph, and with it the accumulators, alive
+  fc->to(Device::cpu(1));
+  auto second = fc(x.to(Device::cpu(1))).sum();
+  EXPECT_NO_THROW(second.backward());
+  EXPECT_EQ(fc->weight.grad().device(), Device::cpu(1));
+  EXPECT_TRUE(values_are(fc->weight.grad(), {10, 14, 18, 10, 14, 18}));  // both backwards: 2 x column sums
+  EXPECT_TRUE(values_are(fc->bias.grad(), {4, 4}));
+}
+
+namespace {
+// A node whose gradient is a host alias of memory the test still holds.
+template <class T>
+class AliasGradBackward final : public autograd::Node<T> {
+ public:
+  explicit AliasGradBackward(Tensor<T> owner) : owner_(std::move(owner)) {}
+  std::string name() const override { return "AliasGradBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&&) override {
+    return {parallel::detail::host_alias(owner_, Device::cpu(0))};
+  }
+
+ private:
+  Tensor<T> owner_;
+};
+}  // namespace
+
+// Code health (issue 16): exclusively_owned understands host aliases and slices: a storage over
+// another's memory is unshared only if that owner is held by nobody else. A gradient that
+// aliases memory someone else holds is copied, never stolen and then accumulated into.
+TEST(Autograd, AnAliasIsExclusiveOnlyWhenItsOwnerIsHeldByNobodyElse) {
+  set_cpu_device_count(std::max(cpu_device_count(), 2));
+  auto owner = full<double>({3}, 1.0, Device::cpu(1));
+  EXPECT_FALSE(autograd::detail::exclusively_owned(parallel::detail::host_alias(owner, Device::cpu(0))));
+  EXPECT_TRUE(autograd::detail::exclusively_owned(
+      parallel::detail::host_view(full<double>({3}, 1.0, Device::cpu(1)), Device::cpu(0))));
+  auto block = make_storage(Device::cpu(0), 64);
+  Tensor<double> slice(std::make_shared<TensorImpl<double>>());
+  slice.impl()->storage = make_slice_storage(block, 0, 24);
+  slice.impl()->shape = Shape{3};
+  slice.impl()->strides = contiguous_strides(Shape{3});
+  EXPECT_FALSE(autograd::detail::exclusively_owned(slice));
+  block.reset();
+  EXPECT_TRUE(autograd::detail::exclusively_owned(slice));
+
+  auto x = zeros<double>({3}).requires_grad_();
+  auto y = x.detach().clone();
+  autograd::set_history(
+      y, std::shared_ptr<autograd::Node<double>>(autograd::make_node<AliasGradBackward<double>, double>({&x}, owner)));
+  y.sum().backward(Tensor<double>(), /*retain_graph=*/true);
+  EXPECT_NE(x.grad().data(), owner.data());
+  y.sum().backward();  // accumulates into x's gradient, never into `owner`
+  EXPECT_TRUE(values_are(x.grad(), {2, 2, 2}));
+  EXPECT_TRUE(values_are(owner, {1, 1, 1}));
+}

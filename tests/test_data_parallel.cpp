@@ -3,10 +3,14 @@
 #include <mutex>
 #include <thread>
 
-#include "test_util.hpp"
+#include "data_parallel_util.hpp"
 
 using namespace chorus;
 using chorus::testing::all_close;
+using chorus::testing::block_of;
+using chorus::testing::cpus;
+using chorus::testing::expect_grads_equal;
+using chorus::testing::Net;
 using chorus::testing::throws_with;
 namespace F = chorus::nn::functional;
 
@@ -18,33 +22,6 @@ const bool kThreaded = [] {
   return true;
 }();
 
-template <class T>
-struct Net : nn::Module {
-  nn::LinearT<T> fc1, fc2;
-  Tensor<T> scale;
-  Net() : fc1(register_module("fc1", nn::LinearT<T>(6, 16))), fc2(register_module("fc2", nn::LinearT<T>(16, 3))) {
-    scale = register_buffer("scale", full<T>({3}, T(0.5)));
-  }
-  Tensor<T> forward(const Tensor<T>& x) { return fc2(chorus::tanh(fc1(x))) * scale; }
-};
-
-std::vector<Device> cpus(int k, int first = 0) {
-  set_cpu_device_count(std::max(cpu_device_count(), first + k));
-  std::vector<Device> d;
-  for (int i = 0; i < k; ++i) d.push_back(Device::cpu(first + i));
-  return d;
-}
-
-template <class T>
-void expect_grads_equal(const nn::Module& a, const nn::Module& b, double rtol, const std::string& what) {
-  auto pa = a.named_parameters(), pb = b.named_parameters();
-  ASSERT_EQ(pa.size(), pb.size());
-  for (std::size_t i = 0; i < pa.size(); ++i) {
-    auto ga = pa[i].tensor.template as<T>().grad(), gb = pb[i].tensor.template as<T>().grad();
-    ASSERT_TRUE(ga.defined() && gb.defined()) << what << " " << pa[i].name;
-    EXPECT_TRUE(all_close(ga, gb, rtol, rtol)) << what << " grad of " << pa[i].name;
-  }
-}
 }  // namespace
 
 template <class T>
@@ -140,15 +117,19 @@ TEST(DataParallel, ReplicasAreBuiltOnceAndLiveOnTheirDevices) {
   EXPECT_EQ(&dp.replica(1), r1);
   auto ps = dp.replica(2).named_tensors();
   for (auto& p : ps) EXPECT_EQ(p.tensor.device(), Device::cpu(2)) << p.name;
-  // Replica parameters share one flat buffer per dtype, buffers another (one broadcast, or
-  // none, refreshes each group).
-  const auto& w = dp.replica(2).fc1->weight;
-  const auto& b = dp.replica(2).fc2->bias;
-  EXPECT_TRUE(w.same_storage(b));
-  EXPECT_FALSE(w.same_storage(dp.replica(2).scale));
-  // The primary's tensors were re-seated into flat buffers too, keeping their identity.
-  EXPECT_TRUE(dp.module().fc1->weight.same_storage(dp.module().fc2->bias));
-  EXPECT_FALSE(dp.module().fc1->weight.same_storage(dp.module().scale));
+  // Parameters share one flat buffer per dtype, buffers another (one broadcast, or none,
+  // refreshes each group); each tensor is a slice of it (Note [storage slices]). The primary's
+  // tensors were re-seated into flat buffers too, keeping their identity; on CPU devices a
+  // replica's parameters alias the primary's (Note [host aliases]), its buffers are its own.
+  const auto& m = dp.module();
+  const auto& rep = dp.replica(2);
+  EXPECT_EQ(block_of(m.fc1->weight), block_of(m.fc2->bias));
+  EXPECT_NE(block_of(m.fc1->weight), block_of(m.scale));
+  EXPECT_EQ(block_of(rep.fc1->weight), block_of(m.fc1->weight));
+  EXPECT_EQ(block_of(rep.fc2->bias), block_of(m.fc1->weight));
+  EXPECT_NE(block_of(rep.scale), block_of(m.scale));
+  EXPECT_EQ(block_of(rep.scale)->device(), Device::cpu(2));
+  EXPECT_FALSE(m.fc1->weight.same_storage(m.fc2->bias));  // a counter each (Note [storage slices])
   // Replicas see the primary's current values at every step.
   {
     NoGradGuard g;
@@ -274,14 +255,36 @@ TEST(DataParallel, CpuReductionHandsAnUnsharedGradientOverWithoutACopy) {
     EXPECT_EQ(out[0].as<float>().data(), mem);
     EXPECT_EQ(out[0].as<float>().to_vector(), std::vector<float>(20, 1.5f));
   }
-  {  // a shared source is read, never written: the sum gets memory of its own
+  {  // a lone shared source is handed over as it is (read, never written: whoever adds into
+     // the sum sees that it is shared, autograd::detail::exclusively_owned)
     auto g = full<float>({4, 5}, 1.5f, Device::cpu(1));
     std::vector<std::vector<AnyTensor>> srcs(1);
     srcs[0].push_back(AnyTensor(g));
     auto out = comm.reduce(std::move(srcs));
-    EXPECT_NE(out[0].as<float>().data(), g.data());
+    EXPECT_EQ(out[0].device(), Device::cpu(0));
     EXPECT_EQ(out[0].as<float>().to_vector(), std::vector<float>(20, 1.5f));
+    EXPECT_FALSE(autograd::detail::exclusively_owned(out[0].as<float>()));
     EXPECT_EQ(g.to_vector(), std::vector<float>(20, 1.5f));
+  }
+  {  // two shared sources: the sum gets memory of its own, and neither is written
+    auto a = full<float>({3}, 1.0f, Device::cpu(1)), b = full<float>({3}, 2.0f, Device::cpu(2));
+    std::vector<std::vector<AnyTensor>> srcs(2);
+    srcs[0].push_back(AnyTensor(a));
+    srcs[1].push_back(AnyTensor(b));
+    auto out = comm.reduce(std::move(srcs));
+    EXPECT_NE(out[0].as<float>().data(), a.data());
+    EXPECT_NE(out[0].as<float>().data(), b.data());
+    EXPECT_EQ(out[0].as<float>().to_vector(), std::vector<float>(3, 3.0f));
+    EXPECT_EQ(a.to_vector(), std::vector<float>(3, 1.0f));
+    EXPECT_EQ(b.to_vector(), std::vector<float>(3, 2.0f));
+  }
+  {  // a lone strided source: a contiguous sum
+    auto t = arange<float>(0, 6, 1, Device::cpu(1)).view({2, 3}).transpose(0, 1);
+    std::vector<std::vector<AnyTensor>> srcs(1);
+    srcs[0].push_back(AnyTensor(t));
+    auto out = comm.reduce(std::move(srcs));
+    EXPECT_TRUE(out[0].as<float>().is_contiguous());
+    EXPECT_EQ(out[0].as<float>().to_vector(), (std::vector<float>{0, 3, 1, 4, 2, 5}));
   }
   {  // two sources (three devices), one shared and one not, and a non-contiguous one
     auto shared = arange<double>(0, 6, 1, Device::cpu(1)).view({2, 3});
@@ -428,9 +431,15 @@ TEST(DataParallel, FlatBufferOffsetsAre256ByteAligned) {
   };
   auto expect_aligned = [](const nn::Module& m, const std::string& what) {
     for (const auto& p : m.named_tensors()) {
-      const auto offset = p.tensor.visit([](const auto& t) { return t.storage_offset(); });
-      EXPECT_EQ(static_cast<std::size_t>(offset) * dtype_size(p.tensor.dtype()) % 256, 0u)
-          << what << " '" << p.name << "' at element " << offset;
+      // Bytes from the start of the flat buffer (each tensor is a slice of it, Note [storage slices]).
+      const auto offset = p.tensor.visit([](const auto& t) {
+        return static_cast<const char*>(static_cast<const void*>(t.data())) - static_cast<const char*>(block_of(t)->data());
+      });
+      EXPECT_GE(offset, 0) << what << " '" << p.name << "'";
+      EXPECT_EQ(static_cast<std::size_t>(offset) % 256, 0u) << what << " '" << p.name << "' at byte " << offset;
+      if (p.name == "fc.bias") {
+        EXPECT_EQ(offset, 256) << what;  // after the 10 weights, padded
+      }
     }
   };
   manual_seed(11);

@@ -213,3 +213,40 @@ TEST(Devices, AHotWorkerRunsTasksInOrderAndStopsWhenDestroyed) {
   stream.reset();  // with an hour left in the window: returns promptly, or the test times out
   SUCCEED();
 }
+
+// Note [storage slices]: a slice is memory of its block's device (any kind) with a version
+// counter of its own; it keeps the block alive; a host alias of a slice shares the slice's
+// counter. storage_unshared follows the owners.
+TEST(Devices, SlicesCountTheirOwnVersionsAndKeepTheirBlockAlive) {
+  set_cpu_device_count(std::max(cpu_device_count(), 2));
+  Storage block = make_storage(Device::cpu(1), 64);
+  static_cast<float*>(block->data())[5] = 3.5f;
+  auto a = make_slice_storage(block, 16, 16), b = make_slice_storage(block, 32, 16);
+  EXPECT_EQ(a->device(), Device::cpu(1));
+  EXPECT_FALSE(a->is_alias());
+  EXPECT_EQ(a->memory_owner()->get(), block.get());
+  EXPECT_EQ(static_cast<float*>(a->data())[1], 3.5f);
+  a->bump_version();
+  EXPECT_EQ(a->version(), 1u);
+  EXPECT_EQ(b->version(), 0u);
+  EXPECT_EQ(block->version(), 0u);
+  auto alias = make_alias_storage(Device::cpu(0), a, 0, 16);  // a replica's view of a parameter
+  EXPECT_EQ(alias->memory_owner()->get(), a.get());
+  alias->bump_version();
+  EXPECT_EQ(a->version(), 2u);
+  EXPECT_EQ(b->version(), 0u);
+  EXPECT_FALSE(storage_unshared(a));      // the alias holds it
+  EXPECT_FALSE(storage_unshared(alias));  // a is held by its own handle too
+  const auto allocated = memory_stats(Device::cpu(1)).allocated;
+  block.reset();
+  b.reset();
+  EXPECT_EQ(memory_stats(Device::cpu(1)).allocated, allocated);  // a keeps the block
+  a.reset();
+  EXPECT_TRUE(storage_unshared(alias));  // now nothing else sees the memory
+  static_cast<float*>(alias->data())[0] = 1.0f;
+  alias.reset();
+  EXPECT_EQ(memory_stats(Device::cpu(1)).allocated, allocated - 64);
+  auto owner = make_storage(Device::cpu(0), 16);
+  EXPECT_TRUE(throws_with([&] { make_slice_storage(owner, 8, 12); }, {"of a 16-byte storage"}));
+  EXPECT_TRUE(throws_with([&] { make_slice_storage(nullptr, 0, 0); }, {"slice of a null storage"}));
+}

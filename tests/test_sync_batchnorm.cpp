@@ -2,6 +2,8 @@
 // replicas (equal to BatchNorm on one device with the whole batch), plain BatchNorm keeps
 // nn.DataParallel's semantics (each replica normalises its chunk; replica 0's running
 // statistics end in the primary's buffers).
+#include <atomic>
+#include <chrono>
 #include <thread>
 
 #include "test_util.hpp"
@@ -147,4 +149,116 @@ TEST(SyncBatchNorm, AMissingReplicaFailsInsteadOfHanging) {
   EXPECT_TRUE(chorus::testing::values_are(a, {11, 22}));
   EXPECT_TRUE(chorus::testing::values_are(b, {11, 22}));
   EXPECT_EQ(ca, 8);
+}
+
+// Issue 16, item 4 (Note [cancelled reductions]): a replica that fails before its statistics
+// reduction (a bad index in its chunk) cancels it: the others stop waiting at once instead of
+// after the 5-minute timeout, and the error reported is that replica's own, not a timeout.
+namespace {
+struct Tagger : nn::Module {
+  nn::Embedding emb;
+  nn::SyncBatchNorm bn;
+  Tagger() : emb(register_module("emb", nn::Embedding(10, 4))), bn(register_module("bn", nn::SyncBatchNorm(1))) {}
+  Tensor<float> forward(const Tensor<std::int64_t>& idx) { return bn(emb(idx)); }  // [N, 1] -> [N, 1, 4]
+};
+
+template <class F>
+double seconds_of(F&& f) {
+  const auto start = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+}  // namespace
+
+TEST(SyncBatchNorm, AReplicaThatFailsBeforeTheReductionCancelsItAndIsTheOneReported) {
+  DataParallel<Tagger> dp(Tagger(), cpus(3));
+  std::vector<std::int64_t> rows = {1, 2, 3, 4, 5, 6, 7, 99, 8};  // row 7: replica 2's chunk (3, 3, 3)
+  auto idx = from_vector<std::int64_t>(rows, {9, 1});
+  const double took = seconds_of([&] {
+    EXPECT_TRUE(throws_with([&] { dp(idx); }, {"in replica 2 on cpu:2", "99", "out of range"}));
+  });
+  EXPECT_LT(took, 60.0);
+  try {
+    dp(idx);
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.find("waited"), std::string::npos) << msg;
+    EXPECT_EQ(msg.find("more replica(s) failed"), std::string::npos) << msg;  // the waiters only gave up
+    EXPECT_EQ(msg.find("stopped waiting"), std::string::npos) << msg;
+  }
+  // The next call with good indices trains as before.
+  rows[7] = 0;
+  auto out = dp(from_vector<std::int64_t>(rows, {9, 1}));
+  EXPECT_EQ(out.shape(), (Shape{9, 1, 4}));
+  out.sum().backward();
+  EXPECT_TRUE(dp.module().emb->weight.grad().defined());
+}
+
+namespace {
+template <class T>
+struct FailingBackward final : autograd::Node<T> {
+  std::string name() const override { return "FailingBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&&) override {
+    CHORUS_FAIL("boom in backward");
+  }
+};
+
+// Replica 2's backward fails above its SyncBatchNorm, whose backward reduction then never runs.
+struct FailsAboveTheNorm : nn::Module {
+  nn::SyncBatchNormT<double> bn;
+  std::shared_ptr<std::atomic<bool>> fail = std::make_shared<std::atomic<bool>>(true);
+  FailsAboveTheNorm() : bn(register_module("bn", nn::SyncBatchNormT<double>(2))) {}
+  Tensor<double> forward(const Tensor<double>& x) {
+    auto y = bn(x);
+    if (!*fail || x.device() != Device::cpu(2)) return y;
+    auto out = y.detach().clone();
+    auto node = autograd::make_node<FailingBackward<double>, double>({&y});
+    autograd::set_history(out, std::shared_ptr<autograd::Node<double>>(node));
+    return out;
+  }
+};
+}  // namespace
+
+// The sibling in backward (Note [giving up in backward]): the engine schedules nothing after a
+// failure, so the other replicas' batch-norm backward gives up instead of waiting 5 minutes.
+TEST(SyncBatchNorm, ABackwardThatFailsInOneReplicaDoesNotLeaveTheOthersWaiting) {
+  DataParallel<FailsAboveTheNorm> dp(FailsAboveTheNorm(), cpus(3));
+  auto loss = dp(randn<double>({9, 2, 3})).sum();
+  const double took = seconds_of([&] {
+    EXPECT_TRUE(throws_with([&] { loss.backward(); },
+                            {"in backward of FailingBackward in replica 2 on cpu:2", "boom in backward"}));
+  });
+  EXPECT_LT(took, 60.0);
+  // The next step works.
+  dp.module().fail->store(false);
+  dp.zero_grad();
+  auto y = dp(randn<double>({9, 2, 3}));
+  (y * y).sum().backward();
+  EXPECT_TRUE(dp.module().bn->weight.grad().defined());
+}
+
+TEST(SyncBatchNorm, ACancelledGroupReleasesItsWaitersAtOnce) {
+  auto group = std::make_shared<parallel::ReplicaStatsGroup>(3);  // the default 5-minute timeout
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> waiters;
+  for (int r = 0; r < 2; ++r)
+    waiters.emplace_back([&, r] {
+      auto t = ones<double>({2});
+      try {
+        group->member(r)->all_reduce_sum(t);
+      } catch (const parallel::ReplicaCancelled& e) {
+        errors[static_cast<std::size_t>(r)] = e.what();
+      }
+    });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const double took = seconds_of([&] {
+    group->cancel(2);
+    for (auto& w : waiters) w.join();
+  });
+  EXPECT_LT(took, 30.0);
+  for (const auto& e : errors) EXPECT_NE(e.find("replica 2 failed"), std::string::npos) << e;
+  EXPECT_TRUE(group->cancelled());
+  // A replica entering later gives up at once too.
+  auto t = ones<double>({2});
+  EXPECT_THROW(group->member(1)->all_reduce_sum(t), parallel::ReplicaCancelled);
 }

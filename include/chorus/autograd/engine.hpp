@@ -10,11 +10,13 @@
 // run concurrently on their devices. The calling thread coordinates: it waits for posted
 // nodes, runs the inline ones as they become ready, and rethrows the first error (naming the
 // node and its device) after everything in flight has finished.
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <exception>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -25,13 +27,59 @@
 CHORUS_NAMESPACE_BEGIN
 namespace autograd {
 namespace detail {
-/// True when `t` is the only handle to its storage and covers all of it (so it may be
-/// written in place or kept as a gradient without anyone else seeing the change).
+/// True when `t` is the only handle to its storage, nothing else sees that storage's memory
+/// (for a host alias or a slice: its owner is held by nobody else, storage_unshared), and
+/// `t` covers all of it: it may be written in place or kept as a gradient unseen.
 template <class T>
 bool exclusively_owned(const Tensor<T>& t) {
   const auto& st = t.impl()->storage;
-  return t.impl().use_count() == 1 && st.use_count() == 1 && t.is_contiguous() && t.storage_offset() == 0 &&
+  return t.impl().use_count() == 1 && storage_unshared(st) && t.is_contiguous() && t.storage_offset() == 0 &&
          st->nbytes() == static_cast<std::size_t>(t.numel()) * sizeof(T);
+}
+
+/// The sum of gradients for one input, all on one device (undefined when there are none):
+/// written into a part that nothing else sees (exclusively_owned) when there is one, else
+/// into new memory; a single part is returned as it is. Shared by the engine (gradients
+/// that meet at one input) and the CPU communicator (a bucket's replica gradients, viewed
+/// on the primary device through host aliases), so that both follow one rule about which
+/// memory may be written.
+template <class T>
+Tensor<T> sum_into_unshared(std::vector<Tensor<T>>& parts) {
+  if (parts.empty()) return {};
+  if (parts.size() == 1) return std::move(parts[0]);
+  auto contiguous = [](const Tensor<T>& t) {
+    if (t.is_contiguous()) return t;
+    auto c = Tensor<T>::empty(t.shape(), t.device());
+    backend::copy(c, t);
+    return c;
+  };
+  for (std::size_t i = 1; i < parts.size(); ++i)
+    CHORUS_CHECK(parts[i].device() == parts[0].device(), "autograd: gradients for one input arrived on ",
+                 parts[0].device(), " and ", parts[i].device());
+  std::size_t into = parts.size();
+  for (std::size_t i = 0; i < parts.size() && into == parts.size(); ++i)
+    if (exclusively_owned(parts[i])) into = i;
+  Tensor<T> sum;
+  if (into < parts.size()) {
+    sum = std::move(parts[into]);
+  } else {
+    sum = Tensor<T>::empty(parts[0].shape(), parts[0].device());
+    backend::copy(sum, parts[0]);
+    into = 0;
+  }
+  for (std::size_t i = 0; i < parts.size(); ++i)
+    if (i != into) backend::binary_same(sum, contiguous(parts[i]), sum, backend::fn::Add{});
+  return sum;
+}
+
+/// chorus::Error with `what`, the exception being handled nested in it (std::rethrow_if_nested
+/// recovers the original, type and all). Call it inside a catch block.
+inline std::exception_ptr nested_error(const std::string& what) {
+  try {
+    std::throw_with_nested(Error(what));
+  } catch (...) {
+    return std::current_exception();
+  }
 }
 
 }  // namespace detail
@@ -149,36 +197,6 @@ class GraphTask {
     return out;
   }
 
-  /// The sum of the gradients that arrived for one input (undefined when none did).
-  static Tensor<T> sum_gradients(std::vector<Tensor<T>>& parts) {
-    if (parts.empty()) return {};
-    if (parts.size() == 1) return std::move(parts[0]);
-    auto contiguous = [](const Tensor<T>& t) {
-      if (t.is_contiguous()) return t;
-      auto c = Tensor<T>::empty(t.shape(), t.device());
-      backend::copy(c, t);
-      return c;
-    };
-    for (std::size_t i = 1; i < parts.size(); ++i)
-      CHORUS_CHECK(parts[i].device() == parts[0].device(), "autograd: gradients for one input arrived on ",
-                   parts[0].device(), " and ", parts[i].device());
-    // Sum into a gradient nothing else can see, when there is one; else into a new tensor.
-    std::size_t into = parts.size();
-    for (std::size_t i = 0; i < parts.size() && into == parts.size(); ++i)
-      if (exclusively_owned(parts[i])) into = i;
-    Tensor<T> sum;
-    if (into < parts.size()) {
-      sum = std::move(parts[into]);
-    } else {
-      sum = Tensor<T>::empty(parts[0].shape(), parts[0].device());
-      backend::copy(sum, parts[0]);
-      into = 0;
-    }
-    for (std::size_t i = 0; i < parts.size(); ++i)
-      if (i != into) backend::binary_same(sum, contiguous(parts[i]), sum, backend::fn::Add{});
-    return sum;
-  }
-
   void schedule(Node<T>* n) {
     {
       std::lock_guard<std::mutex> lk(m_);
@@ -200,6 +218,7 @@ class GraphTask {
   void execute(Node<T>* n) {
     std::vector<Node<T>*> ready;
     std::exception_ptr failure;
+    const BackwardScope in_backward(&failed_);
     try {
       std::vector<std::vector<Arrival>> arrived;
       {
@@ -211,7 +230,7 @@ class GraphTask {
       typename Node<T>::TensorList inputs(arrived.size());
       for (std::size_t i = 0; i < arrived.size(); ++i) {
         auto grads = take_arrivals(arrived[i]);
-        inputs[i] = sum_gradients(grads);
+        inputs[i] = sum_into_unshared(grads);
       }
       CHORUS_CHECK(!n->released(), "backward through ", n->name(),
                    " a second time: its saved tensors were freed after the first backward "
@@ -257,10 +276,10 @@ class GraphTask {
     } catch (const std::exception& err) {
       // Only chorus::Error leaves the library: a std exception of a node (std::bad_alloc, one
       // thrown by a user's node) is wrapped too, naming the node and its device as forward's
-      // parallel_apply names the replica and device.
-      failure = std::make_exception_ptr(Error("in backward of " + n->name() + " " + n->where() + ": " + err.what()));
+      // parallel_apply names the replica and device; the original stays nested in it.
+      failure = nested_error("in backward of " + n->name() + " " + n->where() + ": " + err.what());
     } catch (...) {
-      failure = std::make_exception_ptr(Error("in backward of " + n->name() + " " + n->where() + ": unknown exception"));
+      failure = nested_error("in backward of " + n->name() + " " + n->where() + ": unknown exception");
     }
     if (failure) record_error(std::move(failure));  // after the handler let go (see Future)
     for (Node<T>* r : ready) schedule(r);
@@ -272,6 +291,7 @@ class GraphTask {
   void record_error(std::exception_ptr e) {
     std::lock_guard<std::mutex> lk(m_);
     if (!error_) error_ = std::move(e);
+    failed_.store(true, std::memory_order_release);  // after error_: a node that gives up is never first
   }
 
   void coordinate() {
@@ -302,6 +322,7 @@ class GraphTask {
   std::deque<Node<T>*> local_;
   int outstanding_ = 0;
   std::exception_ptr error_;
+  std::atomic<bool> failed_{false};  // error_ is set (Note [giving up in backward])
 };
 
 }  // namespace detail

@@ -35,11 +35,44 @@ inline int& current_replica() {
   return r;
 }
 
+/// The failure flag of the backward pass whose node the calling thread runs (null outside one).
+inline const std::atomic<bool>*& backward_failed_flag() {
+  thread_local const std::atomic<bool>* flag = nullptr;
+  return flag;
+}
+
+/// Marks the calling thread as running a node of the backward pass with flag `failed`.
+class BackwardScope {
+ public:
+  explicit BackwardScope(const std::atomic<bool>* failed) : prev_(std::exchange(backward_failed_flag(), failed)) {}
+  ~BackwardScope() { backward_failed_flag() = prev_; }
+  BackwardScope(const BackwardScope&) = delete;
+  BackwardScope& operator=(const BackwardScope&) = delete;
+
+ private:
+  const std::atomic<bool>* prev_;
+};
+
 inline std::uint64_t next_sequence_nr() {
   static std::atomic<std::uint64_t> n{0};
   return n.fetch_add(1, std::memory_order_relaxed);
 }
 }  // namespace detail
+
+// Note [giving up in backward]
+// Once a node of a backward pass has failed, the engine schedules nothing more, so a node
+// that waits for its peers on other replicas (SyncBatchNorm's statistics reduction) would
+// wait for nodes that never run. Such a node checks backward_failed() while it waits and
+// gives up; the engine reports the first failure, never the give-up.
+
+/// True while the calling thread runs a node of a backward pass.
+inline bool in_backward() { return detail::backward_failed_flag() != nullptr; }
+/// True when the backward pass whose node the calling thread runs has failed elsewhere
+/// (Note [giving up in backward]).
+inline bool backward_failed() {
+  const auto* f = detail::backward_failed_flag();
+  return f && f->load(std::memory_order_acquire);
+}
 
 template <class T>
 class Node {
@@ -166,11 +199,17 @@ inline std::mutex& accumulator_mutex() {
 }  // namespace detail
 
 /// The AccumulateGrad node of a leaf that requires grad (made on first use, then shared).
+/// A cached one made for another device or shape (the leaf was moved, Module::to, or
+/// re-seated while an old graph still holds the node) is replaced, as PyTorch resets it when
+/// the data changes device: its gradients would be refused for the leaf's new device.
 template <class T>
 std::shared_ptr<Node<T>> grad_accumulator(const Tensor<T>& leaf) {
   auto& impl = *leaf.impl();
   std::lock_guard<std::mutex> lk(detail::accumulator_mutex());
-  if (auto acc = impl.grad_accumulator.lock()) return acc;
+  if (auto acc = impl.grad_accumulator.lock()) {
+    const auto& meta = acc->input_meta(0);
+    if (meta.device == impl.device() && meta.shape == impl.shape) return acc;
+  }
   auto acc = std::make_shared<AccumulateGrad<T>>(leaf.impl());
   acc->set_stream(&current_stream(leaf.device()));
   impl.grad_accumulator = acc;

@@ -14,6 +14,7 @@
 CHORUS_NAMESPACE_BEGIN
 
 namespace detail {
+class BorrowedMemory;
 class HostAlias;
 }
 
@@ -31,6 +32,10 @@ class StorageImpl {
   /// An alias (Note [host aliases]): `nbytes` of `base`'s memory from byte `offset`, as memory
   /// of CPU device `device`. It shares base's version counter and keeps base alive.
   StorageImpl(Device device, const std::shared_ptr<StorageImpl>& base, std::size_t offset, std::size_t nbytes);
+  /// A slice (Note [storage slices]): `nbytes` of `block`'s memory from byte `offset`, on
+  /// block's device (any kind), with a version counter of its own; it keeps block alive.
+  struct slice_t {};
+  StorageImpl(slice_t, const std::shared_ptr<StorageImpl>& block, std::size_t offset, std::size_t nbytes);
   ~StorageImpl() { alloc_->deallocate(data_, nbytes_); }
   StorageImpl(const StorageImpl&) = delete;
   StorageImpl& operator=(const StorageImpl&) = delete;
@@ -45,6 +50,9 @@ class StorageImpl {
   void bump_version() { counter().fetch_add(1, std::memory_order_relaxed); }
   /// True for an alias of another storage's memory (Note [host aliases]).
   bool is_alias() const { return alloc_->alias_owner() != nullptr; }
+  /// The storage whose memory this one borrows (a host alias's owner, a slice's block), or
+  /// null for a storage that owns its memory.
+  const std::shared_ptr<StorageImpl>* memory_owner() const;
 
  private:
   // The layout is kept to these five words: adding members here moved the heap layout of
@@ -67,21 +75,40 @@ class StorageImpl {
 };
 
 namespace detail {
-/// The "allocator" of a host alias (Note [host aliases]): it allocates nothing, keeps the
-/// owning storage alive, and is deleted with the alias.
-class HostAlias final : public Allocator {
+/// The "allocator" of a storage over another storage's memory (a host alias, a slice): it
+/// allocates nothing, keeps the owning storage alive, and is deleted with the storage.
+class BorrowedMemory : public Allocator {
  public:
-  explicit HostAlias(std::shared_ptr<StorageImpl> owner) : owner_(std::move(owner)) { alias_owner_ = owner_.get(); }
-  void* allocate(std::size_t) override { CHORUS_FAIL("a host alias allocates nothing"); }
+  explicit BorrowedMemory(std::shared_ptr<StorageImpl> owner) : owner_(std::move(owner)) {}
+  void* allocate(std::size_t) override { CHORUS_FAIL("a storage over another storage's memory allocates nothing"); }
   void deallocate(void*, std::size_t) noexcept override { delete this; }
   MemoryStats stats() const override { return {}; }
   void reset_peak() override {}
   const std::shared_ptr<StorageImpl>& owner() const { return owner_; }
 
- private:
+ protected:
   std::shared_ptr<StorageImpl> owner_;
 };
+
+/// A host alias (Note [host aliases]): shares the owner's version counter.
+class HostAlias final : public BorrowedMemory {
+ public:
+  explicit HostAlias(std::shared_ptr<StorageImpl> owner) : BorrowedMemory(std::move(owner)) {
+    alias_owner_ = owner_.get();
+  }
+};
+
+/// A slice (Note [storage slices]): counts its own versions.
+class StorageSlice final : public BorrowedMemory {
+ public:
+  using BorrowedMemory::BorrowedMemory;
+};
 }  // namespace detail
+
+inline const std::shared_ptr<StorageImpl>* StorageImpl::memory_owner() const {
+  const auto* borrowed = dynamic_cast<const detail::BorrowedMemory*>(alloc_);
+  return borrowed ? &borrowed->owner() : nullptr;
+}
 
 inline StorageImpl::StorageImpl(Device device, const std::shared_ptr<StorageImpl>& base, std::size_t offset,
                                 std::size_t nbytes)
@@ -92,9 +119,19 @@ inline StorageImpl::StorageImpl(Device device, const std::shared_ptr<StorageImpl
   CHORUS_CHECK(offset <= base->nbytes() && nbytes <= base->nbytes() - offset, "storage alias of bytes [", offset,
                ", ", offset, " + ", nbytes, ") of a ", base->nbytes(), "-byte storage");
   data_ = base->data_ ? static_cast<char*>(base->data_) + offset : nullptr;
-  // An alias of an alias aliases the owner.
+  // An alias of an alias aliases the owner; an alias of a slice shares the slice's counter.
   const auto& owner = base->is_alias() ? static_cast<detail::HostAlias*>(base->alloc_)->owner() : base;
   alloc_ = new detail::HostAlias(owner);
+}
+
+inline StorageImpl::StorageImpl(slice_t, const std::shared_ptr<StorageImpl>& block, std::size_t offset,
+                                std::size_t nbytes)
+    : device_(block ? block->device() : Device{}), nbytes_(nbytes) {
+  CHORUS_CHECK(block != nullptr, "storage slice of a null storage");
+  CHORUS_CHECK(offset <= block->nbytes() && nbytes <= block->nbytes() - offset, "storage slice of bytes [", offset,
+               ", ", offset, " + ", nbytes, ") of a ", block->nbytes(), "-byte storage");
+  data_ = block->data_ ? static_cast<char*>(block->data_) + offset : nullptr;
+  alloc_ = new detail::StorageSlice(block);
 }
 
 // Note [host aliases]
@@ -117,7 +154,28 @@ inline StorageImpl::StorageImpl(Device device, const std::shared_ptr<StorageImpl
 // In-place writes through the API (fill_, zero_, copy_, optimizer steps, checkpoint loads)
 // bump it; a node records the versions of what it saved (Node::save_version) and the engine
 // compares them before running the node, failing with PyTorch's wording.
+
+// Note [storage slices]
+// A slice is a storage over bytes of another storage (its block) on the same device, of any
+// kind, with a version counter of its own. DataParallel keeps a module's parameters and
+// buffers in flat blocks (Note [flat replication]) but gives each tensor a slice: with one
+// counter per block, an in-place write to one parameter (or a buffer written in forward, as
+// BatchNorm's running statistics are) marked every tensor that backward saved from the
+// block as modified. A host alias of a slice shares that slice's counter, so a replica's
+// view of a parameter and the parameter itself still agree. Writes through the block itself
+// (the broadcast that refreshes a replica) bump no slice's counter: they are not writes
+// through the API that a saved tensor could observe.
 using Storage = std::shared_ptr<StorageImpl>;
+
+/// True when nothing but `s` sees its memory: `s` is held once and, for a storage over
+/// another's memory (a host alias, a slice), every owner up the chain is held only by the
+/// storage that borrows from it.
+inline bool storage_unshared(const Storage& s) {
+  if (!s || s.use_count() != 1) return false;
+  for (const auto* owner = s->memory_owner(); owner; owner = (*owner)->memory_owner())
+    if (owner->use_count() != 1) return false;
+  return true;
+}
 
 inline Storage make_storage(Device device, std::size_t nbytes) {
   return std::make_shared<StorageImpl>(device, nbytes);
@@ -128,6 +186,10 @@ inline Storage make_storage(Device device, std::size_t nbytes, Allocator& alloc)
 /// `nbytes` of `base` from byte `offset`, as memory of CPU device `device` (Note [host aliases]).
 inline Storage make_alias_storage(Device device, const Storage& base, std::size_t offset, std::size_t nbytes) {
   return std::make_shared<StorageImpl>(device, base, offset, nbytes);
+}
+/// `nbytes` of `block` from byte `offset`, with a version counter of its own (Note [storage slices]).
+inline Storage make_slice_storage(const Storage& block, std::size_t offset, std::size_t nbytes) {
+  return std::make_shared<StorageImpl>(StorageImpl::slice_t{}, block, offset, nbytes);
 }
 
 #if CHORUS_CUDA

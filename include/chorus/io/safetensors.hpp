@@ -467,18 +467,25 @@ inline void load_into(nn::Module& module, const File& f, const std::string& what
 
 }  // namespace io
 
-/// Saves a module's parameters and buffers (a DataParallel saves its wrapped module).
+/// Saves a module's parameters and buffers (a DataParallel saves its wrapped module, under
+/// the names its named_tensors() gives: with set_name_prefix("module."), PyTorch's).
 template <class M>
   requires(!std::is_base_of_v<optim::Optimizer, M>)
 void save(const M& module, const std::string& path, const io::Metadata& metadata = {}) {
-  const auto& m = nn::module_of(module);
-  io::detail::write_atomically(path, io::detail::serialise(m.named_tensors(), metadata));
+  if constexpr (requires { module.name_prefix(); }) {
+    io::detail::write_atomically(path, io::detail::serialise(module.named_tensors(), metadata));
+  } else {
+    io::detail::write_atomically(path, io::detail::serialise(nn::module_of(module).named_tensors(), metadata));
+  }
 }
 
-/// Loads a checkpoint written by save() (or by safetensors' save_file) into a module.
+/// Loads a checkpoint written by save() (or by safetensors' save_file) into a module (a
+/// DataParallel with a name prefix strips it, unless options say otherwise).
 template <class M>
   requires(!std::is_base_of_v<optim::Optimizer, M>)
-void load(M& module, const std::string& path, const io::LoadOptions& options = {}) {
+void load(M& module, const std::string& path, io::LoadOptions options = {}) {
+  if constexpr (requires { module.name_prefix(); })
+    if (options.strip_prefix.empty()) options.strip_prefix = module.name_prefix();
   auto f = io::read(path);
   io::load_into(nn::module_of(module), f, "'" + path + "'", options);
 }

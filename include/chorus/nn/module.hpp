@@ -15,6 +15,7 @@
 #include <ostream>
 #include <string>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -168,22 +169,32 @@ class Module {
   bool is_training() const { return training_; }
 
   /// Moves every parameter and buffer (and accumulated gradient) to `device`, in place: the
-  /// tensors keep their identity, so handles held elsewhere see the move.
+  /// tensors keep their identity, so handles held elsewhere see the move. Every copy is made
+  /// before the first tensor changes, so a move that fails (memory of `device` exhausted)
+  /// leaves the module where it was. A moved leaf gets a new gradient accumulator on first
+  /// use (PyTorch resets it when the device changes): one that a graph built before the move
+  /// still holds would expect gradients on the old device.
   void to(Device device) {
     check_device(device);
     NoGradGuard g;
+    std::vector<std::function<void()>> installs;  // no-throw steps, run once every copy exists
+    std::unordered_set<const void*> seen;         // a tensor registered twice moves once
     for_each_tensor([&](AnyTensor& t) {
       t.visit([&](auto& x) {
         using T = typename std::decay_t<decltype(x)>::value_type;
-        if (x.device() == device) return;
+        if (x.device() == device || !seen.insert(x.impl().get()).second) return;
         auto moved = x.to(device);
-        auto& impl = *x.impl();
-        impl.storage = moved.impl()->storage;
-        impl.offset = moved.storage_offset();
-        impl.strides = moved.strides();
-        if (impl.grad) impl.grad = Tensor<T>(impl.grad).to(device).impl();
+        Tensor<T> grad = x.impl()->grad ? Tensor<T>(x.impl()->grad).to(device) : Tensor<T>();
+        installs.push_back([impl = x.impl(), moved = std::move(moved), grad = std::move(grad)] {
+          impl->storage = moved.impl()->storage;
+          impl->offset = moved.storage_offset();
+          impl->strides = moved.strides();
+          impl->grad = grad.impl();
+          impl->grad_accumulator.reset();
+        });
       });
     });
+    for (auto& install : installs) install();
   }
 
   /// Clears (set_to_none, the default) or zeroes every parameter's gradient.

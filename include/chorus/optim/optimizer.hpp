@@ -137,7 +137,8 @@ class Optimizer {
 
   /// Calls f(param, grad, state, group) with typed tensors for each parameter that has a gradient.
   /// Every gradient is checked before any parameter is updated: a bad one leaves the step
-  /// undone, not half done (no parameter moved, no optimizer state advanced).
+  /// undone, not half done (no parameter moved, no optimizer state advanced). State tensors
+  /// follow their parameter to its device (Note [optimizer state follows the parameters]).
   template <class F>
   void for_each_with_grad(F&& f) {
     NoGradGuard g;
@@ -149,10 +150,24 @@ class Optimizer {
       CHORUS_CHECK(grad.device() == p.device(), "optimizer: gradient of parameter ", i, " is on ", grad.device(),
                    ", the parameter on ", p.device());
     });
+    with_grads([&](std::size_t i, auto& p, auto&) { follow_parameter(state_[i], p.device()); });
     with_grads([&](std::size_t i, auto& p, auto& grad) {
       f(p, grad, state_[i], group_of_[i]);
       p.bump_version();  // an in-place update (Note [version counter])
     });
+  }
+
+  // Note [optimizer state follows the parameters]
+  // Module::to and DataParallel::to move parameters in place (the optimizer's handles stay
+  // valid), but the per-parameter state (momentum, Adam's moments) was made on the old
+  // device. Each step moves a parameter's state tensors to the parameter's device before
+  // using them, as PyTorch's load_state_dict casts state to its parameter's device: an
+  // optimizer keeps working after its model moved, with the same numbers. The "step" count
+  // is a host scalar and stays where it is.
+  static void follow_parameter(State& s, Device device) {
+    for (auto& [key, value] : s)
+      if (key != "step" && value.device() != device)
+        value = value.visit([&](const auto& t) { return AnyTensor(t.to(device)); });
   }
 
   /// The state tensor `key` of a parameter, created as zeros on first use.

@@ -36,6 +36,20 @@ Tensor<T> host_alias(const Tensor<T>& t, Device device) {
 inline AnyTensor host_alias(const AnyTensor& t, Device device) {
   return t.visit([&](const auto& x) { return AnyTensor(host_alias(x, device)); });
 }
+/// `t` (any layout) as a tensor of CPU device `device` over the same memory: an alias of its
+/// whole storage, with t's offset and strides. `t` is handed over (it is empty on return), so
+/// where it was the only handle, the view is all that sees the memory (storage_unshared).
+template <class T>
+Tensor<T> host_view(Tensor<T>&& handed_over, Device device) {
+  const Tensor<T> t = std::move(handed_over);
+  const auto& st = t.impl()->storage;
+  auto impl = std::make_shared<TensorImpl<T>>();
+  impl->storage = make_alias_storage(device, st, 0, st->nbytes());
+  impl->offset = t.storage_offset();
+  impl->shape = t.shape();
+  impl->strides = t.strides();
+  return Tensor<T>(impl);
+}
 }  // namespace detail
 
 class Communicator {
@@ -125,9 +139,11 @@ class CopyCommunicator final : public Communicator {
     }
   }
 
-  /// CPU devices: each sum is computed over the sources themselves, into one of them when
-  /// nothing else holds it (a replica's gradient, handed over whole): no copy between
-  /// devices, and for two devices no new memory (Note [host aliases]).
+  /// CPU devices: each sum is computed over the sources themselves, viewed on rank 0 through
+  /// host aliases, by the engine's rule (autograd::detail::sum_into_unshared): into a source
+  /// nothing else holds (a replica's gradient, handed over whole), else into new memory; a
+  /// lone source is handed over as it is. No copy between devices, and for two devices no
+  /// new memory (Note [host aliases]).
   std::vector<AnyTensor> reduce(std::vector<std::vector<AnyTensor>>&& srcs) override {
     CHORUS_CHECK(!srcs.empty() && srcs.size() < streams_.size(), "reduce: ", srcs.size(), " sources for a group of ",
                  streams_.size());
@@ -141,27 +157,16 @@ class CopyCommunicator final : public Communicator {
         using T = decltype(tag);
         std::vector<Tensor<T>> parts;
         for (auto& rank : srcs) {
-          CHORUS_CHECK(j < rank.size() && rank[j].dtype() == dtype_of<T>() && rank[j].shape() == shape,
+          CHORUS_CHECK(j < rank.size() && rank[j].defined() && rank[j].dtype() == dtype_of<T>() &&
+                           rank[j].shape() == shape,
                        "reduce: sources disagree on tensor ", j);
-          parts.push_back(std::move(rank[j].template as<T>()));
-          rank[j] = AnyTensor();  // parts holds the only handle now
+          Tensor<T> src = std::move(rank[j].template as<T>());
+          rank[j] = AnyTensor();  // the view on rank 0 is the only handle now
+          parts.push_back(detail::host_view(std::move(src), root));
         }
-        // The sum goes into a source nothing else holds, else into new memory.
-        std::size_t into = parts.size();
-        for (std::size_t r = 0; r < parts.size() && into == parts.size(); ++r)
-          if (autograd::detail::exclusively_owned(parts[r])) into = r;
-        auto on_root = [&](const Tensor<T>& p) { return p.is_contiguous() ? detail::host_alias(p, root) : p.to(root); };
-        Tensor<T> sum;
-        if (into < parts.size()) {
-          sum = detail::host_alias(parts[into], root);
-        } else {
-          sum = Tensor<T>::empty(shape, root);
-          backend::copy(sum, on_root(parts[0]));
-          into = 0;
-        }
-        for (std::size_t r = 0; r < parts.size(); ++r)
-          if (r != into) backend::binary_same(sum, on_root(parts[r]), sum, backend::fn::Add{});
-        return AnyTensor(sum);
+        Tensor<T> sum = autograd::detail::sum_into_unshared(parts);
+        if (!sum.is_contiguous()) sum = sum.contiguous();  // a lone strided source
+        return AnyTensor(std::move(sum));
       }));
     }
     return out;

@@ -22,11 +22,14 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
+#include "arguments.hpp"
 #include "chunk_plan.hpp"
 #include "comm.hpp"
 #include "gather.hpp"
@@ -37,13 +40,6 @@
 CHORUS_NAMESPACE_BEGIN
 
 namespace parallel::detail {
-template <class X>
-struct is_tensor : std::false_type {};
-template <class T>
-struct is_tensor<Tensor<T>> : std::true_type {};
-template <class X>
-inline constexpr bool is_tensor_v = is_tensor<std::decay_t<X>>::value;
-
 template <class X>
 struct is_tensor_tuple : std::false_type {};
 template <class... Ts>
@@ -126,25 +122,49 @@ class DataParallel {
     }
     output_device_ = output_device.value_or(devices_[0]);
     check_device(output_device_);
-    build();
+    install(build(devices_));
   }
 
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
 
   /// Scatters the tensor arguments, runs the replicas, gathers the outputs (Tensor or tuple).
+  /// Every argument is a Tensor (split along dim()) or holds no tensor (Note [nested
+  /// arguments]). A forward without arguments runs once, on the primary device (as PyTorch's).
+  /// A replica's exception arrives as chorus::Error with the original nested (Note [replica
+  /// errors]).
   template <class... Args>
   auto forward(Args&&... args) {
+    (parallel::detail::check_argument<Args>(), ...);
     check_not_nested();
     const InUse in_use(in_forward_);  // Note [DataParallel threads]
-    const std::int64_t batch = batch_size(args...);
+    if constexpr (sizeof...(Args) == 0) {
+      return forward_on_primary(0);
+    } else {
+      return forward_split(args...);
+    }
+  }
+
+  template <class... Args>
+  auto operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+ private:
+  template <class... Args>
+  auto forward_on_primary(std::int64_t batch, const Args&... args) {
     using R = decltype(parallel::detail::call_forward(module_, scatter(args, 0, batch)...));
     static_assert(parallel::detail::is_tensor_v<R> || parallel::detail::is_tensor_tuple<R>::value,
                   "DataParallel: forward must return a Tensor or a std::tuple of Tensors");
-    if (devices_.size() == 1) {  // passthrough: nothing to split, nothing to copy
-      replicator_->prepare(1);
-      return to_output(parallel::detail::call_forward(module_, scatter(args, 0, batch)...));
-    }
+    replicator_->prepare(1);
+    return to_output(on_primary([&] { return parallel::detail::call_forward(module_, scatter(args, 0, batch)...); }));
+  }
+
+  template <class... Args>
+  auto forward_split(const Args&... args) {
+    const std::int64_t batch = batch_size(args...);
+    if (devices_.size() == 1) return forward_on_primary(batch, args...);  // passthrough: nothing to split or copy
+    using R = decltype(parallel::detail::call_forward(module_, scatter(args, 0, batch)...));
     const auto plan = parallel::plan_chunks(batch, devices_.size());
     if (runs_on_caller(plan, batch, args...)) return forward_on_caller<R>(plan, args...);
     if (devices_[0].is_cuda()) {  // replica streams start after the work issued so far (inputs, optimizer step)
@@ -164,33 +184,61 @@ class DataParallel {
     auto outs = parallel::parallel_apply(streams, [&](std::size_t r) -> R {
       StatsReducerScope sync(stats->member(static_cast<int>(r)));
       ReplicaRandomScope rs(random, static_cast<int>(r), dim_, plan.offsets[r], plan.sizes[r], batch);
-      return parallel::detail::call_forward(*modules[r], scatter(args, plan, r)...);
+      try {
+        return parallel::detail::call_forward(*modules[r], scatter(args, plan, r)...);
+      } catch (...) {
+        stats->cancel(static_cast<int>(r));  // the others stop waiting for it (Note [cancelled reductions])
+        throw;
+      }
     });
     replicator_->check_parameters_unwritten(versions);
     return gather_outputs(outs);
   }
 
-  template <class... Args>
-  auto operator()(Args&&... args) {
-    return forward(std::forward<Args>(args)...);
-  }
+ public:
+  /// The wrapped (primary) module, as PyTorch's `model.module`: the nn::Module itself (for a
+  /// holder such as nn::Sequential, the module it holds), so that `dp.module().named_buffers()`,
+  /// `dp.module().fc1` and `dp.module().forward(x)` work whatever M is.
+  auto& module() { return unwrap(module_); }
+  const auto& module() const { return unwrap(module_); }
 
-  /// The wrapped (primary) module.
-  M& module() { return module_; }
-  const M& module() const { return module_; }
-  std::vector<AnyTensor> parameters() const { return nn::module_of(module_).parameters(); }
-  std::vector<nn::Module::NamedTensor> named_parameters() const {
-    return nn::module_of(module_).named_parameters();
+  // The registry, as on the module, with names prefixed by name_prefix().
+  std::vector<AnyTensor> parameters(bool recurse = true) const { return nn::module_of(module_).parameters(recurse); }
+  std::vector<nn::Module::NamedTensor> named_parameters(bool recurse = true) const {
+    return prefixed(nn::module_of(module_).named_parameters(recurse));
   }
+  std::vector<AnyTensor> buffers(bool recurse = true) const { return nn::module_of(module_).buffers(recurse); }
+  std::vector<nn::Module::NamedTensor> named_buffers(bool recurse = true) const {
+    return prefixed(nn::module_of(module_).named_buffers(recurse));
+  }
+  /// Parameters then buffers (what a checkpoint holds; save(dp, path) writes these names).
+  std::vector<nn::Module::NamedTensor> named_tensors() const { return prefixed(nn::module_of(module_).named_tensors()); }
+
+  /// The prefix of the names above: "" (default, the module's own names) or, with
+  /// set_name_prefix("module."), the names of PyTorch's nn.DataParallel state_dict, so that a
+  /// checkpoint saved from one matches the other (load(dp, path) strips it again).
+  DataParallel& set_name_prefix(std::string prefix) {
+    CHORUS_CHECK(prefix.empty() || (prefix.back() == '.' && prefix.front() != '.' && prefix.find("..") == std::string::npos),
+                 "DataParallel::set_name_prefix: '", prefix, "' must be empty or dotted names ending in '.', such as "
+                 "\"module.\"");
+    name_prefix_ = std::move(prefix);
+    return *this;
+  }
+  const std::string& name_prefix() const { return name_prefix_; }
+
   void train(bool on = true) { nn::module_of(module_).train(on); }
   void eval() { train(false); }
+  bool is_training() const { return nn::module_of(module_).is_training(); }
   void zero_grad(bool set_to_none = true) { nn::module_of(module_).zero_grad(set_to_none); }
 
   /// Moves the primary module to `device` and rebuilds the replicas (PyTorch's
   /// `nn.DataParallel(model).to(device)`): `device` becomes the primary device; when it is one
   /// of devices(), it moves to the front (the others keep their order), else it replaces
   /// devices()[0]. An output device that was the primary follows it. Parameter handles held
-  /// elsewhere (an optimizer's) stay valid: the tensors move in place.
+  /// elsewhere (an optimizer's) stay valid: the tensors move in place, and an optimizer's state
+  /// follows them at its next step (Note [optimizer state follows the parameters]).
+  /// Strong guarantee: if moving or rebuilding throws, the DataParallel and its module are as
+  /// they were (the new replicas are built before the old ones go, so for a moment both exist).
   DataParallel& to(Device device) {
     check_device(device);
     CHORUS_CHECK(device.kind == devices_[0].kind, "DataParallel::to(", device, "): the primary device is ", devices_[0],
@@ -205,12 +253,18 @@ class DataParallel {
     std::vector<Device> devices{device};
     for (std::size_t r = 0; r < devices_.size(); ++r)
       if (r != dropped) devices.push_back(devices_[r]);
-    if (output_device_ == devices_[0]) output_device_ = device;
-    replicator_.reset();  // the old replicas go before the module moves
-    comm_.reset();
-    nn::module_of(module_).to(device);
-    devices_ = std::move(devices);
-    build();
+    const Device output = output_device_ == devices_[0] ? device : output_device_;
+    const auto saved = save_tensors();
+    try {
+      nn::module_of(module_).to(device);
+      auto built = build(devices);
+      devices_ = std::move(devices);
+      output_device_ = output;
+      install(std::move(built));
+    } catch (...) {
+      restore_tensors(saved);  // the old replicas read the module's old storage again
+      throw;
+    }
     return *this;
   }
 
@@ -226,26 +280,93 @@ class DataParallel {
   const std::vector<Device>& devices() const { return devices_; }
   Device output_device() const { return output_device_; }
   std::int64_t dim() const { return dim_; }
-  /// The replica on devices()[r] (0 is the primary module itself).
-  const M& replica(std::size_t r) const { return replicator_->replica(r); }
+  /// The replica on devices()[r] (0 is the primary module itself), as module() is.
+  const auto& replica(std::size_t r) const { return unwrap(replicator_->replica(r)); }
   const parallel::Communicator& communicator() const { return *comm_; }
 
  private:
-  /// Streams (slot = how often the device came before), communicator and replicas.
-  void build() {
-    streams_.clear();
-    streams_.push_back(&get_stream(devices_[0], 0));
-    for (std::size_t r = 1; r < devices_.size(); ++r) {
+  static constexpr bool kHolder = requires { typename M::ImplType; };
+  template <class X>
+  static auto& unwrap(X& m) {
+    if constexpr (kHolder) return *m;  // the holder's module (a const holder still yields the module)
+    else return m;
+  }
+  static const auto& unwrap(const M& m) {
+    if constexpr (kHolder) return static_cast<const typename M::ImplType&>(*m);
+    else return m;
+  }
+
+  std::vector<nn::Module::NamedTensor> prefixed(std::vector<nn::Module::NamedTensor> named) const {
+    if (!name_prefix_.empty())
+      for (auto& t : named) t.name = name_prefix_ + t.name;
+    return named;
+  }
+
+  struct Built {
+    std::vector<Stream*> streams;
+    std::shared_ptr<parallel::Communicator> comm;
+    std::unique_ptr<parallel::Replicator<M>> replicator;
+    bool has_buffers = false, meets_other_replicas = false;
+  };
+  /// Streams (slot = how often the device came before), communicator and replicas for
+  /// `devices`; nothing of this DataParallel changes but the module's storage (flattened).
+  Built build(const std::vector<Device>& devices) {
+    Built b;
+    b.streams.push_back(&get_stream(devices[0], 0));
+    for (std::size_t r = 1; r < devices.size(); ++r) {
       int slot = 0;
-      for (std::size_t q = 0; q < r; ++q) slot += devices_[q] == devices_[r];
-      streams_.push_back(&get_stream(devices_[r], slot));
+      for (std::size_t q = 0; q < r; ++q) slot += devices[q] == devices[r];
+      b.streams.push_back(&get_stream(devices[r], slot));
     }
-    comm_ = parallel::detail::make_communicator(devices_, streams_);
+    b.comm = parallel::detail::make_communicator(devices, b.streams);
     const std::size_t bucket_bytes =
-        bucket_bytes_.value_or(devices_[0].is_cpu() ? kDefaultCpuBucketBytes : kDefaultBucketBytes);
-    replicator_ = std::make_unique<parallel::Replicator<M>>(module_, devices_, comm_, bucket_bytes);
-    has_buffers_ = !nn::module_of(module_).named_buffers().empty();
-    meets_other_replicas_ = nn::module_of(module_).any_meets_other_replicas();
+        bucket_bytes_.value_or(devices[0].is_cpu() ? kDefaultCpuBucketBytes : kDefaultBucketBytes);
+    b.replicator = std::make_unique<parallel::Replicator<M>>(module_, devices, b.comm, bucket_bytes);
+    b.has_buffers = !nn::module_of(module_).named_buffers().empty();
+    b.meets_other_replicas = nn::module_of(module_).any_meets_other_replicas();
+    return b;
+  }
+  void install(Built&& b) noexcept {
+    streams_ = std::move(b.streams);
+    comm_ = std::move(b.comm);
+    replicator_ = std::move(b.replicator);  // the old replicas go
+    has_buffers_ = b.has_buffers;
+    meets_other_replicas_ = b.meets_other_replicas;
+  }
+
+  /// What DataParallel::to may change in the module's tensors, to put back when it fails.
+  struct SavedTensor {
+    std::function<void()> restore;
+  };
+  std::vector<SavedTensor> save_tensors() {
+    std::vector<SavedTensor> saved;
+    nn::module_of(module_).for_each_tensor([&](AnyTensor& t) {
+      t.visit([&](auto& x) {
+        saved.push_back({[impl = x.impl(), copy = *x.impl()] {
+          impl->storage = copy.storage;
+          impl->offset = copy.offset;
+          impl->strides = copy.strides;
+          impl->grad = copy.grad;
+          impl->grad_accumulator = copy.grad_accumulator;
+        }});
+      });
+    });
+    return saved;
+  }
+  static void restore_tensors(const std::vector<SavedTensor>& saved) {
+    for (const auto& s : saved) s.restore();
+  }
+
+  /// Runs replica 0's forward on the calling thread (one device, or nothing to split), with its
+  /// errors reported as the threaded replicas' are (Note [replica errors]).
+  template <class F>
+  auto on_primary(F&& f) {
+    autograd::ReplicaGuard rg(0);
+    try {
+      return f();
+    } catch (...) {
+      parallel::detail::rethrow_in_replica(std::current_exception(), 0, devices_[0]);
+    }
   }
 
   /// Marks the DataParallel busy for a scope; a second thread entering meanwhile gets an error
@@ -337,8 +458,8 @@ class DataParallel {
       autograd::ReplicaGuard rg(static_cast<int>(r));  // its nodes name the replica in backward errors
       try {
         outs.push_back(parallel::detail::call_forward(*modules[r], scatter(args, plan, r)...));
-      } catch (const std::exception& e) {
-        CHORUS_FAIL("in replica ", r, " on ", devices_[r], ": ", e.what());
+      } catch (...) {
+        parallel::detail::rethrow_in_replica(std::current_exception(), r, devices_[r]);
       }
     }
     replicator_->check_parameters_unwritten(versions);
@@ -390,7 +511,9 @@ class DataParallel {
       ++i;
     };
     (one(args), ...);
-    CHORUS_CHECK(batch >= 0, "DataParallel: forward needs at least one tensor argument to split");
+    CHORUS_CHECK(batch >= 0, "DataParallel: forward got ", sizeof...(Args),
+                 " argument(s) and none is a Tensor to split along dimension ", dim_,
+                 " (a forward without arguments runs once, on the primary device)");
     return batch;
   }
 
@@ -442,6 +565,7 @@ class DataParallel {
   Device output_device_;
   std::int64_t dim_;
   std::optional<std::size_t> bucket_bytes_;  // nullopt: the default of the devices' kind
+  std::string name_prefix_;                  // of named_parameters() etc. (set_name_prefix)
   std::atomic<bool> in_forward_{false};
   std::int64_t inline_work_ = parallel::inline_work_default();
   std::chrono::steady_clock::time_point last_forward_{};

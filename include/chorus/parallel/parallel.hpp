@@ -1,5 +1,6 @@
 #pragma once
 // Data parallelism: chunk plans, communicators, replication, parallel_apply, gather, DataParallel.
+#include "arguments.hpp"
 #include "chunk_plan.hpp"
 #include "comm.hpp"
 #include "data_parallel.hpp"

@@ -7,10 +7,12 @@
 // At construction the primary's parameters and buffers are re-seated, in place, into flat
 // buffers, one per dtype for the parameters and one per dtype for the buffers (the tensors
 // keep their identity; only their storage moves), and each replica is a deep copy (Note [deep
-// copy through copy constructors]) whose parameters and buffers are views into the same
-// layout on its device. Refreshing a replica is then one broadcast per group, not one copy
-// per tensor. On CPU devices the replicas' parameter groups are aliases of the primary's
-// (Note [host aliases]): nothing in forward or backward writes a parameter, so a step
+// copy through copy constructors]) whose parameters and buffers lie in the same layout on its
+// device. Refreshing a replica is then one broadcast per group, not one copy per tensor.
+// Each tensor's storage is a slice of its flat buffer, with a version counter of its own
+// (Note [storage slices]): an in-place write marks only the tensor it writes. On CPU devices
+// a replica's parameters are host aliases of the primary's slices (Note [host aliases],
+// sharing their counters): nothing in forward or backward writes a parameter, so a step
 // broadcasts only the buffers (which replicas do write: BatchNorm's running statistics).
 //
 // Note [gradient buckets]
@@ -26,6 +28,7 @@
 // is its own bucket by default (kDefaultCpuBucketBytes): a layer's gradients are added while
 // the replicas still work on the layers below it, and only the first layer's addition is
 // left after backward (with 8 MB buckets mlp-medium added 8 MB there, about 0.6 ms).
+#include <functional>
 #include <memory>
 #include <optional>
 #include <unordered_map>
@@ -81,17 +84,19 @@ inline std::int64_t aligned_flat_offset(std::int64_t numel, std::size_t elem_siz
 
 /// Where one primary tensor lives in the flat layout.
 struct FlatSlot {
+  std::size_t index;     // of the tensor (parameters, then buffers, in registry order)
   std::size_t group;     // index of the dtype group
   std::int64_t offset;   // in elements
 };
 
-/// The CloneScope that builds a replica: registered tensors become views of the replica's
-/// flat buffers; anything else is deep-copied to the replica's device.
+/// The CloneScope that builds a replica: registered tensors get the storage `storage_of`
+/// makes for them (a slice of the replica's flat buffer, or a host alias of the primary's
+/// tensor); anything else is deep-copied to the replica's device.
 class ReplicaScope final : public CloneScope {
  public:
   ReplicaScope(Device device, const std::unordered_map<const void*, FlatSlot>& slots,
-               const std::vector<AnyTensor>& flats, std::unordered_map<const void*, AnyTensor>& made)
-      : device_(device), slots_(slots), flats_(flats), made_(made) {}
+               std::function<Storage(std::size_t)> storage_of, std::unordered_map<const void*, AnyTensor>& made)
+      : device_(device), slots_(slots), storage_of_(std::move(storage_of)), made_(made) {}
 
  protected:
   std::shared_ptr<void> copy_tensor(const void* impl, DType dtype) override {
@@ -104,10 +109,8 @@ class ReplicaScope final : public CloneScope {
     const auto& src = *static_cast<const TensorImpl<T>*>(p);
     auto it = slots_.find(p);
     if (it == slots_.end()) return nn::detail::deep_copy(src, device_);  // not registered
-    const auto& flat = flats_[it->second.group].as<T>();
     auto impl = std::make_shared<TensorImpl<T>>();
-    impl->storage = flat.impl()->storage;
-    impl->offset = it->second.offset;
+    impl->storage = storage_of_(it->second.index);
     impl->shape = src.shape;
     impl->strides = contiguous_strides(src.shape);
     made_.emplace(p, AnyTensor(Tensor<T>(impl)));
@@ -116,7 +119,7 @@ class ReplicaScope final : public CloneScope {
 
   Device device_;
   const std::unordered_map<const void*, FlatSlot>& slots_;
-  const std::vector<AnyTensor>& flats_;
+  std::function<Storage(std::size_t)> storage_of_;
   std::unordered_map<const void*, AnyTensor>& made_;
 };
 
@@ -130,6 +133,7 @@ class Replicator {
     std::string name;
     AnyTensor tensor;
     bool is_param;
+    Shape shape;  // at construction: the flat layout has room for this many elements
   };
 
   struct Bucket {
@@ -140,14 +144,14 @@ class Replicator {
  public:
   Replicator(M& primary, const std::vector<Device>& devices, std::shared_ptr<Communicator> comm,
              std::size_t bucket_bytes)
-      : primary_(primary), devices_(devices), comm_(std::move(comm)) {
+      : primary_(primary), devices_(devices), comm_(std::move(comm)), bucket_bytes_(bucket_bytes) {
     auto& root = nn::module_of(primary_);
-    for (auto& p : root.named_parameters()) tensors_.push_back({p.name, p.tensor, true});
-    for (auto& b : root.named_buffers()) tensors_.push_back({b.name, b.tensor, false});
+    for (auto& p : root.named_parameters()) tensors_.push_back({p.name, p.tensor, true, p.tensor.shape()});
+    for (auto& b : root.named_buffers()) tensors_.push_back({b.name, b.tensor, false, b.tensor.shape()});
     check_on_primary();
     build_layout();
     flatten_primary();
-    build_buckets(bucket_bytes);
+    build_buckets();
     for (std::size_t r = 1; r < devices_.size(); ++r) build_replica(r);
   }
 
@@ -161,6 +165,7 @@ class Replicator {
       flatten_primary();
       realias();
     }
+    if (trainable() != bucketed_) build_buckets();  // requires_grad changed (a layer frozen or unfrozen)
     std::vector<M*> out{&primary_};
     if (used <= 1) return out;
     if (on_caller) {
@@ -186,11 +191,11 @@ class Replicator {
     return out;
   }
 
-  /// The version counters of the parameter groups the replicas alias (Note [host aliases]).
+  /// The version counters of the parameters the replicas alias (Note [host aliases]).
   std::vector<std::uint64_t> aliased_versions() const {
     std::vector<std::uint64_t> v;
-    for (std::size_t g = 0; g < flats_.size(); ++g)
-      if (aliased(g)) v.push_back(flats_[g].visit([](const auto& t) { return t.impl()->storage->version(); }));
+    for (std::size_t k = 0; k < tensors_.size(); ++k)
+      if (aliased(groups_[k])) v.push_back(storages_[k]->version());
     return v;
   }
   /// Replicas read the primary's parameter memory: a forward that wrote a parameter through
@@ -250,10 +255,14 @@ class Replicator {
   }
 
   void check_on_primary() const {
-    for (const auto& e : tensors_)
+    for (const auto& e : tensors_) {
       CHORUS_CHECK(e.tensor.device() == devices_[0], "DataParallel: ", e.is_param ? "parameter '" : "buffer '", e.name,
                    "' is on ", e.tensor.device(), " but the primary device is ", devices_[0],
                    " (move the module there first)");
+      CHORUS_CHECK(e.tensor.shape() == e.shape, "DataParallel: ", e.is_param ? "parameter '" : "buffer '", e.name,
+                   "' has shape ", e.tensor.shape(), " but had shape ", e.shape,
+                   " when the DataParallel was built (its replicas have that shape); build a new DataParallel");
+    }
   }
 
   void build_layout() {
@@ -268,47 +277,76 @@ class Replicator {
         group_numel_.push_back(0);
       }
       group_numel_[g] = detail::aligned_flat_offset(group_numel_[g], dtype_size(dt));
-      slots_.emplace(tensors_[i].tensor.impl_key(), detail::FlatSlot{g, group_numel_[g]});
+      slots_.emplace(tensors_[i].tensor.impl_key(), detail::FlatSlot{i, g, group_numel_[g]});
       offsets_.push_back(group_numel_[g]);
       groups_.push_back(g);
       group_numel_[g] += tensors_[i].tensor.numel();
     }
   }
 
-  /// Re-seats every primary tensor into the flat buffers (values kept, identity kept).
+  static Storage storage_of(const AnyTensor& t) {
+    return t.visit([](const auto& x) { return x.impl()->storage; });
+  }
+  std::size_t nbytes_of(std::size_t k) const {
+    return static_cast<std::size_t>(numel_of(tensors_[k].shape)) * dtype_size(group_dtypes_[groups_[k]]);
+  }
+  std::size_t byte_offset_of(std::size_t k) const {
+    return static_cast<std::size_t>(offsets_[k]) * dtype_size(group_dtypes_[groups_[k]]);
+  }
+
+  /// Re-seats every primary tensor into the flat buffers (values kept, identity kept), each
+  /// as a slice of its group's buffer (Note [storage slices]).
   void flatten_primary() {
-    flats_.clear();
+    std::vector<AnyTensor> flats;
+    std::vector<Storage> storages;
     for (std::size_t g = 0; g < group_dtypes_.size(); ++g)
-      flats_.push_back(empty_any(group_dtypes_[g], Shape{group_numel_[g]}, devices_[0]));
+      flats.push_back(empty_any(group_dtypes_[g], Shape{group_numel_[g]}, devices_[0]));
     NoGradGuard ng;
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
-      tensors_[i].tensor.visit([&](auto& t) {
+      tensors_[i].tensor.visit([&](const auto& t) {
         using T = typename std::decay_t<decltype(t)>::value_type;
-        const auto& flat = flats_[groups_[i]].template as<T>();
-        auto slot = flat.narrow(0, offsets_[i], t.numel()).view(t.shape());
-        backend::copy(slot, t);
+        const auto& flat = flats[groups_[i]].template as<T>();
+        backend::copy(flat.narrow(0, offsets_[i], t.numel()).view(t.shape()), t);
+      });
+      storages.push_back(make_slice_storage(storage_of(flats[groups_[i]]), byte_offset_of(i), nbytes_of(i)));
+    }
+    // Every copy is made: seat them (nothing below throws).
+    for (std::size_t i = 0; i < tensors_.size(); ++i)
+      tensors_[i].tensor.visit([&](const auto& t) {
         auto& impl = *t.impl();
-        impl.storage = flat.impl()->storage;
-        impl.offset = offsets_[i];
+        impl.storage = storages[i];
+        impl.offset = 0;
         impl.strides = contiguous_strides(impl.shape);
       });
-    }
+    flats_ = std::move(flats);
+    storages_ = std::move(storages);
   }
 
   bool primary_is_flat() const {
     for (std::size_t i = 0; i < tensors_.size(); ++i) {
       const bool ok = tensors_[i].tensor.visit([&](const auto& t) {
-        using T = typename std::decay_t<decltype(t)>::value_type;
-        return t.impl()->storage == flats_[groups_[i]].template as<T>().impl()->storage &&
-               t.storage_offset() == offsets_[i] && t.is_contiguous();
+        return t.impl()->storage == storages_[i] && t.storage_offset() == 0 && t.is_contiguous();
       });
       if (!ok) return false;
     }
     return true;
   }
 
-  void build_buckets(std::size_t bucket_bytes) {
-    // Parameters that train, latest registered first (backward produces those first).
+  /// Which tensors train now: floating parameters and buffers that require grad (Note
+  /// [gradient buckets]; a buffer that requires grad gets its replicas' gradients too, as
+  /// PyTorch's replicate broadcasts such buffers with autograd).
+  std::vector<bool> trainable() const {
+    std::vector<bool> on;
+    on.reserve(tensors_.size());
+    for (const auto& e : tensors_) on.push_back(e.tensor.dtype() != DType::Int64 && e.tensor.requires_grad());
+    return on;
+  }
+
+  void build_buckets() {
+    const std::size_t bucket_bytes = bucket_bytes_;
+    bucketed_ = trainable();
+    buckets_.clear();
+    // Tensors that train, latest registered first (backward produces those first).
     std::vector<std::size_t> current;
     std::size_t bytes = 0;
     DType dt = DType::Float32;
@@ -319,7 +357,7 @@ class Replicator {
     };
     for (std::size_t k = tensors_.size(); k-- > 0;) {
       const auto& e = tensors_[k];
-      if (!e.is_param || !e.tensor.requires_grad() || e.tensor.dtype() == DType::Int64) continue;
+      if (!bucketed_[k]) continue;
       if (!current.empty() && (e.tensor.dtype() != dt || bytes >= bucket_bytes)) flush();
       dt = e.tensor.dtype();
       current.push_back(k);
@@ -333,32 +371,37 @@ class Replicator {
   /// in forward (BatchNorm's running statistics), and only the primary's writes count.
   bool aliased(std::size_t g) const { return group_params_[g] && devices_[0].is_cpu(); }
 
-  /// The flat buffer of group g for replica r: an alias of the primary's, or its own memory.
+  /// The flat buffer of group g for replica r: memory of its own, or none for an aliased group
+  /// (its tensors alias the primary's).
   AnyTensor replica_flat(std::size_t g, std::size_t r) const {
-    if (aliased(g)) return detail::host_alias(flats_[g], devices_[r]);
+    if (aliased(g)) return {};
     return empty_any(group_dtypes_[g], Shape{group_numel_[g]}, devices_[r]);
+  }
+
+  /// The storage of tensor k in replica r: a host alias of the primary's tensor (sharing its
+  /// version counter), or a slice of the replica's flat buffer.
+  Storage replica_storage(std::size_t r, std::size_t k, const std::vector<AnyTensor>& flats) const {
+    if (aliased(groups_[k])) return make_alias_storage(devices_[r], storages_[k], 0, nbytes_of(k));
+    return make_slice_storage(storage_of(flats[groups_[k]]), byte_offset_of(k), nbytes_of(k));
   }
 
   /// After flatten_primary() made new flat buffers: the replicas' aliases follow them.
   void realias() {
-    for (std::size_t r = 1; r < devices_.size(); ++r) {
-      for (std::size_t g = 0; g < flats_.size(); ++g)
-        if (aliased(g)) replica_flats_[r - 1][g] = replica_flat(g, r);
+    for (std::size_t r = 1; r < devices_.size(); ++r)
       for (std::size_t k = 0; k < tensors_.size(); ++k)
         if (aliased(groups_[k]))
-          replica_tensors_[r - 1][k].visit([&](auto& t) {
-            using T = typename std::decay_t<decltype(t)>::value_type;
-            t.impl()->storage = replica_flats_[r - 1][groups_[k]].template as<T>().impl()->storage;
-          });
-    }
+          replica_tensors_[r - 1][k].visit(
+              [&](auto& t) { t.impl()->storage = replica_storage(r, k, replica_flats_[r - 1]); });
   }
 
   void build_replica(std::size_t r) {
     std::vector<AnyTensor> flats;
     for (std::size_t g = 0; g < group_dtypes_.size(); ++g) flats.push_back(replica_flat(g, r));
     std::unordered_map<const void*, AnyTensor> made;
-    M copy = nn::detail::copy_checked(
-        primary_, [&] { return std::make_unique<detail::ReplicaScope>(devices_[r], slots_, flats, made); });
+    M copy = nn::detail::copy_checked(primary_, [&] {
+      return std::make_unique<detail::ReplicaScope>(
+          devices_[r], slots_, [&](std::size_t k) { return replica_storage(r, k, flats); }, made);
+    });
     std::vector<AnyTensor> views;
     for (const auto& e : tensors_) {
       auto it = made.find(e.tensor.impl_key());
@@ -412,7 +455,9 @@ class Replicator {
   M& primary_;
   std::vector<Device> devices_;
   std::shared_ptr<Communicator> comm_;
+  std::size_t bucket_bytes_;
   std::vector<Entry> tensors_;  // parameters, then buffers, in registry order
+  std::vector<Storage> storages_;  // [tensor]: the primary's slice of its flat buffer
   std::vector<DType> group_dtypes_;
   std::vector<bool> group_params_;  // a group holds parameters (else buffers)
   std::vector<std::int64_t> group_numel_;
@@ -421,8 +466,9 @@ class Replicator {
   std::unordered_map<const void*, detail::FlatSlot> slots_;
   std::vector<AnyTensor> flats_;                               // [group], on the primary
   std::vector<Bucket> buckets_;
+  std::vector<bool> bucketed_;  // [tensor]: trainable() when buckets_ was built
   std::vector<std::unique_ptr<M>> replicas_;                   // replica r at r - 1
-  std::vector<std::vector<AnyTensor>> replica_flats_;          // [r - 1][group]
+  std::vector<std::vector<AnyTensor>> replica_flats_;          // [r - 1][group] (undefined: aliased)
   std::vector<std::vector<AnyTensor>> replica_tensors_;        // [r - 1][tensor index]
 };
 

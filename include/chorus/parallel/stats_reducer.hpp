@@ -1,14 +1,17 @@
 #pragma once
 // The statistics reducer of DataParallel's replicas (Note [statistics reducer], ops/nn.hpp):
 // SyncBatchNorm in replica r sums its per-channel statistics with the other replicas'.
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "../ops/nn.hpp"
+#include "parallel_apply.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace parallel {
@@ -17,7 +20,18 @@ namespace parallel {
 /// barriers: every replica posts its tensor and waits for the others, sums all of them in
 /// replica order on its own device (so every replica gets the same bits), waits until every
 /// replica has read every input, then overwrites its tensor. A replica that never arrives
-/// makes the others fail after `timeout` instead of hanging.
+/// makes the others fail after `timeout` instead of hanging (Note [cancelled reductions]).
+///
+/// Note [cancelled reductions]
+/// A replica that fails before it reaches a reduction (a bad index in its chunk) never
+/// arrives: DataParallel cancels the group for it (cancel()), and every replica waiting in,
+/// or later entering, a barrier of the group throws ReplicaCancelled at once, which
+/// parallel_apply never reports in place of the failure itself (Note [replica errors]). In
+/// backward (the batch-norm backward keeps the reducer it saw in forward) the engine stops
+/// scheduling after a failure, so the replicas whose reduction node would never run are
+/// found the same way: a waiter checks autograd::backward_failed() every kBackwardPoll and
+/// gives up (Note [giving up in backward]). The timeout stays for a replica that is alive
+/// but takes another path (skips a SyncBatchNorm layer) or hangs.
 class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup> {
  public:
   explicit ReplicaStatsGroup(int size, std::chrono::milliseconds timeout = std::chrono::minutes(5))
@@ -61,6 +75,21 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
 
   int size() const { return size_; }
 
+  /// Replica `rank` failed and will reach no reduction: every waiter, now or later, gives up
+  /// (Note [cancelled reductions]).
+  void cancel(int rank) {
+    std::lock_guard lk(m_);
+    if (cancelled_by_ < 0) cancelled_by_ = rank;
+    cv_.notify_all();
+  }
+  bool cancelled() const {
+    std::lock_guard lk(m_);
+    return cancelled_by_ >= 0;
+  }
+
+  /// How often a waiter inside a backward pass checks whether that pass failed elsewhere.
+  static constexpr auto kBackwardPoll = std::chrono::milliseconds(2);
+
  private:
   // Note [device statistics reduction]
   // On GPUs a reduction never waits on the host: each replica records an event on its stream
@@ -92,8 +121,14 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
     return std::vector<Event>(size > 0 ? static_cast<std::size_t>(size) : 0);
   }
 
+  [[noreturn]] void give_up(int rank, const char* phase, const std::string& why) const {
+    throw ReplicaCancelled("SyncBatchNorm: replica " + std::to_string(rank) + " stopped waiting (" + phase +
+                           ") for the other replicas' statistics: " + why);
+  }
+
   void barrier(int rank, const char* phase) {
     std::unique_lock lk(m_);
+    if (cancelled_by_ >= 0) give_up(rank, phase, "replica " + std::to_string(cancelled_by_) + " failed");
     const auto gen = generation_;
     if (++arrived_ == size_) {
       arrived_ = 0;
@@ -101,11 +136,25 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
       cv_.notify_all();
       return;
     }
-    if (!cv_.wait_for(lk, timeout_, [&] { return generation_ != gen; }))
-      CHORUS_FAIL("SyncBatchNorm: replica ", rank, " waited ", timeout_.count(), " ms (", phase, ") for ",
-                  size_ - arrived_, " of ", size_,
-                  " replicas to reach the same statistics reduction; every replica must run the same "
-                  "SyncBatchNorm layers in the same order");
+    const bool in_backward = autograd::in_backward();
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    for (;;) {
+      const auto until = in_backward ? std::min(deadline, std::chrono::steady_clock::now() + kBackwardPoll) : deadline;
+      if (cv_.wait_until(lk, until, [&] { return generation_ != gen || cancelled_by_ >= 0; })) break;
+      if (in_backward && autograd::backward_failed()) {
+        --arrived_;  // this reduction will never complete; leave it as it was for nobody
+        give_up(rank, phase, "the backward pass failed in another node");
+      }
+      if (std::chrono::steady_clock::now() >= deadline)
+        CHORUS_FAIL("SyncBatchNorm: replica ", rank, " waited ", timeout_.count(), " ms (", phase, ") for ",
+                    size_ - arrived_, " of ", size_,
+                    " replicas to reach the same statistics reduction; every replica must run the same "
+                    "SyncBatchNorm layers in the same order");
+    }
+    if (generation_ == gen) {  // cancelled while waiting
+      --arrived_;
+      give_up(rank, phase, "replica " + std::to_string(cancelled_by_) + " failed");
+    }
   }
 
   int size_;
@@ -114,9 +163,13 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
   std::vector<std::int64_t> counts_;
   std::vector<Event> ready_ = make_events(size_), read_ = make_events(size_);  // Note [device statistics reduction]
   std::mutex m_;
+  }
+
+  mutable std::mutex m_;
   std::condition_variable cv_;
   int arrived_ = 0;
   std::uint64_t generation_ = 0;
+  int cancelled_by_ = -1;  // the replica that cancelled the group (Note [cancelled reductions])
 };
 
 namespace detail {

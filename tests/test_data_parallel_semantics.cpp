@@ -1,0 +1,319 @@
+// DataParallel's semantics beyond equal numbers (issue 16): version counters of tensors in
+// flat buffers, to() and the optimizer, buffers that require grad, the arguments forward
+// takes, replicas' exceptions, the module and its names.
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <variant>
+
+#include "data_parallel_util.hpp"
+
+using namespace chorus;
+using chorus::testing::all_close;
+using chorus::testing::cpus;
+using chorus::testing::expect_grads_equal;
+using chorus::testing::Net;
+using chorus::testing::throws_with;
+
+namespace {
+// The threaded path (every replica on its device's worker) unless a test asks for the inline one.
+[[maybe_unused]] const bool kThreaded = [] {
+  parallel::set_inline_work_default(0);
+  return true;
+}();
+}  // namespace
+
+// Item 9 (Note [storage slices]): every parameter and buffer has its own version counter, while
+// still living in its flat buffer. A buffer written in forward (a step counter) beside a
+// buffer backward reads, and a parameter written between forward and backward that no node
+// saved, are no longer "modified by an inplace operation"; a saved one still is.
+namespace {
+struct CountsSteps : nn::Module {
+  nn::LinearT<double> fc;
+  Tensor<double> scale, steps;
+  CountsSteps() : fc(register_module("fc", nn::LinearT<double>(4, 3))) {
+    scale = register_buffer("scale", full<double>({3}, 0.5));
+    steps = register_buffer("steps", zeros<double>({1}));
+  }
+  Tensor<double> forward(const Tensor<double>& x) {
+    {
+      NoGradGuard g;
+      steps.fill_(steps.item() + 1.0);
+    }
+    return fc(x) * scale;
+  }
+};
+}  // namespace
+
+TEST(DataParallel, AnInPlaceWriteMarksOnlyTheTensorItWrites) {
+  for (int k = 1; k <= 3; ++k) {
+    const std::string what = std::to_string(k) + " device(s)";
+    manual_seed(21);
+    CountsSteps reference;
+    DataParallel<CountsSteps> dp(nn::clone(reference, Device::cpu(0)), cpus(k));
+    auto x = randn<double>({6, 4});
+    auto loss = (dp(x) * 3.0).sum();  // every replica wrote its 'steps'; mul saved 'scale'
+    {
+      NoGradGuard g;
+      dp.module().fc->bias.fill_(1.0);  // no node saved the bias
+      reference.fc->bias.fill_(1.0);
+    }
+    EXPECT_NO_THROW(loss.backward()) << what;
+    (reference.forward(x) * 3.0).sum().backward();
+    expect_grads_equal<double>(reference, dp.module(), 1e-12, what);
+    // A tensor that backward reads is still guarded, on every replica.
+    auto again = dp(x).sum();
+    {
+      NoGradGuard g;
+      dp.module().scale.fill_(2.0);
+    }
+    EXPECT_TRUE(throws_with([&] { again.backward(); }, {"modified by an inplace operation", "[float64 [3]]"})) << what;
+  }
+}
+
+// Item 10: DataParallel::to has the strong guarantee; an optimizer built over the parameters
+// keeps working after it (Note [optimizer state follows the parameters]).
+namespace {
+struct CopyFails : nn::Module {
+  nn::LinearT<double> fc;
+  std::shared_ptr<std::atomic<bool>> fail = std::make_shared<std::atomic<bool>>(false);
+  CopyFails() : fc(register_module("fc", nn::LinearT<double>(4, 2))) {}
+  CopyFails(const CopyFails& o) : nn::Module(o), fc(o.fc), fail(o.fail) {
+    if (*fail) throw std::runtime_error("this module cannot be copied now");
+  }
+  CopyFails(CopyFails&&) = default;
+  Tensor<double> forward(const Tensor<double>& x) { return fc(x); }
+};
+}  // namespace
+
+TEST(DataParallel, AToThatFailsLeavesTheDataParallelAsItWas) {
+  set_cpu_device_count(std::max(cpu_device_count(), 4));
+  manual_seed(31);
+  CopyFails reference;
+  DataParallel<CopyFails> dp(nn::clone(reference, Device::cpu(0)), cpus(3));
+  auto x = randn<double>({6, 4});
+  dp(x).sum().backward();  // a gradient that moves with the parameters
+  const auto grad = dp.module().fc->weight.grad().clone();
+  dp.module().fail->store(true);  // building the new replicas fails
+  EXPECT_THROW(dp.to(Device::cpu(3)), std::runtime_error);
+  dp.module().fail->store(false);
+  EXPECT_EQ(dp.devices(), cpus(3));
+  EXPECT_EQ(dp.output_device(), Device::cpu(0));
+  for (auto& t : dp.module().named_tensors()) EXPECT_EQ(t.tensor.device(), Device::cpu(0)) << t.name;
+  EXPECT_TRUE(all_close(dp.module().fc->weight.grad(), grad, 0));
+  auto out = dp(x);
+  EXPECT_TRUE(all_close(out, reference.forward(x), 1e-12, 1e-12));
+  out.sum().backward();
+  EXPECT_TRUE(all_close(dp.module().fc->weight.grad(), grad * 2.0, 1e-12, 1e-12));
+  // And a later move succeeds.
+  dp.to(Device::cpu(3));
+  EXPECT_EQ(dp(x).device(), Device::cpu(3));
+}
+
+TEST(DataParallel, TheOptimizersStateFollowsTheParametersThroughTo) {
+  set_cpu_device_count(std::max(cpu_device_count(), 4));
+  manual_seed(32);
+  Net<double> reference;
+  DataParallel<Net<double>> dp(nn::clone(reference, Device::cpu(0)), cpus(3));
+  optim::SGD opt(dp.parameters(), {.lr = 0.1, .momentum = 0.9});
+  optim::SGD ref_opt(reference.parameters(), {.lr = 0.1, .momentum = 0.9});
+  for (int step = 0; step < 4; ++step) {
+    if (step == 2) dp.to(Device::cpu(3));
+    auto x = randn<double>({7, 6});
+    auto loss = dp(x.to(dp.devices()[0])).sum();
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+    auto ref_loss = reference.forward(x).sum();
+    ref_opt.zero_grad();
+    ref_loss.backward();
+    ref_opt.step();
+    EXPECT_NEAR(loss.item(), ref_loss.item(), 1e-10) << "step " << step;
+  }
+  for (const auto& s : opt.state()) EXPECT_EQ(s.at("momentum_buffer").device(), Device::cpu(3));
+  EXPECT_TRUE(all_close(dp.module().fc1->weight.to(Device::cpu(0)), reference.fc1->weight, 1e-10, 1e-10));
+}
+
+// Item 12: a buffer that requires grad gets the gradients of every replica (PyTorch's
+// test_data_parallel_buffers_requiring_grad), also when it starts requiring grad after the
+// DataParallel was built (the buckets follow requires_grad, as a layer frozen or unfrozen).
+namespace {
+struct BufferNeedsGrad : nn::Module {
+  Tensor<double> t_rg, t_not_rg;
+  explicit BufferNeedsGrad(const Tensor<double>& t) {
+    t_rg = register_buffer("t_rg", t);
+    t_not_rg = register_buffer("t_not_rg", t.detach().clone());
+  }
+  Tensor<double> forward(const Tensor<double>& x) { return x * t_rg + t_not_rg; }
+};
+}  // namespace
+
+TEST(DataParallel, ABufferThatRequiresGradGetsEveryReplicasGradient) {
+  using TL = std::vector<Tensor<double>>;
+  manual_seed(33);
+  DataParallel<BufferNeedsGrad> dpm(BufferNeedsGrad(randn<double>({20}).requires_grad_()), cpus(3));
+  EXPECT_TRUE(dpm.module().t_rg.requires_grad());
+  auto inp = randn<double>({3, 20});
+  EXPECT_TRUE(chorus::testing::gradcheck([&](const TL&) { return dpm(inp); }, {dpm.module().t_rg}));
+  // Unfrozen after construction: the next step wires it.
+  DataParallel<BufferNeedsGrad> later(BufferNeedsGrad(randn<double>({20})), cpus(3));
+  later.module().t_not_rg.requires_grad_();
+  later(inp).sum().backward();
+  EXPECT_TRUE(all_close(later.module().t_not_rg.grad(), full<double>({20}, 3.0), 1e-12));
+  // Frozen again: no gradient.
+  later.module().t_not_rg.set_grad({});
+  later.module().t_not_rg.requires_grad_(false);
+  later.module().t_rg.requires_grad_();
+  later(inp).sum().backward();
+  EXPECT_FALSE(later.module().t_not_rg.grad().defined());
+  EXPECT_TRUE(all_close(later.module().t_rg.grad(), inp.sum(0), 1e-12, 1e-12));
+}
+
+// Item 13 (Note [nested arguments]): an argument that holds tensors without being a Tensor
+// would reach every replica whole; DataParallel refuses it at compile time
+// (tests/compile_fail/dp_nested_argument.cpp shows the message).
+static_assert(parallel::detail::is_replicable_argument_v<const Tensor<float>&>);
+static_assert(parallel::detail::is_replicable_argument_v<double>);
+static_assert(parallel::detail::is_replicable_argument_v<const std::string&>);
+static_assert(parallel::detail::is_replicable_argument_v<std::vector<int>>);
+static_assert(!parallel::detail::is_replicable_argument_v<std::tuple<Tensor<float>, Tensor<float>>>);
+static_assert(!parallel::detail::is_replicable_argument_v<const std::pair<int, Tensor<double>>&>);
+static_assert(!parallel::detail::is_replicable_argument_v<std::vector<Tensor<float>>>);
+static_assert(!parallel::detail::is_replicable_argument_v<std::optional<Tensor<float>>>);
+static_assert(!parallel::detail::is_replicable_argument_v<std::map<std::string, Tensor<float>>>);
+static_assert(!parallel::detail::is_replicable_argument_v<std::array<Tensor<std::int64_t>, 2>>);
+static_assert(!parallel::detail::is_replicable_argument_v<AnyTensor>);
+static_assert(!parallel::detail::is_replicable_argument_v<const Tensor<float>*>);
+static_assert(!parallel::detail::is_replicable_argument_v<std::variant<int, Tensor<float>>>);
+static_assert(!parallel::detail::is_replicable_argument_v<std::tuple<int, std::vector<std::optional<Tensor<float>>>>>);
+
+// Item 14 (Note [replica errors]): a replica's exception keeps its type (nested in the
+// chorus::Error that names the replica), the same on one device, on k, and inline.
+namespace {
+struct WonderfulError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+struct Wonderful : nn::Module {
+  nn::Linear fc;
+  Device fails_on;
+  explicit Wonderful(Device d) : fc(register_module("fc", nn::Linear(3, 3))), fails_on(d) {}
+  Tensor<float> forward(const Tensor<float>& x) {
+    if (x.device() == fails_on) throw WonderfulError("wonderful");
+    return fc(x);
+  }
+};
+
+void expect_wonderful(const std::function<void()>& f, const std::string& where, const std::string& what) {
+  try {
+    f();
+    ADD_FAILURE() << what << ": did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(where + ": wonderful"), std::string::npos) << what << ": " << e.what();
+    try {
+      std::rethrow_if_nested(e);
+      ADD_FAILURE() << what << ": nothing nested in '" << e.what() << "'";
+    } catch (const WonderfulError& inner) {
+      EXPECT_STREQ(inner.what(), "wonderful") << what;
+    }
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << what << ": not a chorus::Error: " << e.what();
+  }
+}
+}  // namespace
+
+TEST(DataParallel, AReplicasExceptionKeepsItsTypeOnOneAndManyDevices) {
+  for (int k = 1; k <= 3; ++k) {
+    const Device last = Device::cpu(k - 1);
+    DataParallel<Wonderful> dp(Wonderful(last), cpus(k));
+    const std::string where = "in replica " + std::to_string(k - 1) + " on " + last.str();
+    expect_wonderful([&] { dp(randn<float>({6, 3})); }, where, std::to_string(k) + " device(s), threaded");
+    dp.set_inline_work(std::int64_t{1} << 40);
+    expect_wonderful([&] { dp(randn<float>({6, 3})); }, where, std::to_string(k) + " device(s), inline");
+  }
+  // In backward, too: the engine nests a node's exception in the error naming the node.
+  struct ThrowsInBackward final : autograd::Node<float> {
+    std::string name() const override { return "ThrowsInBackward"; }
+    TensorList apply(TensorList&&) override { throw WonderfulError("wonderful"); }
+  };
+  auto x = ones<float>({2}).requires_grad_();
+  auto y = x.detach().clone();
+  autograd::set_history(y, std::shared_ptr<autograd::Node<float>>(autograd::make_node<ThrowsInBackward, float>({&x})));
+  expect_wonderful([&] { y.sum().backward(); }, "in backward of ThrowsInBackward on cpu:0", "backward");
+}
+
+// PyTorch's model.module and the names of its nn.DataParallel state_dict.
+TEST(DataParallel, TheModuleItsRegistryAndPyTorchsNames) {
+  nn::LinearT<double> holder(4, 3);
+  DataParallel<nn::LinearT<double>> dp(holder, cpus(2));
+  // dp.module() is the module, whether M is a holder or a module type.
+  EXPECT_EQ(&dp.module(), holder.get());
+  EXPECT_EQ(dp.module().named_parameters().size(), 2u);
+  EXPECT_EQ(dp.module().forward(ones<double>({1, 4})).shape(), (Shape{1, 3}));
+  EXPECT_EQ(&dp.replica(0), holder.get());
+  EXPECT_EQ(dp.replica(1).weight.device(), Device::cpu(1));
+  DataParallel<Net<float>> net(Net<float>(), cpus(2));
+  ASSERT_EQ(net.named_buffers().size(), 1u);
+  EXPECT_EQ(net.named_buffers()[0].name, "scale");
+  EXPECT_EQ(net.buffers().size(), 1u);
+  EXPECT_EQ(net.module().named_buffers()[0].name, "scale");
+  EXPECT_TRUE(net.is_training());
+  // The prefix of PyTorch's nn.DataParallel names, for checkpoints that match one.
+  net.set_name_prefix("module.");
+  EXPECT_EQ(net.named_parameters()[0].name, "module.fc1.weight");
+  EXPECT_EQ(net.named_buffers()[0].name, "module.scale");
+  EXPECT_EQ(net.named_tensors().back().name, "module.scale");
+  EXPECT_EQ(net.module().named_parameters()[0].name, "fc1.weight");  // the module keeps its own
+  EXPECT_TRUE(throws_with([&] { net.set_name_prefix("module"); }, {"'module'", "ending in '.'"}));
+  const auto dir = std::filesystem::temp_directory_path() / ("chorus_dp_names_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string file = (dir / "dp.safetensors").string();
+  save(net, file);
+  auto f = io::read(file);
+  EXPECT_TRUE(f.tensors.count("module.fc1.weight"));
+  EXPECT_TRUE(f.tensors.count("module.scale"));
+  DataParallel<Net<float>> other(Net<float>(), cpus(2));
+  other.set_name_prefix("module.");
+  load(other, file);  // the prefix is stripped again
+  EXPECT_TRUE(all_close(other.module().fc2->weight, net.module().fc2->weight, 0));
+  Net<float> plain;
+  load(plain, file, {.strip_prefix = "module."});
+  EXPECT_TRUE(all_close(plain.fc1->bias, net.module().fc1->bias, 0));
+  std::filesystem::remove_all(dir);
+}
+
+// A forward without arguments runs once, on the primary (PyTorch's
+// test_data_parallel_module_zero_inputs); arguments without any tensor are refused.
+TEST(DataParallel, AForwardWithoutArgumentsRunsOnThePrimary) {
+  struct NoInputs : nn::Module {
+    Tensor<float> forward() { return ones<float>({2, 3}); }
+    Tensor<float> forward(double v) { return full<float>({2}, static_cast<float>(v)); }
+  };
+  for (int k : {1, 2}) {
+    DataParallel<NoInputs> dp(NoInputs(), cpus(k), Device::cpu(1));
+    auto out = dp();
+    EXPECT_EQ(out.device(), Device::cpu(1));
+    EXPECT_TRUE(all_close(out, ones<float>({2, 3}, Device::cpu(1)), 0));
+    EXPECT_TRUE(throws_with([&] { dp(2.0); }, {"1 argument(s) and none is a Tensor"}));
+  }
+}
+
+// A sibling of item 9: the flat layout has room for each tensor's shape at construction; a
+// tensor re-seated with another shape would be copied past its slot. Refused, naming it.
+TEST(DataParallel, ATensorThatChangedShapeIsRefused) {
+  DataParallel<Net<float>> dp(Net<float>(), cpus(2));
+  {
+    NoGradGuard g;
+    auto bigger = zeros<float>({32, 6});
+    auto& impl = *dp.module().fc1->weight.impl();
+    impl.storage = bigger.impl()->storage;
+    impl.shape = bigger.shape();
+    impl.strides = bigger.strides();
+  }
+  EXPECT_TRUE(throws_with([&] { dp(randn<float>({4, 6})); },
+                          {"parameter 'fc1.weight' has shape [32, 6] but had shape [16, 6]", "build a new DataParallel"}));
+}
