@@ -251,8 +251,13 @@ class NcclBackend final : public Backend {
       std::memcpy(&id, bytes.data(), sizeof(id));
     }
     group_ = std::make_unique<NcclGroup>(id, state_.rank, state_.world, device.index, state_.timeout);
-    watchdog_ = std::make_unique<Watchdog>([g = group_.get()] { return g->async_error(); },
-                                           [s = &state_](const std::string& why) { s->mark_broken(why); });
+    // Note [watchdog device]: the watchdog thread queries events of this GPU. A thread that never
+    // chose a device runs CUDA calls on device 0, creating a context there: every rank of an
+    // 8-GPU node would hold one on GPU 0 (hundreds of MiB each). So it chooses this one first.
+    watchdog_ = std::make_unique<Watchdog>(
+        [g = group_.get()] { return g->async_error(); },
+        [s = &state_](const std::string& why) { s->mark_broken(why); }, std::chrono::milliseconds(2),
+        [d = device.index] { (void)::chorus::cuda::tolerate(cudaSetDevice(d)); });
     return *group_;
   }
 
