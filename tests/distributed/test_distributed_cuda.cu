@@ -236,11 +236,12 @@ TEST(DistributedCuda, BuffersFreedAfterTheirGroupStillOrderOnItsStream) {
 TEST(DistributedCuda, TheWatchdogBreaksAGroupWhoseCollectiveStalls) {
   REQUIRE_GPU();
   if (dist::group().world_size() != 1) GTEST_SKIP() << "a second communicator per process is tested in a world of one";
-  dist::ProcessGroup g({.timeout = std::chrono::milliseconds(300)});
+  dist::ProcessGroup g;  // the job's timeout while the communicator is made: NCCL's setup may take longer than 300 ms
   const Device dev = g.default_device();
   auto t = full<float>({4}, 1.0f, dev);
   g.all_reduce(t);
   synchronize(dev);
+  g.set_timeout(std::chrono::milliseconds(300));  // what the stalled collective below is given
   spin(dev, 1500);  // the next all-reduce (in place, Sum: no NCCL kernel in a world of one) waits behind it
   auto work = g.all_reduce_async(t, dist::ReduceOp::Sum);
   const auto t0 = std::chrono::steady_clock::now();
