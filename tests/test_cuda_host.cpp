@@ -269,6 +269,35 @@ TEST(CudaHostPolicy, APinnedBlockIsReusedOnlyAfterTheCopiesThatReadIt) {
   EXPECT_FALSE(pool.record(mem[1] + 256, Ev{4})) << "one past the end of the last block";
 }
 
+TEST(CudaHostPolicy, APinnedBlockCopiedFromEveryStepKeepsOneEventPerStream) {
+  // Note [deferred host frees]: a pinned staging buffer that stays alive and is copied to the GPU
+  // every step used to keep every copy's event (one more pooled event per step, never freed).
+  struct Ev {
+    int stream, id;
+  };
+  auto same_stream = [](const Ev& later, const Ev& earlier) { return later.stream == earlier.stream; };
+  std::vector<int> done, released;
+  auto is_done = [&](const Ev& e) { return std::find(done.begin(), done.end(), e.id) != done.end(); };
+  auto release = [&](const Ev& e) { released.push_back(e.id); };
+  detail::HostBlockPool<Ev> pool;
+  alignas(64) static char mem[256];
+  pool.add(mem, 256);
+  for (int step = 0; step < 1000; ++step) EXPECT_TRUE(pool.record(mem + step % 256, Ev{1, step}, same_stream, release));
+  EXPECT_EQ(pool.events(mem), 1u) << "one event per copy";
+  EXPECT_EQ(released.size(), 999u);
+  EXPECT_EQ(released.back(), 998) << "the latest event of the stream stays";
+  EXPECT_TRUE(pool.record(mem, Ev{2, 1000}, same_stream, release));  // another stream: its own event
+  EXPECT_EQ(pool.events(mem), 2u);
+  EXPECT_EQ(pool.events(mem + 256), 0u);
+  released.clear();
+  EXPECT_TRUE(pool.free(mem));
+  done = {999};
+  EXPECT_EQ(pool.take(256, is_done, release), nullptr) << "stream 2's copy may still read it";
+  done = {999, 1000};
+  EXPECT_EQ(pool.take(256, is_done, release), mem);
+  EXPECT_EQ(released, (std::vector<int>{999, 1000}));
+}
+
 TEST(CudaHostPolicy, CudnnAlgorithmsRunUnderTheMathTypeChorusAllows) {
   // Note [cuDNN algorithm choice]
   using M = bc::ConvMath;

@@ -477,14 +477,19 @@ TEST(Cuda, CrossDeviceCopiesRecordTheirStreamUnderItsOwnDevice) {
     allocated.record(current_stream(other));
     {
       auto src = full<float>({1 << 20}, static_cast<float>(i), kGpu);
+      // With one GPU the guard below makes ds the source's current stream too, so the copy does
+      // not order itself after the fill on slot 0 (with two it does): ds waits for it here.
+      Event filled;
+      filled.record(current_stream(kGpu));
       Stream& ds = get_stream(other, 3);
       StreamGuard g(ds);
       allocated.block(ds);
+      filled.block(ds);
       spin(ds, 2);  // the copy stays queued while src is freed
       copy_bytes(dst.data(), other, src.data(), kGpu, sizeof(float) << 20);  // what src.to(other) does
       Event copied;
       copied.record(ds);
-      copied.block(current_stream(other));  // outside the guard: the sum below runs on slot 0
+      copied.block(get_stream(other, 0));  // the sum below runs on slot 0 (current_stream is ds here)
     }  // src freed here, while the copy may still be reading it
     auto junk = full<float>({1 << 20}, -1.0f, kGpu);  // would reuse src's memory if the free did not wait
     EXPECT_EQ(dst.sum().item(), static_cast<float>(i) * (1 << 20)) << "iteration " << i;

@@ -108,6 +108,20 @@ TEST(Cuda, HostToDeviceCopiesFromPinnedMemoryDoNotWaitAndKeepTheirBlock) {
   EXPECT_EQ(from_pageable.sum().item(), 6.0f * kN);
 }
 
+TEST(Cuda, APinnedBufferCopiedEveryStepHoldsOneEventNotOnePerCopy) {
+  REQUIRE_GPU();
+  // Note [deferred host frees]: a staging buffer that stays alive keeps the latest copy's event
+  // per stream; the earlier ones go back to the pool (they used to pile up, one per copy).
+  auto host = data::pin(full<float>({1024}, 1.0f));
+  auto dev = Tensor<float>::empty({1024}, kGpu);
+  for (int i = 0; i < 3; ++i) (void)dev.copy_(host);
+  synchronize(kGpu);
+  const auto created = cuda::EventPool::get().created();
+  for (int i = 0; i < 100; ++i) (void)dev.copy_(host);
+  EXPECT_EQ(cuda::EventPool::get().created(), created) << "every copy from a live pinned block kept its own event";
+  EXPECT_EQ(dev.sum().item(), 1024.0f);
+}
+
 TEST(Cuda, DeviceSideValidationSurvivesAConcurrentReportAndReachesEverySync) {
   REQUIRE_GPU();
   // Note [re-arming device-side validation]: a kernel of another stream that reports while a

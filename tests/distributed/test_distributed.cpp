@@ -224,6 +224,46 @@ TEST(Watchdog, AFailedCollectiveOrACommunicatorErrorFires) {
   EXPECT_NE(running->failure().find("remote process exited"), std::string::npos);
 }
 
+// Note [watchdog device]: the NCCL backend makes its GPU the watchdog thread's device in the
+// start hook, which must run on that thread before its first poll.
+struct ThreadRecordingCollective final : dist::detail::Watchdog::Entry {
+  explicit ThreadRecordingCollective(std::atomic<bool>& started)
+      : Entry("all_reduce", std::chrono::steady_clock::now() + std::chrono::seconds(60)), started_(started) {}
+  dist::detail::Watchdog::Poll poll(std::string&) override {
+    std::lock_guard<std::mutex> lk(m);
+    poller = std::this_thread::get_id();
+    started_at_first_poll = polls++ == 0 ? started_.load() : started_at_first_poll;
+    return dist::detail::Watchdog::Poll::Running;
+  }
+  std::atomic<bool>& started_;
+  std::mutex m;
+  std::thread::id poller;
+  int polls = 0;
+  bool started_at_first_poll = false;
+};
+
+TEST(Watchdog, TheStartHookRunsOnTheWatchdogThreadBeforeAnyPoll) {
+  std::atomic<bool> started{false};
+  std::thread::id hook_thread;
+  auto entry = std::make_shared<ThreadRecordingCollective>(started);
+  {
+    dist::detail::Watchdog wd([] { return std::string(); }, [](const std::string&) {}, std::chrono::milliseconds(1),
+                              [&] {
+                                hook_thread = std::this_thread::get_id();
+                                started = true;
+                              });
+    wd.watch(entry);
+    ASSERT_TRUE(eventually([&] {
+      std::lock_guard<std::mutex> lk(entry->m);
+      return entry->polls > 0;
+    }));
+  }
+  std::lock_guard<std::mutex> lk(entry->m);
+  EXPECT_TRUE(entry->started_at_first_poll) << "the first poll ran before the start hook";
+  EXPECT_EQ(hook_thread, entry->poller) << "the start hook ran on another thread than the polls";
+  EXPECT_NE(hook_thread, std::this_thread::get_id());
+}
+
 TEST(Watchdog, StopsPromptlyWithWorkInFlight) {
   const auto t0 = std::chrono::steady_clock::now();
   {

@@ -208,16 +208,40 @@ TEST(DistributedCuda, AGroupTearsDownItsCommunicatorCleanly) {
   EXPECT_EQ(t.to(Device::cpu()).to_vector()[0], 1.0f);
 }
 
+// Note [NCCL stream lifetime]: a buffer a collective used remembers the group's NCCL stream, and
+// freeing it records an event there; a group destroyed first must leave that stream valid.
+TEST(DistributedCuda, BuffersFreedAfterTheirGroupStillOrderOnItsStream) {
+  REQUIRE_GPU();
+  if (dist::group().world_size() != 1) GTEST_SKIP() << "a second communicator per process is tested in a world of one";
+  const Device dev = dist::group().default_device();
+  Tensor<float> kept;
+  cudaStream_t nccl = nullptr;
+  {
+    dist::ProcessGroup second;
+    kept = full<float>({1 << 16}, 3.0f, dev);
+    second.all_reduce(kept, dist::ReduceOp::Sum);  // kept's block now names second's NCCL stream
+    nccl = second.nccl_stream();
+    ASSERT_NE(nccl, nullptr);
+  }  // the group (communicator, watchdog) is gone; kept is not
+  synchronize(dev);
+  EXPECT_EQ(cuda::tolerate(cudaStreamQuery(nccl)), cudaSuccess) << "the group destroyed the stream its buffers name";
+  kept = Tensor<float>();  // the free records an event on that stream
+  auto next = full<float>({1 << 16}, 1.0f, dev);  // may take kept's block
+  EXPECT_EQ(next.to(Device::cpu()).to_vector()[0], 1.0f);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
 // Note [NCCL watchdog]: a CUDA collective that does not finish within the timeout breaks the group
 // although no host thread waits for it. (Last: it leaves its own group broken, not the job's.)
 TEST(DistributedCuda, TheWatchdogBreaksAGroupWhoseCollectiveStalls) {
   REQUIRE_GPU();
   if (dist::group().world_size() != 1) GTEST_SKIP() << "a second communicator per process is tested in a world of one";
-  dist::ProcessGroup g({.timeout = std::chrono::milliseconds(300)});
+  dist::ProcessGroup g;  // the job's timeout while the communicator is made: NCCL's setup may take longer than 300 ms
   const Device dev = g.default_device();
   auto t = full<float>({4}, 1.0f, dev);
   g.all_reduce(t);
   synchronize(dev);
+  g.set_timeout(std::chrono::milliseconds(300));  // what the stalled collective below is given
   spin(dev, 1500);  // the next all-reduce (in place, Sum: no NCCL kernel in a world of one) waits behind it
   auto work = g.all_reduce_async(t, dist::ReduceOp::Sum);
   const auto t0 = std::chrono::steady_clock::now();

@@ -132,7 +132,10 @@ class BlockCache {
 // host-to-device copies] in storage.hpp): the host block may be dropped while the copy still
 // reads it. So each such copy records an event into the block, a freed block waits in a
 // pending list, and it is reused only once all of its events have completed (as PyTorch's
-// CachingHostAllocator does). Generic over the event type so that it is tested on the CPU.
+// CachingHostAllocator does). A later event on the same stream supersedes an earlier one (it
+// completes only after it), so a block that stays alive and is copied from every step (a
+// pinned staging buffer) keeps one event per stream instead of one per copy, which grew
+// without bound. Generic over the event type so that it is tested on the CPU.
 template <class Event>
 class HostBlockPool {
  public:
@@ -140,12 +143,29 @@ class HostBlockPool {
   void add(void* p, std::size_t size) { live_[addr(p)] = Live{size, {}}; }
 
   /// Notes that `e` marks the end of a use of the live block containing `p`; false (and `e`
-  /// untouched) when no live block contains it.
-  bool record(const void* p, Event e) {
+  /// untouched) when no live block contains it. An event `old` of the block for which
+  /// `supersedes(e, old)` holds (the same stream) is replaced by `e` and handed to `release(old)`.
+  template <class Supersedes, class Release>
+  bool record(const void* p, Event e, Supersedes&& supersedes, Release&& release) {
     auto it = find(p);
     if (it == live_.end()) return false;
+    for (auto& old : it->second.events)
+      if (supersedes(e, old)) {
+        release(old);
+        old = std::move(e);
+        return true;
+      }
     it->second.events.push_back(std::move(e));
     return true;
+  }
+  /// record() where no event supersedes another.
+  bool record(const void* p, Event e) {
+    return record(p, std::move(e), [](const Event&, const Event&) { return false; }, [](const Event&) {});
+  }
+  /// The events the live block containing `p` holds (0 when there is none).
+  std::size_t events(const void* p) const {
+    auto it = find(p);
+    return it == live_.end() ? 0 : it->second.events.size();
   }
   bool contains(const void* p) const { return find(p) != live_.end(); }
 

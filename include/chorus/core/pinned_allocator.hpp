@@ -62,13 +62,17 @@ class PinnedHostAllocator final : public Allocator {
       if (!blocks_.contains(p)) return false;
     }
     cudaEvent_t e = cuda::EventPool::get().acquire(device);
+    // Recorded under the lock: the events of one stream enter the block in the order they were
+    // recorded, so the one that supersedes the others is the latest (Note [deferred host frees]).
+    std::lock_guard<std::mutex> lk(m_);
     const cudaError_t rec = cuda::tolerate(cudaEventRecord(e, stream));
     if (rec != cudaSuccess) {
       cuda::EventPool::get().release(device, e);
       CHORUS_FAIL("recording the use of pinned memory on cuda:", device, ": ", cudaGetErrorString(rec));
     }
-    std::lock_guard<std::mutex> lk(m_);
-    (void)blocks_.record(p, Use{device, e});  // the caller holds the block: still live
+    // The caller holds the block: still live. An earlier use on this stream ends before this
+    // one does: its event goes back to the pool.
+    (void)blocks_.record(p, Use{device, e, stream}, same_stream, release);
     return true;
   }
 
@@ -85,7 +89,11 @@ class PinnedHostAllocator final : public Allocator {
   struct Use {
     int device = 0;
     cudaEvent_t event = nullptr;
+    cudaStream_t stream = nullptr;  // the event was recorded here
   };
+  static bool same_stream(const Use& later, const Use& earlier) {
+    return later.stream == earlier.stream && later.device == earlier.device;
+  }
   // cudaErrorNotReady (and any failure, on a broken device) leaves the block waiting.
   static bool done(const Use& u) { return cuda::tolerate(cudaEventQuery(u.event)) == cudaSuccess; }
   static void release(const Use& u) { cuda::EventPool::get().release(u.device, u.event); }

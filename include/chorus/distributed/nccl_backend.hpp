@@ -31,6 +31,14 @@ namespace detail {
 /// One NCCL communicator over the whole group for this process's GPU, on a dedicated stream,
 /// created non-blocking so that a stalled collective can be aborted (Note [watchdog]). Every
 /// call on the communicator is made under its lock (the watchdog polls it from its thread).
+///
+/// Note [NCCL stream lifetime]: the caching allocator remembers the stream of every block a
+/// collective used (record_stream) and records an event on it when the block is freed, which may
+/// be long after the group is gone (dist::shutdown() or a second ProcessGroup destroyed before
+/// the model's parameters and gradient buckets). A destroyed stream's handle is invalid there
+/// (undefined behaviour; CUDA may even hand the value to a new stream), so, like the runtime's
+/// streams (Note [per-thread lookups]), the communicator's stream is never destroyed once a
+/// collective may have used it: one stream per group made in the process's lifetime.
 class NcclGroup {
  public:
   NcclGroup(const ncclUniqueId& id, int rank, int world, int device, std::chrono::milliseconds timeout)
@@ -54,10 +62,7 @@ class NcclGroup {
       throw;
     }
   }
-  ~NcclGroup() {
-    close();
-    destroy_stream();
-  }
+  ~NcclGroup() { close(); }  // the stream stays (Note [NCCL stream lifetime])
   NcclGroup(const NcclGroup&) = delete;
   NcclGroup& operator=(const NcclGroup&) = delete;
 
@@ -132,6 +137,7 @@ class NcclGroup {
     (void)(finalized ? ncclCommDestroy(comm_) : ncclCommAbort(comm_));
     comm_ = nullptr;
   }
+  // Only before any collective ran (a failed construction): no block can name the stream yet.
   void destroy_stream() noexcept {
     if (stream_) (void)::chorus::cuda::tolerate(cudaStreamDestroy(stream_));
     stream_ = nullptr;
@@ -245,8 +251,13 @@ class NcclBackend final : public Backend {
       std::memcpy(&id, bytes.data(), sizeof(id));
     }
     group_ = std::make_unique<NcclGroup>(id, state_.rank, state_.world, device.index, state_.timeout);
-    watchdog_ = std::make_unique<Watchdog>([g = group_.get()] { return g->async_error(); },
-                                           [s = &state_](const std::string& why) { s->mark_broken(why); });
+    // Note [watchdog device]: the watchdog thread queries events of this GPU. A thread that never
+    // chose a device runs CUDA calls on device 0, creating a context there: every rank of an
+    // 8-GPU node would hold one on GPU 0 (hundreds of MiB each). So it chooses this one first.
+    watchdog_ = std::make_unique<Watchdog>(
+        [g = group_.get()] { return g->async_error(); },
+        [s = &state_](const std::string& why) { s->mark_broken(why); }, std::chrono::milliseconds(2),
+        [d = device.index] { (void)::chorus::cuda::tolerate(cudaSetDevice(d)); });
     return *group_;
   }
 

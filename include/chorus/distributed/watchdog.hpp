@@ -62,11 +62,13 @@ class Watchdog {
   };
 
   /// `group_error` polls the failure of the whole communicator ("" while there is none);
-  /// `on_failure` runs on the watchdog thread, once, with the first reason.
+  /// `on_failure` runs on the watchdog thread, once, with the first reason; `on_start` runs on
+  /// it first, before any poll (NCCL: makes the communicator's GPU the thread's device, Note
+  /// [watchdog device]).
   Watchdog(std::function<std::string()> group_error, std::function<void(const std::string&)> on_failure,
-           std::chrono::milliseconds interval = std::chrono::milliseconds(2))
-      : group_error_(std::move(group_error)), on_failure_(std::move(on_failure)), interval_(interval),
-        thread_([this] { run(); }) {}
+           std::chrono::milliseconds interval = std::chrono::milliseconds(2), std::function<void()> on_start = {})
+      : group_error_(std::move(group_error)), on_failure_(std::move(on_failure)), on_start_(std::move(on_start)),
+        interval_(interval), thread_([this] { run(); }) {}
   ~Watchdog() { stop(); }
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
@@ -96,6 +98,7 @@ class Watchdog {
 
  private:
   void run() {
+    if (on_start_) on_start_();
     for (;;) {
       std::vector<std::shared_ptr<Entry>> now;
       {
@@ -140,6 +143,7 @@ class Watchdog {
 
   std::function<std::string()> group_error_;
   std::function<void(const std::string&)> on_failure_;
+  std::function<void()> on_start_;
   std::chrono::milliseconds interval_;
   mutable std::mutex m_;
   std::condition_variable cv_;
