@@ -162,9 +162,6 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
   std::vector<const void*> slots_;
   std::vector<std::int64_t> counts_;
   std::vector<Event> ready_ = make_events(size_), read_ = make_events(size_);  // Note [device statistics reduction]
-  std::mutex m_;
-  }
-
   mutable std::mutex m_;
   std::condition_variable cv_;
   int arrived_ = 0;
