@@ -618,8 +618,8 @@ TEST(BatchNormStats, SyncBatchNormOverFarApartReplicasEqualsOneBatchNorm) {
   auto xd = x.detach().requires_grad_();
   auto y = dp(xd);
   EXPECT_TRUE(all_close(y, ref, 1e-9, 1e-9));
-  EXPECT_TRUE(all_close(dp.module()->running_var, single->running_var, 1e-9));
-  EXPECT_TRUE(all_close(dp.module()->running_mean, single->running_mean, 1e-9));
+  EXPECT_TRUE(all_close(dp.module().running_var, single->running_var, 1e-9));
+  EXPECT_TRUE(all_close(dp.module().running_mean, single->running_mean, 1e-9));
 }
 
 TYPED_TEST(LayersTyped, ClipGradNormOverDevicesAndDtypes) {

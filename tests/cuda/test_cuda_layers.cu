@@ -285,7 +285,7 @@ TEST(CudaIssue17, SyncBatchNormOnOneGpuEqualsBatchNormOverTheBatch) {
   (y * r<double>(ref.shape(), 22).to(kGpu)).sum().backward();
   EXPECT_TRUE(all_close(y.to(Device::cpu()), ref, 1e-10, 1e-10));
   EXPECT_TRUE(all_close(xg.grad().to(Device::cpu()), xr.grad(), 1e-10, 1e-10));
-  EXPECT_TRUE(all_close(dp.module()->running_var.to(Device::cpu()), single->running_var, 1e-10, 1e-10));
+  EXPECT_TRUE(all_close(dp.module().running_var.to(Device::cpu()), single->running_var, 1e-10, 1e-10));
 }
 
 // The operations this issue moved onto the device queue their work and return while the GPU is
