@@ -222,6 +222,7 @@ TEST(PyTorchDataParallel, NoReferenceCycles) {
 // test_data_parallel (and _sparse, with a dense Embedding): device orders (0, 1) and (1, 0);
 // the output on devices[0], equal outputs and gradients.
 TEST(PyTorchDataParallel, DeviceOrdersGiveTheSameOutputAndGradients) {
+  (void)cpus({0, 1});  // makes cpu:1 available before its first use: each test runs alone
   manual_seed(4);
   nn::Linear l(10, 5);
   l->to(Device::cpu(1));

@@ -293,6 +293,7 @@ TEST(DataParallel, AForwardWithoutArgumentsRunsOnThePrimary) {
     Tensor<float> forward() { return ones<float>({2, 3}); }
     Tensor<float> forward(double v) { return full<float>({2}, static_cast<float>(v)); }
   };
+  set_cpu_device_count(std::max(cpu_device_count(), 2));  // the output device cpu:1 (each test runs alone)
   for (int k : {1, 2}) {
     DataParallel<NoInputs> dp(NoInputs(), cpus(k), Device::cpu(1));
     auto out = dp();
