@@ -643,4 +643,30 @@ TEST(Cuda, DataLoaderPinsBatches) {
   EXPECT_LT(stats.num_system_allocs, stats.num_allocs);  // later batches reuse earlier blocks
 }
 
+// Note [pinning workers' device]: the workers pin (cudaHostAlloc) on the consumer's current
+// device, not on device 0, where a first CUDA call from a new thread would create a context.
+TEST(Cuda, DataLoaderWorkersRunOnTheConsumersDevice) {
+  REQUIRE_GPU();
+  if (cuda_device_count() < 2) GTEST_SKIP() << "needs two GPUs (a worker on device 0 is indistinguishable with one)";
+  struct RecordsDevice {
+    std::shared_ptr<std::atomic<int>> seen = std::make_shared<std::atomic<int>>(-1);
+    std::size_t size() const { return 8; }
+    Tensor<float> get(std::size_t i) const {
+      int d = -1;
+      if (cudaGetDevice(&d) == cudaSuccess) seen->store(d);
+      return full<float>({2}, static_cast<float>(i));
+    }
+  };
+  RecordsDevice ds;
+  int prev = 0;
+  ASSERT_EQ(cudaGetDevice(&prev), cudaSuccess);
+  ASSERT_EQ(cudaSetDevice(1), cudaSuccess);
+  {
+    data::DataLoader loader(ds, {.batch_size = 4, .num_workers = 2, .pin_memory = true});
+    for (const auto& b : loader) EXPECT_EQ(b.numel(), 8);
+  }
+  ASSERT_EQ(cudaSetDevice(prev), cudaSuccess);
+  EXPECT_EQ(ds.seen->load(), 1);
+}
+
 #include "test_cuda_ordering.cuh"

@@ -152,6 +152,12 @@ class DataLoader {
       // Worker w builds batches w, w + W, …: workers beyond the epoch's batch count would have
       // none, so a huge num_workers starts no more threads than there are batches.
       const std::size_t threads = std::min(stride_, num_batches_);
+#if CHORUS_CUDA
+      // Note [pinning workers' device]: a new thread's current CUDA device is 0, and a worker's
+      // first cudaHostAlloc would create a context there: every rank of a DDP job on GPU r
+      // would hold one more context on GPU 0. The workers pin on the consumer's device.
+      if (options_.pin_memory && pinning_available()) CHORUS_CUDA_CHECK(cudaGetDevice(&consumer_device_));
+#endif
       workers_.reserve(threads);
       try {
         for (std::size_t w = 0; w < threads; ++w) workers_.emplace_back([this, w] { work(w); });
@@ -210,6 +216,19 @@ class DataLoader {
     };
 
     void work(std::size_t w) {
+#if CHORUS_CUDA
+      if (consumer_device_ >= 0 && cuda::tolerate(cudaSetDevice(consumer_device_)) != cudaSuccess) {
+        {
+          std::lock_guard lk(m_);
+          Slot slot;
+          slot.error = "DataLoader worker " + std::to_string(w) + ": cudaSetDevice(" +
+                       std::to_string(consumer_device_) + ") failed, so it cannot pin batches";
+          for (std::size_t b = w; b < num_batches_; b += stride_) ready_.emplace(b, slot);
+        }
+        ready_cv_.notify_all();
+        return;
+      }
+#endif
       // b + stride_ cannot wrap: stride_ is an int64 option and b < num_batches_ <= order_.size(),
       // the length of a vector (both below 2^63).
       for (std::size_t b = w; b < num_batches_; b += stride_) {
@@ -264,6 +283,7 @@ class DataLoader {
     std::size_t num_batches_;
     std::size_t stride_;  // W: worker w builds batches w, w + W, …
     std::size_t window_;  // Note [prefetch window]
+    int consumer_device_ = -1;  // the CUDA device the workers pin on (Note [pinning workers' device])
     std::vector<std::thread> workers_;
     std::mutex m_;
     std::condition_variable work_cv_, ready_cv_;

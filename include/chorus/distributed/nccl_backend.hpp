@@ -47,7 +47,7 @@ class NcclGroup {
     CHORUS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    const ncclResult_t rc = ncclCommInitRankConfig(&comm_, world, id, rank, &config);
+    const ncclResult_t rc = cleared(ncclCommInitRankConfig(&comm_, world, id, rank, &config));
     if (rc != ncclSuccess && rc != ncclInProgress) {
       comm_ = nullptr;
       destroy_stream();
@@ -69,12 +69,19 @@ class NcclGroup {
   int device() const { return device_; }
   cudaStream_t stream() const { return stream_; }
 
+  /// NCCL queries streams and events inside its calls; a "not ready" answer it got stays in the
+  /// thread's last-error slot, where the next check_launch() would blame a chorus kernel for it
+  /// (Note [tolerated CUDA errors]). Cleared after every NCCL call; other codes stay for the checks.
+  static ncclResult_t cleared(ncclResult_t r) {
+    if (cudaPeekAtLastError() == cudaErrorNotReady) (void)cudaGetLastError();
+    return r;
+  }
   /// Calls issue(comm) under the lock; throws if the communicator was aborted.
   template <class F>
   ncclResult_t issue(const std::string& what, F&& f) {
     std::lock_guard<std::mutex> lk(m_);
     CHORUS_CHECK(comm_, "dist: ", what, ": the NCCL communicator was aborted (the process group is broken)");
-    return f(comm_);
+    return cleared(f(comm_));
   }
 
   /// Waits (host side) until the communicator has no operation in progress.
@@ -85,7 +92,7 @@ class NcclGroup {
       {
         std::lock_guard<std::mutex> lk(m_);
         CHORUS_CHECK(comm_, "dist: ", what, ": the NCCL communicator was aborted (the process group is broken)");
-        CHORUS_NCCL_CHECK(ncclCommGetAsyncError(comm_, &state));
+        CHORUS_NCCL_CHECK(cleared(ncclCommGetAsyncError(comm_, &state)));
       }
       if (state == ncclSuccess) return;
       if (state != ncclInProgress) CHORUS_FAIL("NCCL error in ", what, ": ", ncclGetErrorString(state));
@@ -102,12 +109,12 @@ class NcclGroup {
     std::lock_guard<std::mutex> lk(m_);
     if (!comm_) return {};
     ncclResult_t state = ncclSuccess;
-    if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) return "ncclCommGetAsyncError failed";
+    if (cleared(ncclCommGetAsyncError(comm_, &state)) != ncclSuccess) return "ncclCommGetAsyncError failed";
     return state == ncclSuccess || state == ncclInProgress ? std::string() : ncclGetErrorString(state);
   }
   void abort() noexcept {
     std::lock_guard<std::mutex> lk(m_);
-    if (comm_) (void)ncclCommAbort(comm_);
+    if (comm_) (void)cleared(ncclCommAbort(comm_));
     comm_ = nullptr;
   }
 
@@ -119,7 +126,7 @@ class NcclGroup {
     std::lock_guard<std::mutex> lk(m_);
     if (!comm_) return;
     bool finalized = false;
-    const ncclResult_t rc = ncclCommFinalize(comm_);
+    const ncclResult_t rc = cleared(ncclCommFinalize(comm_));
     if (rc == ncclSuccess || rc == ncclInProgress) {
       const auto deadline = std::chrono::steady_clock::now() + timeout_;
       for (;;) {
@@ -134,7 +141,7 @@ class NcclGroup {
         std::this_thread::yield();
       }
     }
-    (void)(finalized ? ncclCommDestroy(comm_) : ncclCommAbort(comm_));
+    (void)cleared(finalized ? ncclCommDestroy(comm_) : ncclCommAbort(comm_));
     comm_ = nullptr;
   }
   // Only before any collective ran (a failed construction): no block can name the stream yet.

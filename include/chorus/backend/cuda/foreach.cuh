@@ -54,7 +54,8 @@ __device__ inline int chunk_tensor(const TensorChunk<T>& c, std::int64_t b, std:
   int t = 0;
   while (t + 1 < c.count && b >= c.first_block[t + 1]) ++t;
   i0 = (b - c.first_block[t]) * kElemsPerBlock;
-  i1 = min(c.numel[t], i0 + kElemsPerBlock);
+  const std::int64_t end = i0 + kElemsPerBlock;  // not an unqualified min: which overload it finds depends on the headers
+  i1 = c.numel[t] < end ? c.numel[t] : end;
   return t;
 }
 
