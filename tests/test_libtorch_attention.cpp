@@ -8,14 +8,14 @@
 #include <functional>
 #include <limits>
 
-#include "test_util.hpp"
+#include "libtorch_util.hpp"
 
-#if CHORUS_HAVE_LIBTORCH
-#include <torch/torch.h>
-#endif
 
 #if CHORUS_HAVE_LIBTORCH
 namespace {
+using chorus::testing::from_torch;
+using chorus::testing::sizes_of;
+using chorus::testing::to_torch;
 using namespace chorus;
 using CL = std::vector<Tensor<double>>;
 using TL = std::vector<torch::Tensor>;
@@ -23,20 +23,6 @@ using I64 = std::vector<std::int64_t>;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kTol = 1e-10;
 
-std::vector<int64_t> sizes_of(const Shape& s) { return {s.begin(), s.end()}; }
-
-template <class T>
-torch::Tensor to_torch(const Tensor<T>& t) {
-  auto v = t.to_vector();
-  auto dt = std::is_same_v<T, double> ? torch::kFloat64 : torch::kLong;
-  return torch::from_blob(v.data(), sizes_of(t.shape()), dt).clone();
-}
-Tensor<double> from_torch(const torch::Tensor& t) {
-  auto c = t.detach().contiguous().to(torch::kFloat64);
-  Shape s;
-  for (auto d : c.sizes()) s.push_back(d);
-  return from_vector<double>(std::vector<double>(c.data_ptr<double>(), c.data_ptr<double>() + c.numel()), s);
-}
 
 ::testing::AssertionResult same(const Tensor<double>& ours, const torch::Tensor& theirs, const std::string& what) {
   if (sizes_of(ours.shape()) != theirs.sizes().vec())
@@ -543,11 +529,5 @@ TEST(LibTorchAttention, EncoderDecoderStacksAndTransformer) {
   }
 }
 #else
-#if CHORUS_LIBTORCH_SANITIZED
-#define CHORUS_LIBTORCH_SKIP "LibTorch is not built with sanitizers: this test runs in the unsanitized build"
-#else
-#define CHORUS_LIBTORCH_SKIP \
-  "LibTorch was not found when this test was configured (apt-get install libtorch-dev, then reconfigure)"
-#endif
 TEST(LibTorchAttention, Skipped) { GTEST_SKIP() << CHORUS_LIBTORCH_SKIP; }
 #endif

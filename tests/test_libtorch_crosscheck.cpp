@@ -2,13 +2,10 @@
 // the same weights and input give the same outputs, gradients and running statistics
 // (float64, 1e-10), in training and in eval mode. Skips where LibTorch was not found.
 #include "resnet_block.hpp"
-#include "test_util.hpp"
+#include "libtorch_util.hpp"
 
 #include <functional>
 
-#if CHORUS_HAVE_LIBTORCH
-#include <torch/torch.h>
-#endif
 
 using namespace chorus;
 using chorus::testing::BasicBlock;
@@ -18,6 +15,9 @@ using chorus::testing::pattern_value;
 
 #if CHORUS_HAVE_LIBTORCH
 namespace {
+using chorus::testing::from_torch;
+using chorus::testing::sizes_of;
+using chorus::testing::to_torch;
 struct TorchBlockImpl : torch::nn::Module {
   torch::nn::Conv2d conv1{nullptr}, conv2{nullptr};
   torch::nn::BatchNorm2d bn1{nullptr}, bn2{nullptr};
@@ -60,13 +60,6 @@ void fill_torch(TorchBlock& m) {
   }
 }
 
-Tensor<double> from_torch(const torch::Tensor& t) {
-  auto c = t.detach().contiguous().to(torch::kFloat64);
-  std::vector<double> v(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
-  Shape s;
-  for (auto d : c.sizes()) s.push_back(d);
-  return from_vector<double>(v, s);
-}
 
 constexpr double kTol = 1e-10;
 }  // namespace
@@ -130,11 +123,6 @@ namespace {
 using CFn = std::function<Tensor<double>(const std::vector<Tensor<double>>&)>;
 using TFn = std::function<torch::Tensor(const std::vector<torch::Tensor>&)>;
 
-torch::Tensor to_torch(const Tensor<double>& t) {
-  auto v = t.to_vector();
-  std::vector<int64_t> dims(t.shape().begin(), t.shape().end());
-  return torch::from_blob(v.data(), dims, torch::kFloat64).clone();
-}
 
 /// The same op in chorus and LibTorch on the same float64 inputs: outputs and input gradients.
 void same_as_torch(const char* name, const CFn& f, const TFn& g, const std::vector<Tensor<double>>& inputs) {
@@ -211,11 +199,5 @@ TEST(LibTorchCrossCheck, EveryLayerOp) {
                 {rnd({40}, 16, -4, 4)});
 }
 #else
-#if CHORUS_LIBTORCH_SANITIZED
-#define CHORUS_LIBTORCH_SKIP "LibTorch is not built with sanitizers: this test runs in the unsanitized build"
-#else
-#define CHORUS_LIBTORCH_SKIP \
-  "LibTorch was not found when this test was configured (apt-get install libtorch-dev, then reconfigure)"
-#endif
 TEST(LibTorchCrossCheck, ResNetBasicBlockWithBatchNorm) { GTEST_SKIP() << CHORUS_LIBTORCH_SKIP; }
 #endif

@@ -4,32 +4,19 @@
 // initial states, each parameter) agree to 1e-10 in float64. Skips where LibTorch was not found.
 #include <functional>
 
-#include "test_util.hpp"
+#include "libtorch_util.hpp"
 
-#if CHORUS_HAVE_LIBTORCH
-#include <torch/torch.h>
-#endif
 
 using namespace chorus;
 using chorus::testing::all_close;
 
 #if CHORUS_HAVE_LIBTORCH
 namespace {
+using chorus::testing::from_torch;
+using chorus::testing::sizes_of;
+using chorus::testing::to_torch;
 constexpr double kTol = 1e-10;
 
-torch::Tensor to_torch(const Tensor<double>& t) {
-  auto v = t.to_vector();
-  std::vector<int64_t> dims(t.shape().begin(), t.shape().end());
-  return torch::from_blob(v.data(), dims, torch::kFloat64).clone();
-}
-
-Tensor<double> from_torch(const torch::Tensor& t) {
-  auto c = t.detach().contiguous().to(torch::kFloat64);
-  std::vector<double> v(c.data_ptr<double>(), c.data_ptr<double>() + c.numel());
-  Shape s;
-  for (auto d : c.sizes()) s.push_back(d);
-  return from_vector<double>(v, s);
-}
 
 /// LibTorch modules made while alive hold float64 parameters.
 struct TorchDouble {
@@ -340,11 +327,5 @@ TEST(LibTorchRNN, Cells) {
     }
 }
 #else
-#if CHORUS_LIBTORCH_SANITIZED
-#define CHORUS_LIBTORCH_SKIP "LibTorch is not built with sanitizers: this test runs in the unsanitized build"
-#else
-#define CHORUS_LIBTORCH_SKIP \
-  "LibTorch was not found when this test was configured (apt-get install libtorch-dev, then reconfigure)"
-#endif
 TEST(LibTorchRNN, LayersAndCells) { GTEST_SKIP() << CHORUS_LIBTORCH_SKIP; }
 #endif

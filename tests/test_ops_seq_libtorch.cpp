@@ -1,19 +1,19 @@
 // The sequence-model operators against LibTorch (Debian libtorch-dev) in float64: the same
 // inputs give the same outputs, indices and input gradients (1e-10), including PyTorch's
 // conventions at ties, at 0 and at boundaries. Skips where LibTorch was not found.
-#include "test_util.hpp"
+#include "libtorch_util.hpp"
 
 #include <functional>
 #include <limits>
 
-#if CHORUS_HAVE_LIBTORCH
-#include <torch/torch.h>
-#endif
 
 using TL = std::vector<chorus::Tensor<double>>;
 
 #if CHORUS_HAVE_LIBTORCH
 namespace {
+using chorus::testing::from_torch;
+using chorus::testing::sizes_of;
+using chorus::testing::to_torch;
 using chorus::Device;
 using chorus::Generator;
 using chorus::Shape;
@@ -22,14 +22,6 @@ using TT = std::vector<torch::Tensor>;
 using I64 = std::vector<std::int64_t>;
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-std::vector<int64_t> sizes_of(const Shape& s) { return {s.begin(), s.end()}; }
-
-template <class T>
-torch::Tensor to_torch(const Tensor<T>& t) {
-  auto v = t.to_vector();
-  auto dt = std::is_same_v<T, double> ? torch::kFloat64 : torch::kLong;
-  return torch::from_blob(v.data(), sizes_of(t.shape()), dt).clone();
-}
 
 ::testing::AssertionResult same(const torch::Tensor& ours, const torch::Tensor& theirs, const char* what) {
   if (ours.sizes() != theirs.sizes())
@@ -197,11 +189,5 @@ TEST(OpsSeqLibtorch, Reductions) {
         [](const TT& v) { return torch::linalg_vector_norm(v[0], kInf); }, {chorus::from_vector<double>({-2, 2, 1, -2})});
 }
 #else
-#if CHORUS_LIBTORCH_SANITIZED
-#define CHORUS_LIBTORCH_SKIP "LibTorch is not built with sanitizers: this test runs in the unsanitized build"
-#else
-#define CHORUS_LIBTORCH_SKIP \
-  "LibTorch was not found when this test was configured (apt-get install libtorch-dev, then reconfigure)"
-#endif
 TEST(OpsSeqLibtorch, Skipped) { GTEST_SKIP() << CHORUS_LIBTORCH_SKIP; }
 #endif
