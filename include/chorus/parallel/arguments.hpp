@@ -122,6 +122,10 @@ constexpr bool splittable() {
   }
 }
 
+/// An argument DataParallel can hand to its replicas (Note [nested arguments]).
+template <class A>
+inline constexpr bool is_replicable_argument_v = splittable<A, false>();
+
 template <class A>
 constexpr void check_argument() {
   static_assert(splittable<A, false>(),

@@ -5,6 +5,7 @@
 #include "chunk_plan.hpp"
 #include "comm.hpp"
 #include "data_parallel.hpp"
+#include "data_parallel_options.hpp"
 #include "functional.hpp"
 #include "gather.hpp"
 #include "parallel_apply.hpp"
