@@ -161,7 +161,9 @@ TEST(DataParallelSeq, TensorsInsideTuplesVectorsMapsAndOptionalsAreScatteredAndG
     for (int k : {1, 2, 3}) {
       SCOPED_TRACE(std::to_string(k) + " devices");
       // The last output is [4, rows]: it joins along its last dim (gather_dims per output).
-      DataParallel<Nested> dp(nn::clone(reference, Device::cpu(0)), {.devices = cpus(k), .gather_dims = {0, 0, 0, 0, -1}});
+      // The vector's tensors split along -2 (their dim 0), the undefined one passing through.
+      DataParallel<Nested> dp(nn::clone(reference, Device::cpu(0)),
+                              {.devices = cpus(k), .scatter_dims = {0, -2}, .gather_dims = {0, 0, 0, 0, -1}});
       auto l = leaves();
       auto out = call(dp, l, with_optional);
       const auto& [y, vm, oo, tag, t] = out;
@@ -270,7 +272,13 @@ TEST(DataParallelSeq, TheFunctionalPiecesAreTorchNnParallels) {
     EXPECT_EQ(std::get<1>(pieces[i]), 7);
     EXPECT_TRUE(all_close(std::get<2>(pieces[i])[0].to(Device::cpu(0)), std::get<0>(pieces[i]).to(Device::cpu(0)), 0));
   }
-  EXPECT_EQ(parallel::scatter(r({2, 4}, 3), devs).size(), 2u);  // fewer chunks than devices
+  auto two = parallel::scatter(r({2, 4}, 3), devs);
+  EXPECT_EQ(two.size(), 2u);  // fewer chunks than devices
+  {
+    auto module = nn::clone(reference, Device::cpu(0));
+    auto three = parallel::replicate(module, devs);
+    EXPECT_TRUE(throws_with([&] { parallel::parallel_apply(three, two); }, {"2 inputs for 3 replicas"}));
+  }
   EXPECT_EQ(parallel::scatter(std::string("no tensor"), devs), std::vector<std::string>(3, "no tensor"));
   auto by_dims = parallel::scatter(std::make_pair(x, r({2, 8}, 4)), devs, std::vector<std::int64_t>{0, 1});
   EXPECT_EQ(by_dims[2].second.shape(), (Shape{2, 2}));

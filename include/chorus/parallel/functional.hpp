@@ -78,15 +78,15 @@ Replicas<M> replicate(M& module, std::vector<Device> devices) {
 }
 
 /// torch.nn.parallel.parallel_apply: replica r's forward on inputs[r] (a std::tuple is the
-/// argument list), each on its device's worker (replica 0 on the calling thread), for the first
-/// inputs.size() replicas. Errors as DataParallel's (Note [replica errors]).
+/// argument list; one input per replica), each on its device's worker (replica 0 on the calling
+/// thread). Errors as DataParallel's (Note [replica errors]).
 template <class M, class A>
 auto parallel_apply(Replicas<M>& replicas, const std::vector<A>& inputs) {
-  CHORUS_CHECK(inputs.size() <= replicas.size(), "parallel_apply: ", inputs.size(), " inputs for ", replicas.size(),
-               " replicas");
-  CHORUS_CHECK(!inputs.empty(), "parallel_apply: no inputs");
-  std::vector<Device> devices(replicas.devices().begin(),
-                              replicas.devices().begin() + static_cast<std::ptrdiff_t>(inputs.size()));
+  // Every replica is wired into backward (its gradients are awaited): one input each.
+  CHORUS_CHECK(inputs.size() == replicas.size(), "parallel_apply: ", inputs.size(), " inputs for ", replicas.size(),
+               " replicas; replicate onto as many devices as scatter made pieces (PyTorch's replicate(module, "
+               "devices[:len(inputs)]))");
+  const std::vector<Device>& devices = replicas.devices();
   auto stats = std::make_shared<ReplicaStatsGroup>(static_cast<int>(inputs.size()));
   return parallel_apply(detail::replica_streams(devices, true), [&](std::size_t r) {
     StatsReducerScope sync(stats->member(static_cast<int>(r)));

@@ -75,8 +75,8 @@ class SplitMeasure {
 template <class A>
 decltype(auto) scatter_part(const A& a, std::int64_t dim, std::int64_t offset, std::int64_t size, Device device) {
   auto part = [&](const auto& t) {
-    const std::int64_t d = dim < 0 ? dim + t.dim() : dim;
-    return t.defined() ? t.narrow(d, offset, size).to(device) : t;
+    if (!t.defined()) return t;
+    return t.narrow(dim < 0 ? dim + t.dim() : dim, offset, size).to(device);
   };
   if constexpr (is_tensor_v<A>) return part(a);
   else if constexpr (!contains_tensor_v<A>) return (a);
