@@ -179,10 +179,14 @@ TEST(DataParallelSeq, TensorsInsideTuplesVectorsMapsAndOptionalsAreScatteredAndG
       EXPECT_EQ(losses.dim(), k == 1 ? 0 : 1);
       EXPECT_NEAR(sum(losses).item(), std::get<1>(ref).second.at("loss").item(), 1e-10);
       ASSERT_EQ(oo.has_value(), with_optional);
-      if (oo) EXPECT_TRUE(all_close(*oo, *std::get<2>(ref), kTol, kTol));
+      if (oo) {
+        EXPECT_TRUE(all_close(*oo, *std::get<2>(ref), kTol, kTol));
+      }
       total(out).backward();
       for (std::size_t i = 0; i < l.size(); ++i)
-        if (with_optional || i != 4) EXPECT_TRUE(all_close(l[i].grad(), ref_leaves[i].grad(), kTol, kTol)) << "leaf " << i;
+        if (with_optional || i != 4) {
+          EXPECT_TRUE(all_close(l[i].grad(), ref_leaves[i].grad(), kTol, kTol)) << "leaf " << i;
+        }
       expect_param_grads(reference, dp.module(), "Nested");
     }
   }
