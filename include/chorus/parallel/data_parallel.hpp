@@ -130,14 +130,13 @@ class DataParallel {
         scatter_dims_(std::move(options.scatter_dims)),
         gather_dims_(std::move(options.gather_dims)),
         bucket_bytes_(options.bucket_bytes) {
-    const auto output_device = options.output_device;
     CHORUS_CHECK(!devices_.empty(), "DataParallel: no devices");
     CHORUS_CHECK(dim_ >= 0, "DataParallel: dim must be non-negative, got ", dim_);
     for (const auto& d : devices_) {
       check_device(d);
       CHORUS_CHECK(d.kind == devices_[0].kind, "DataParallel: devices mix kinds (", devices_[0], " and ", d, ")");
     }
-    output_device_ = output_device.value_or(devices_[0]);
+    output_device_ = options.output_device ? *options.output_device : devices_[0];
     check_device(output_device_);
     if (module_on(devices_[0])) install(build(devices_));  // else at to(devices[0]) or the first forward
   }
