@@ -404,7 +404,8 @@ TEST(DataParallel, ParametersMustBeOnThePrimary) {
   set_cpu_device_count(3);
   Net<float> net;
   net.to(Device::cpu(1));
-  EXPECT_TRUE(throws_with([&] { DataParallel<Net<float>> dp(std::move(net), cpus(2)); },
+  // As PyTorch's: building it is fine (to(devices[0]) would move it), its forward is not.
+  EXPECT_TRUE(throws_with([&] { DataParallel<Net<float>> dp(std::move(net), cpus(2)); dp(randn<float>({4, 6})); },
                           {"fc1.weight", "cpu:1", "primary device is cpu:0"}));
   DataParallel<Net<float>> dp(Net<float>(), cpus(2));
   dp.module().to(Device::cpu(2));

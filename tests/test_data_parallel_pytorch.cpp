@@ -1,9 +1,9 @@
 // PyTorch's own DataParallel tests (test/distributed/test_data_parallel.py), the cases that
 // apply to chorus, ported to virtual CPU devices: cpu:0 and cpu:1 play cuda:0 and cuda:1.
 // Cases ported elsewhere: buffers_requiring_grad and module_zero_inputs (test_data_parallel.cpp),
-// nested_input (refused at compile time: tests/compile_fail/dp_nested_argument.cpp). Not
-// ported: RNN/LSTM, sparse gradients, complex numbers, autocast, lazy modules, kwargs,
-// gradient penalty (double backward) and nested outputs, which chorus does not have yet.
+// nested_input, nested_output, the LSTM's state and functional data_parallel
+// (test_data_parallel_seq.cpp). Not ported: sparse gradients, complex numbers, autocast, lazy
+// modules, kwargs and gradient penalty (double backward), which chorus does not have yet.
 #include <unistd.h>
 
 #include <atomic>

@@ -1,17 +1,16 @@
-// Must not compile (issue 16, item 13; Note [nested arguments]): a tensor inside a tuple
-// argument would reach every DataParallel replica whole, unsplit. The test that builds this
-// file passes when the build fails with DataParallel's message.
+// Must not compile (Note [nested arguments]): DataParallel scatters the tensors inside tuples,
+// pairs, arrays, vectors, optionals and string-keyed maps, but cannot see into a std::list (nor
+// an AnyTensor, a pointer or a variant): its tensors would reach every replica whole, unsplit.
+// The test that builds this file passes when the build fails with DataParallel's message.
 #include <chorus/chorus.hpp>
-#include <tuple>
+#include <list>
 
 struct Pairwise : chorus::nn::Module {
-  chorus::Tensor<float> forward(const std::tuple<chorus::Tensor<float>, chorus::Tensor<float>>& ab) {
-    return std::get<0>(ab) + std::get<1>(ab);
-  }
+  chorus::Tensor<float> forward(const std::list<chorus::Tensor<float>>& ab) { return ab.front() + ab.back(); }
 };
 
 int main() {
   chorus::DataParallel<Pairwise> dp(Pairwise{}, {chorus::Device::cpu(0)});
   auto x = chorus::ones<float>({4, 2});
-  return static_cast<int>(dp(std::make_tuple(x, x)).numel());
+  return static_cast<int>(dp(std::list<chorus::Tensor<float>>{x, x}).numel());
 }

@@ -22,6 +22,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <concepts>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -32,19 +34,16 @@
 #include "arguments.hpp"
 #include "chunk_plan.hpp"
 #include "comm.hpp"
+#include "data_parallel_options.hpp"
 #include "gather.hpp"
 #include "parallel_apply.hpp"
 #include "replicate.hpp"
+#include "scatter.hpp"
 #include "stats_reducer.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 
 namespace parallel::detail {
-template <class X>
-struct is_tensor_tuple : std::false_type {};
-template <class... Ts>
-struct is_tensor_tuple<std::tuple<Ts...>> : std::bool_constant<(is_tensor_v<Ts> && ...)> {};
-
 template <class M, class... Args>
 decltype(auto) call_forward(M& m, Args&&... args) {
   if constexpr (requires { m.forward(std::forward<Args>(args)...); }) {
@@ -103,43 +102,63 @@ class DataParallel {
                 "DataParallel wraps an nn::Module (or a module holder)");
 
  public:
-  /// Wraps `module` (which must live on devices[0]) for `devices` (default: all GPUs, else
-  /// the virtual CPU devices); outputs are gathered on `output_device` (default devices[0])
-  /// along `dim` (the dimension inputs are split along, default 0). Gradients are reduced in
-  /// buckets of about `bucket_bytes` (default kDefaultBucketBytes on GPUs,
-  /// kDefaultCpuBucketBytes on CPU devices; Note [gradient buckets]).
-  explicit DataParallel(M module, std::vector<Device> devices = {}, std::optional<Device> output_device = std::nullopt,
-                        std::int64_t dim = 0, std::optional<std::size_t> bucket_bytes = std::nullopt)
+  /// Wraps `module` for `devices` (default: all GPUs, else the virtual CPU devices); outputs
+  /// are gathered on `output_device` (default devices[0]) along `dim` (the dimension inputs are
+  /// split along, default 0). Gradients are reduced in buckets of about `bucket_bytes` (default
+  /// kDefaultBucketBytes on GPUs, kDefaultCpuBucketBytes on CPU devices; Note [gradient
+  /// buckets]). The module should live on devices[0]; one that does not yet is moved there by
+  /// to(devices[0]) (a forward before that throws), as PyTorch's nn.DataParallel(model).to(...).
+  /// (A template, and an initializer_list overload, so that a braced options list `{.devices =
+  /// ...}` picks the options constructor below instead of being ambiguous with this one.)
+  template <class D>
+    requires std::convertible_to<D, std::vector<Device>>
+  DataParallel(M module, D&& devices, std::optional<Device> output_device = std::nullopt, std::int64_t dim = 0,
+               std::optional<std::size_t> bucket_bytes = std::nullopt)
+      : DataParallel(std::move(module), DataParallelOptions{.devices = std::vector<Device>(std::forward<D>(devices)),
+                                                            .output_device = output_device,
+                                                            .dim = dim,
+                                                            .bucket_bytes = bucket_bytes}) {}
+  DataParallel(M module, std::initializer_list<Device> devices, std::optional<Device> output_device = std::nullopt,
+               std::int64_t dim = 0, std::optional<std::size_t> bucket_bytes = std::nullopt)
+      : DataParallel(std::move(module), std::vector<Device>(devices), output_device, dim, bucket_bytes) {}
+  /// The same from options, which also give per-argument and per-output dims (Note [scatter
+  /// and gather dims]).
+  explicit DataParallel(M module, DataParallelOptions options = {})
       : module_(std::move(module)),
-        devices_(devices.empty() ? available_devices() : std::move(devices)),
-        dim_(dim),
-        bucket_bytes_(bucket_bytes) {
+        devices_(options.devices.empty() ? available_devices() : std::move(options.devices)),
+        dim_(options.dim),
+        scatter_dims_(std::move(options.scatter_dims)),
+        gather_dims_(std::move(options.gather_dims)),
+        bucket_bytes_(options.bucket_bytes) {
     CHORUS_CHECK(!devices_.empty(), "DataParallel: no devices");
     CHORUS_CHECK(dim_ >= 0, "DataParallel: dim must be non-negative, got ", dim_);
     for (const auto& d : devices_) {
       check_device(d);
       CHORUS_CHECK(d.kind == devices_[0].kind, "DataParallel: devices mix kinds (", devices_[0], " and ", d, ")");
     }
-    output_device_ = output_device.value_or(devices_[0]);
+    output_device_ = options.output_device ? *options.output_device : devices_[0];
     check_device(output_device_);
-    install(build(devices_));
+    if (module_on(devices_[0])) install(build(devices_));  // else at to(devices[0]) or the first forward
   }
 
   DataParallel(const DataParallel&) = delete;
   DataParallel& operator=(const DataParallel&) = delete;
 
-  /// Scatters the tensor arguments, runs the replicas, gathers the outputs (Tensor or tuple).
-  /// Every argument is a Tensor (split along dim()) or holds no tensor (Note [nested
-  /// arguments]). A forward without arguments runs once, on the primary device (as PyTorch's).
-  /// A replica's exception arrives as chorus::Error with the original nested (Note [replica
-  /// errors]).
+  /// Scatters the tensors of the arguments (also inside tuples, vectors, maps, optionals: Note
+  /// [nested arguments]; along scatter_dims, Note [scatter and gather dims]), runs the replicas,
+  /// gathers the outputs of the same forms. A forward without any tensor to split runs once, on
+  /// the primary device. A replica's exception arrives as chorus::Error with the original nested
+  /// (Note [replica errors]).
   template <class... Args>
   auto forward(Args&&... args) {
     (parallel::detail::check_argument<Args>(), ...);
+    parallel::detail::check_dims_fit("DataParallel", "scatter_dims", scatter_dims_.size(), sizeof...(Args),
+                                     "forward arguments");
     check_not_nested();
     const InUse in_use(in_forward_);  // Note [DataParallel threads]
+    if (!replicator_) install(build(devices_));  // the module was elsewhere at construction
     if constexpr (sizeof...(Args) == 0) {
-      return forward_on_primary(0);
+      return forward_on_primary();
     } else {
       return forward_split(args...);
     }
@@ -152,19 +171,23 @@ class DataParallel {
 
  private:
   template <class... Args>
-  auto forward_on_primary(std::int64_t batch, const Args&... args) {
-    using R = decltype(parallel::detail::call_forward(module_, scatter(args, 0, batch)...));
-    static_assert(parallel::detail::is_tensor_v<R> || parallel::detail::is_tensor_tuple<R>::value,
-                  "DataParallel: forward must return a Tensor or a std::tuple of Tensors");
+  auto forward_on_primary(const Args&... args) {
+    using R = decltype(parallel::detail::call_forward(module_, parallel::detail::move_part(args, devices_[0])...));
+    check_output<R>();
     replicator_->prepare(1);
-    return to_output(on_primary([&] { return parallel::detail::call_forward(module_, scatter(args, 0, batch)...); }));
+    return to_output(on_primary(
+        [&] { return parallel::detail::call_forward(module_, parallel::detail::move_part(args, devices_[0])...); }));
   }
 
   template <class... Args>
   auto forward_split(const Args&... args) {
-    const std::int64_t batch = batch_size(args...);
-    if (devices_.size() == 1) return forward_on_primary(batch, args...);  // passthrough: nothing to split or copy
-    using R = decltype(parallel::detail::call_forward(module_, scatter(args, 0, batch)...));
+    const auto split = split_size(args...);
+    const std::int64_t batch = split.batch;
+    // Passthrough (one device) and a call without tensors to split (PyTorch's zero inputs): once, on the primary.
+    if (devices_.size() == 1 || batch < 0) return forward_on_primary(args...);
+    using R = std::remove_cvref_t<decltype(call_replica(module_, std::declval<const parallel::ChunkPlan&>(), 0, args...))>;
+    check_output<R>();
+    random_dim_ = split.dim;
     const auto plan = parallel::plan_chunks(batch, devices_.size());
     if (runs_on_caller(plan, batch, args...)) return forward_on_caller<R>(plan, args...);
     if (devices_[0].is_cuda()) {  // replica streams start after the work issued so far (inputs, optimizer step)
@@ -183,9 +206,9 @@ class DataParallel {
     auto random = std::make_shared<ReplicaRandomGroup>();  // Note [dropout random numbers]
     auto outs = parallel::parallel_apply(streams, [&](std::size_t r) -> R {
       StatsReducerScope sync(stats->member(static_cast<int>(r)));
-      ReplicaRandomScope rs(random, static_cast<int>(r), dim_, plan.offsets[r], plan.sizes[r], batch);
+      ReplicaRandomScope rs(random, static_cast<int>(r), random_dim_, plan.offsets[r], plan.sizes[r], batch);
       try {
-        return parallel::detail::call_forward(*modules[r], scatter(args, plan, r)...);
+        return call_replica(*modules[r], plan, r, args...);
       } catch (...) {
         stats->cancel(static_cast<int>(r));  // the others stop waiting for it (Note [cancelled reductions])
         throw;
@@ -245,7 +268,8 @@ class DataParallel {
                  "; a DataParallel cannot change device kind (build a new one for ", device, ")");
     const InUse in_use(in_forward_);
     if (device == devices_[0]) {
-      nn::module_of(module_).to(device);  // a module moved behind our back comes home
+      nn::module_of(module_).to(device);  // a module moved behind our back (or never there) comes home
+      if (!replicator_) install(build(devices_));
       return *this;
     }
     const auto moved = std::find(devices_.begin(), devices_.end(), device);
@@ -280,12 +304,25 @@ class DataParallel {
   const std::vector<Device>& devices() const { return devices_; }
   Device output_device() const { return output_device_; }
   std::int64_t dim() const { return dim_; }
+  const std::vector<std::int64_t>& scatter_dims() const { return scatter_dims_; }
+  const std::vector<std::int64_t>& gather_dims() const { return gather_dims_; }
   /// The replica on devices()[r] (0 is the primary module itself), as module() is.
-  const auto& replica(std::size_t r) const { return unwrap(replicator_->replica(r)); }
-  const parallel::Communicator& communicator() const { return *comm_; }
+  const auto& replica(std::size_t r) const { return unwrap(built().replica(r)); }
+  const parallel::Communicator& communicator() const { return (built(), *comm_); }
 
  private:
   static constexpr bool kHolder = requires { typename M::ImplType; };
+  const parallel::Replicator<M>& built() const {
+    CHORUS_CHECK(replicator_, "DataParallel: no replicas yet: the module is not on the primary device ", devices_[0],
+                 " (call to(", devices_[0], "))");
+    return *replicator_;
+  }
+  /// Every parameter and buffer of the module is on `device`.
+  bool module_on(Device device) const {
+    for (const auto& t : nn::module_of(module_).named_tensors())
+      if (t.tensor.device() != device) return false;
+    return true;
+  }
   template <class X>
   static auto& unwrap(X& m) {
     if constexpr (kHolder) return *m;  // the holder's module (a const holder still yields the module)
@@ -436,10 +473,10 @@ class DataParallel {
     if (params > inline_work_) return false;
     if (rows > inline_work_ / (2 * std::max<std::int64_t>(params, 1))) return false;  // no overflow below
     std::int64_t work = rows * 2 * params;
-    auto add_input = [&](const auto& a) {
-      if constexpr (parallel::detail::is_tensor_v<decltype(a)>) work += a.numel() / batch * rows;
+    auto add_input = [&](const auto& t, const parallel::detail::LeafPath&) {
+      if (t.defined()) work += t.numel() / batch * rows;
     };
-    (add_input(args), ...);
+    (parallel::detail::for_each_tensor(args, parallel::detail::LeafPath{}, add_input), ...);
     return work <= inline_work_;
   }
 
@@ -452,12 +489,12 @@ class DataParallel {
     auto random = std::make_shared<ReplicaRandomGroup>();  // Note [dropout random numbers]
     const std::int64_t batch = plan.offsets.back() + plan.sizes.back();
     for (std::size_t r = 0; r < plan.used(); ++r) {
-      ReplicaRandomScope rs(random, static_cast<int>(r), dim_, plan.offsets[r], plan.sizes[r], batch);
+      ReplicaRandomScope rs(random, static_cast<int>(r), random_dim_, plan.offsets[r], plan.sizes[r], batch);
       std::optional<StreamGuard> on_stream;  // replica r's stream is current, as on its worker
       if (r > 0) on_stream.emplace(*streams_[r]);
       autograd::ReplicaGuard rg(static_cast<int>(r));  // its nodes name the replica in backward errors
       try {
-        outs.push_back(parallel::detail::call_forward(*modules[r], scatter(args, plan, r)...));
+        outs.push_back(call_replica(*modules[r], plan, r, args...));
       } catch (...) {
         parallel::detail::rethrow_in_replica(std::current_exception(), r, devices_[r]);
       }
@@ -490,80 +527,52 @@ class DataParallel {
     }
   }
 
-  // ---- scattering ----
+  // ---- scattering (Note [nested arguments], Note [scatter and gather dims]) ----
+  std::int64_t scatter_dim(std::size_t i) const { return parallel::detail::dim_at(scatter_dims_, i, dim_); }
+
   template <class... Args>
-  std::int64_t batch_size(const Args&... args) const {
-    std::int64_t batch = -1;
-    std::size_t first = 0, i = 0;
-    auto one = [&](const auto& a) {
-      if constexpr (parallel::detail::is_tensor_v<decltype(a)>) {
-        CHORUS_CHECK(a.defined(), "DataParallel: argument ", i, " is an undefined tensor");
-        CHORUS_CHECK(a.dim() > dim_, "DataParallel: argument ", i, " of shape ", a.shape(),
-                     " has no dimension ", dim_, " to split along");
-        const auto n = a.shape()[static_cast<int>(dim_)];
-        if (batch < 0) {
-          batch = n;
-          first = i;
-        }
-        CHORUS_CHECK(n == batch, "DataParallel: tensor arguments disagree in dimension ", dim_, ": argument ", first,
-                     " has ", batch, ", argument ", i, " has ", n);
-      }
-      ++i;
-    };
-    (one(args), ...);
-    CHORUS_CHECK(batch >= 0, "DataParallel: forward got ", sizeof...(Args),
-                 " argument(s) and none is a Tensor to split along dimension ", dim_,
-                 " (a forward without arguments runs once, on the primary device)");
-    return batch;
+  parallel::detail::SplitSize split_size(const Args&... args) const {
+    parallel::detail::SplitMeasure measure("DataParallel", "argument", "scatter_dims",
+                                           parallel::detail::SplitMeasure::Numbered);
+    std::size_t i = 0;
+    ((measure.add(args, i, scatter_dim(i), i < scatter_dims_.size()), ++i), ...);
+    return measure.size();
   }
 
-  /// Argument for the passthrough: tensors moved to the primary (a no-op when already there).
-  template <class A>
-  decltype(auto) scatter(const A& a, int, std::int64_t) const {
-    if constexpr (parallel::detail::is_tensor_v<A>) return a.to(devices_[0]);
-    else return (a);
-  }
-  /// Argument of replica r: its rows of each tensor, copied straight to its device (on its
-  /// worker, so the copies to different devices run in parallel); other values as they are.
-  template <class A>
-  decltype(auto) scatter(const A& a, const parallel::ChunkPlan& plan, std::size_t r) const {
-    if constexpr (parallel::detail::is_tensor_v<A>) return a.narrow(dim_, plan.offsets[r], plan.sizes[r]).to(devices_[r]);
-    else return (a);
+  /// Replica r's forward on its arguments: its rows of each tensor, copied straight to its
+  /// device (on its worker, so the copies to different devices run in parallel); other values
+  /// as they are.
+  template <class Module, class... Args>
+  decltype(auto) call_replica(Module& m, const parallel::ChunkPlan& plan, std::size_t r, const Args&... args) const {
+    return [&]<std::size_t... I>(std::index_sequence<I...>) -> decltype(auto) {
+      return parallel::detail::call_forward(
+          m, parallel::detail::scatter_part(args, scatter_dim(I), plan.offsets[r], plan.sizes[r], devices_[r])...);
+    }(std::index_sequence_for<Args...>{});
   }
 
   // ---- gathering ----
   template <class R>
-  R to_output(R out) const {
-    if constexpr (parallel::detail::is_tensor_v<R>) {
-      return out.to(output_device_);
-    } else {
-      return std::apply([&](auto&... t) { return R(t.to(output_device_)...); }, out);
-    }
+  void check_output() const {
+    parallel::detail::check_output<R>();
+    parallel::detail::check_dims_fit("DataParallel", "gather_dims", gather_dims_.size(),
+                                     parallel::detail::top_level_size<R>(), "outputs of forward");
   }
-
+  template <class R>
+  R to_output(R out) const {
+    auto move = [&](const auto& t) { return t.defined() ? t.to(output_device_) : t; };
+    return parallel::detail::map_tensors(out, move);
+  }
   template <class R>
   R gather_outputs(std::vector<R>& outs) const {
-    if constexpr (parallel::detail::is_tensor_v<R>) {
-      return parallel::gather(outs, dim_, output_device_);
-    } else {
-      return gather_tuple(outs, std::make_index_sequence<std::tuple_size_v<R>>{});
-    }
-  }
-  template <class R, std::size_t... I>
-  R gather_tuple(std::vector<R>& outs, std::index_sequence<I...>) const {
-    auto column = [&](auto index) {
-      using E = std::tuple_element_t<decltype(index)::value, R>;
-      std::vector<E> parts;
-      for (auto& o : outs) parts.push_back(std::get<decltype(index)::value>(o));
-      return parallel::gather(parts, dim_, output_device_);
-    };
-    return R(column(std::integral_constant<std::size_t, I>{})...);
+    return parallel::detail::gather_outputs(outs, gather_dims_, dim_, output_device_);
   }
 
   M module_;
   std::vector<Device> devices_;
   Device output_device_;
   std::int64_t dim_;
+  std::vector<std::int64_t> scatter_dims_, gather_dims_;  // Note [scatter and gather dims]
+  int random_dim_ = 0;  // of this step's first split tensor (Note [dropout random numbers])
   std::optional<std::size_t> bucket_bytes_;  // nullopt: the default of the devices' kind
   std::string name_prefix_;                  // of named_parameters() etc. (set_name_prefix)
   std::atomic<bool> in_forward_{false};

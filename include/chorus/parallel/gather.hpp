@@ -1,9 +1,12 @@
 #pragma once
 // gather: per-device outputs joined along a dimension on one device (differentiable; its
-// backward sends each device its slice of the gradient).
+// backward sends each device its slice of the gradient), also outputs that nest tensors in
+// tuples, vectors, maps and optionals (Note [nested arguments]), as torch.nn.parallel.gather.
+#include <string>
 #include <vector>
 
 #include "../ops/ops.hpp"
+#include "arguments.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace parallel {
@@ -81,6 +84,111 @@ Tensor<T> gather(const std::vector<Tensor<T>>& parts, std::int64_t dim, Device d
     autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
   }
   return out;
+}
+
+namespace detail {
+
+/// Joins the replicas' values of one output (`parts`, one per replica) found at `path`.
+template <class X>
+X gather_nested(const std::vector<X>& parts, std::int64_t dim, Device device, const LeafPath& path) {
+  auto where = [&] { return "output" + path.str(); };
+  if constexpr (is_tensor_v<X>) {
+    const bool defined = parts[0].defined();
+    for (std::size_t r = 1; r < parts.size(); ++r)
+      CHORUS_CHECK(parts[r].defined() == defined, "gather: ", where(), " is ", defined ? "defined" : "undefined",
+                   " in replica 0 but not in replica ", r);
+    if (!defined) return X();  // undefined in every replica (PyTorch's None)
+    try {
+      return parallel::gather(parts, dim, device);
+    } catch (const Error& e) {
+      throw Error(std::string(e.what()) + " (" + where() + ")");
+    }
+  } else if constexpr (!contains_tensor_v<X>) {
+    for (std::size_t r = 1; r < parts.size(); ++r)
+      CHORUS_CHECK(parts[r] == parts[0], "gather: ", where(), " (not a tensor) differs between replica 0 and replica ",
+                   r, "; a value that is not a tensor is taken from replica 0, so every replica must return the same");
+    return parts[0];
+  } else if constexpr (is_tuple_like<X>::value || is_array<X>::value) {
+    auto column = [&]<std::size_t I>(std::integral_constant<std::size_t, I>) {
+      using E = std::remove_cvref_t<decltype(std::get<I>(parts[0]))>;
+      std::vector<E> col;
+      col.reserve(parts.size());
+      for (const auto& p : parts) col.push_back(std::get<I>(p));
+      return gather_nested(col, dim, device, LeafPath{&path, I, nullptr});
+    };
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return X{column(std::integral_constant<std::size_t, I>{})...};
+    }(std::make_index_sequence<std::tuple_size_v<X>>{});
+  } else if constexpr (is_vector<X>::value) {
+    X out;
+    for (std::size_t r = 1; r < parts.size(); ++r)
+      CHORUS_CHECK(parts[r].size() == parts[0].size(), "gather: ", where(), " has ", parts[0].size(),
+                   " elements in replica 0 but ", parts[r].size(), " in replica ", r);
+    for (std::size_t i = 0; i < parts[0].size(); ++i) {
+      std::vector<typename X::value_type> col;
+      for (const auto& p : parts) col.push_back(p[i]);
+      out.push_back(gather_nested(col, dim, device, LeafPath{&path, i, nullptr}));
+    }
+    return out;
+  } else if constexpr (is_string_map<X>::value) {
+    X out;
+    for (const auto& [key, value] : parts[0]) {
+      std::vector<typename X::mapped_type> col{value};
+      for (std::size_t r = 1; r < parts.size(); ++r) {
+        auto it = parts[r].find(key);
+        CHORUS_CHECK(it != parts[r].end(), "gather: ", where(), " has key \"", key, "\" in replica 0 but not in replica ", r);
+        col.push_back(it->second);
+      }
+      out.emplace(key, gather_nested(col, dim, device, LeafPath{&path, 0, &key}));
+    }
+    for (std::size_t r = 1; r < parts.size(); ++r)
+      CHORUS_CHECK(parts[r].size() == parts[0].size(), "gather: ", where(), " has ", parts[r].size(),
+                   " keys in replica ", r, " but ", parts[0].size(), " in replica 0");
+    return out;
+  } else {
+    static_assert(is_optional<X>::value, "gather_nested: a type check_output refuses");
+    for (std::size_t r = 1; r < parts.size(); ++r)
+      CHORUS_CHECK(parts[r].has_value() == parts[0].has_value(), "gather: ", where(), " is ",
+                   parts[0] ? "set" : "empty", " in replica 0 but not in replica ", r);
+    if (!parts[0]) return X();
+    std::vector<typename X::value_type> col;
+    for (const auto& p : parts) col.push_back(*p);
+    return X(gather_nested(col, dim, device, path));
+  }
+}
+
+/// Joins the replicas' outputs: a tuple's or pair's element i along dims[i], anything else
+/// along dims[0] (past the list: `fallback`).
+template <class R>
+R gather_outputs(const std::vector<R>& outs, const std::vector<std::int64_t>& dims, std::int64_t fallback,
+                 Device device) {
+  CHORUS_CHECK(!outs.empty(), "gather: no outputs");
+  const LeafPath root{};
+  if constexpr (is_tuple_like<R>::value) {
+    auto column = [&]<std::size_t I>(std::integral_constant<std::size_t, I>) {
+      using E = std::tuple_element_t<I, R>;
+      std::vector<E> col;
+      col.reserve(outs.size());
+      for (const auto& o : outs) col.push_back(std::get<I>(o));
+      return gather_nested(col, I < dims.size() ? dims[I] : fallback, device, LeafPath{&root, I, nullptr});
+    };
+    return [&]<std::size_t... I>(std::index_sequence<I...>) {
+      return R(column(std::integral_constant<std::size_t, I>{})...);
+    }(std::make_index_sequence<std::tuple_size_v<R>>{});
+  } else {
+    return gather_nested(outs, dims.empty() ? fallback : dims[0], device, LeafPath{});
+  }
+}
+
+}  // namespace detail
+
+/// torch.nn.parallel.gather: the replicas' outputs (one per replica, of one form: Note [nested
+/// arguments]) joined on `target_device`, every tensor along `dim` (0-dim tensors stacked).
+template <class R>
+R gather(const std::vector<R>& outputs, Device target_device, std::int64_t dim = 0) {
+  detail::check_output<R>();
+  check_device(target_device);
+  return detail::gather_outputs(outputs, {}, dim, target_device);
 }
 
 }  // namespace parallel
