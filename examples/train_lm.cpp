@@ -167,9 +167,9 @@ std::string generate(M& model, const Corpus& corpus, const Config& c, Device dev
     CHORUS_CHECK(at != std::string::npos, "--prompt: the byte '", ch, "' does not occur in '", c.data, "'");
     context.push_back(static_cast<std::int64_t>(at));
   }
-  if (context.empty()) context.push_back(corpus.train[0]);
-  Generator gen(c.seed + 1);
   std::string text = c.prompt;
+  if (context.empty()) context.push_back(corpus.train[0]), text.push_back(corpus.vocab[corpus.train[0]]);
+  Generator gen(c.seed + 1);
   const auto v = static_cast<std::size_t>(corpus.vocab.size());
   std::vector<double> p(v);
   for (int i = 0; i < c.sample; ++i) {
@@ -215,7 +215,7 @@ int train(const Config& c, const Corpus& corpus, M model, const std::string& des
   std::map<std::string, std::string> meta;
   if (c.resume) {
     meta = io::read(model_path).metadata;
-    CHORUS_CHECK(meta.count("epoch") && meta.count("model") && meta.count("vocab"), "--resume: '", model_path,
+    CHORUS_CHECK(meta.count("epoch") && meta.count("model") && meta.count("vocab") && meta.count("generator_offset"), "--resume: '", model_path,
                  "' is not a train_lm checkpoint");
     CHORUS_CHECK(meta.at("model") == c.model, "--resume: '", model_path, "' holds a ", meta.at("model"),
                  " model, not --model ", c.model);
