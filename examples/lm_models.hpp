@@ -1,0 +1,74 @@
+#pragma once
+// The two character-level language models of train_lm: both map token indices [batch, seq]
+// (int64, batch first, so DataParallel splits them along dim 0) to next-token logits
+// [batch, seq, vocab], and both take any seq up to the one they were built for.
+#include <chorus/chorus.hpp>
+
+#include <cstdint>
+#include <string>
+
+namespace examples {
+
+/// Embedding -> LSTM (batch_first) -> Linear.
+struct CharLSTM : chorus::nn::Module {
+  chorus::nn::Embedding embed;
+  chorus::nn::LSTM lstm;
+  chorus::nn::Linear head;
+
+  CharLSTM(std::int64_t vocab, std::int64_t embed_dim, std::int64_t hidden, std::int64_t layers, double dropout)
+      : embed(register_module("embed", chorus::nn::Embedding(vocab, embed_dim))),
+        lstm(register_module("lstm", chorus::nn::LSTM(embed_dim, hidden, chorus::nn::LSTMOptions{.num_layers = layers,
+                                                                           .batch_first = true,
+                                                                           .dropout = layers > 1 ? dropout : 0.0}))),
+        head(register_module("head", chorus::nn::Linear(hidden, vocab))) {}
+
+  chorus::Tensor<float> forward(const chorus::Tensor<std::int64_t>& tokens) {
+    auto [out, state] = lstm(embed(tokens));  // out [batch, seq, hidden]; the state starts at zero
+    return head(out);
+  }
+  std::string name() const override { return "CharLSTM"; }
+};
+
+/// Token + learned position embeddings -> TransformerEncoder under a causal mask (pre-norm,
+/// GELU) -> LayerNorm -> Linear: a small GPT-style decoder-only model.
+struct CharTransformer : chorus::nn::Module {
+  std::int64_t max_len;
+  chorus::nn::Embedding tok, pos;
+  chorus::nn::TransformerEncoder encoder;
+  chorus::nn::LayerNorm norm;
+  chorus::nn::Linear head;
+
+  CharTransformer(std::int64_t vocab, std::int64_t max_len, std::int64_t d_model, std::int64_t heads,
+                  std::int64_t layers, double dropout)
+      : max_len(max_len),
+        tok(register_module("tok", chorus::nn::Embedding(vocab, d_model))),
+        pos(register_module("pos", chorus::nn::Embedding(max_len, d_model))),
+        encoder(register_module(
+            "encoder", chorus::nn::TransformerEncoder(
+                           chorus::nn::TransformerEncoderLayer(d_model, heads, {.dim_feedforward = 4 * d_model,
+                                                                                .dropout = dropout,
+                                                                                .activation = "gelu",
+                                                                                .batch_first = true,
+                                                                                .norm_first = true}),
+                           layers))),
+        norm(register_module("norm", chorus::nn::LayerNorm(d_model))),
+        head(register_module("head", chorus::nn::Linear(d_model, vocab))) {
+    // GPT-2's scale: N(0, 1) embeddings would swamp the residual stream of a pre-norm stack.
+    chorus::nn::init::normal_(tok->weight, 0.0, 0.02);
+    chorus::nn::init::normal_(pos->weight, 0.0, 0.02);
+  }
+
+  chorus::Tensor<float> forward(const chorus::Tensor<std::int64_t>& tokens) {
+    const std::int64_t len = tokens.size(1);
+    CHORUS_CHECK(len <= max_len, "CharTransformer: a sequence of ", len, " tokens is longer than the ", max_len,
+                 " positions it was built for");
+    // Built here, on the replica's device (a mask argument would not be moved to the replicas).
+    const auto device = tokens.device();
+    auto x = tok(tokens) + pos(chorus::arange<std::int64_t>(static_cast<double>(len), device));
+    auto causal = chorus::nn::generate_square_subsequent_mask<float>(len, device);
+    return head(norm(encoder(x, causal, {}, /*is_causal=*/true)));
+  }
+  std::string name() const override { return "CharTransformer"; }
+};
+
+}  // namespace examples
