@@ -2,7 +2,7 @@
 // a reference computed in double, exhaustively where the space allows.
 #include <gtest/gtest.h>
 
-#include <chorus/core/half.hpp>
+#include <chorus/chorus.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -13,7 +13,9 @@
 #include <sstream>
 #include <vector>
 
-using chorus::bfloat16;
+// OpenBLAS's cblas.h declares a global `typedef uint16_t bfloat16;` (its sbgemm storage): the
+// tests name chorus's type through an alias rather than a using-declaration that would clash.
+using BF16 = chorus::bfloat16;
 using chorus::half;
 
 namespace {
@@ -70,18 +72,18 @@ std::uint16_t reference_round(double v, const Format& f) {
   return sign | r;
 }
 
-std::uint16_t bits_of(bfloat16 x) { return x.bits(); }
+std::uint16_t bits_of(BF16 x) { return x.bits(); }
 std::uint16_t bits_of(half x) { return x.bits(); }
 
 template <class T>
 const Format& format_of() {
-  if constexpr (std::is_same_v<T, bfloat16>) return bf16_format();
+  if constexpr (std::is_same_v<T, BF16>) return bf16_format();
   else return half_format();
 }
 
 template <class T>
 class LowpTypes : public ::testing::Test {};
-using Types = ::testing::Types<bfloat16, half>;
+using Types = ::testing::Types<BF16, half>;
 TYPED_TEST_SUITE(LowpTypes, Types);
 
 }  // namespace
@@ -105,7 +107,7 @@ TYPED_TEST(LowpTypes, EveryBitPatternRoundTripsThroughFloat) {
     const auto bits = static_cast<std::uint16_t>(b);
     const T x = T::from_bits(bits);
     const float v = x;
-    const double want = std::is_same_v<T, bfloat16> ? bf16_value(bits) : half_value(bits);
+    const double want = std::is_same_v<T, BF16> ? bf16_value(bits) : half_value(bits);
     const bool nan = (bits & 0x7fff) > f.inf_bits;
     if (nan) {
       ASSERT_TRUE(std::isnan(v)) << std::hex << b;
@@ -213,14 +215,14 @@ TEST(Half, SubnormalsAndOverflow) {
 }
 
 TEST(BFloat16, KnownValues) {
-  EXPECT_EQ(bfloat16(1.0f).bits(), 0x3f80);
-  EXPECT_EQ(bfloat16(3.140625f).bits(), 0x4049);
-  EXPECT_EQ(bfloat16(std::numeric_limits<float>::max()).bits(), 0x7f80);  // rounds past the largest
-  EXPECT_EQ(bfloat16(std::bit_cast<float>(0x3f808000u)).bits(), 0x3f80);   // tie, even below
-  EXPECT_EQ(bfloat16(std::bit_cast<float>(0x3f818000u)).bits(), 0x3f82);   // tie, even above
-  EXPECT_EQ(bfloat16(std::numeric_limits<float>::denorm_min()).bits(), 0x0000);
-  EXPECT_EQ(bfloat16(std::bit_cast<float>(0x00008000u)).bits(), 0x0000);  // tie to 0
-  EXPECT_EQ(bfloat16(std::bit_cast<float>(0x00018000u)).bits(), 0x0002);
+  EXPECT_EQ(BF16(1.0f).bits(), 0x3f80);
+  EXPECT_EQ(BF16(3.140625f).bits(), 0x4049);
+  EXPECT_EQ(BF16(std::numeric_limits<float>::max()).bits(), 0x7f80);  // rounds past the largest
+  EXPECT_EQ(BF16(std::bit_cast<float>(0x3f808000u)).bits(), 0x3f80);   // tie, even below
+  EXPECT_EQ(BF16(std::bit_cast<float>(0x3f818000u)).bits(), 0x3f82);   // tie, even above
+  EXPECT_EQ(BF16(std::numeric_limits<float>::denorm_min()).bits(), 0x0000);
+  EXPECT_EQ(BF16(std::bit_cast<float>(0x00008000u)).bits(), 0x0000);  // tie to 0
+  EXPECT_EQ(BF16(std::bit_cast<float>(0x00018000u)).bits(), 0x0002);
 }
 
 TYPED_TEST(LowpTypes, ArithmeticIsCorrectlyRoundedFromFloat) {
@@ -258,7 +260,7 @@ TYPED_TEST(LowpTypes, ArithmeticIsCorrectlyRoundedFromFloat) {
   EXPECT_TRUE(std::numeric_limits<T>::quiet_NaN() != std::numeric_limits<T>::quiet_NaN());
   EXPECT_EQ(static_cast<float>(T(3)), 3.0f);                     // from an integer
   EXPECT_EQ(static_cast<std::int64_t>(T(7.0f)), 7);              // to an integer, through float
-  EXPECT_EQ(half(bfloat16(1.5f)).bits(), half(1.5f).bits());     // between the two types
+  EXPECT_EQ(half(BF16(1.5f)).bits(), half(1.5f).bits());     // between the two types
 }
 
 TYPED_TEST(LowpTypes, PrintsAsItsFloatValue) {
@@ -266,4 +268,225 @@ TYPED_TEST(LowpTypes, PrintsAsItsFloatValue) {
   std::ostringstream os;
   os << T(1.5f) << " " << T(-0.25f) << " " << std::numeric_limits<T>::infinity();
   EXPECT_EQ(os.str(), "1.5 -0.25 inf");
+}
+
+// ---- Tensor<bfloat16> and Tensor<half> on the CPU ----
+
+namespace {
+using namespace chorus;
+
+template <class T>
+std::vector<T> lowp_vector(std::initializer_list<float> v) {
+  std::vector<T> r;
+  for (float x : v) r.push_back(T(x));
+  return r;
+}
+template <class T>
+std::vector<float> as_floats(const Tensor<T>& t) {
+  std::vector<float> r;
+  for (T x : t.to_vector()) r.push_back(static_cast<float>(x));
+  return r;
+}
+/// Every element: the float result of `want` rounded once to T.
+template <class T, class F>
+void expect_rounded_once(const Tensor<T>& got, const std::vector<float>& in, F want) {
+  const auto g = got.to_vector();
+  ASSERT_EQ(g.size(), in.size());
+  for (std::size_t i = 0; i < in.size(); ++i)
+    EXPECT_EQ(g[i].bits(), T(want(in[i])).bits()) << i << ": " << in[i];
+}
+
+}  // namespace
+
+TYPED_TEST(LowpTypes, TensorFactoriesAndPrinting) {
+  using T = TypeParam;
+  const DType dt = std::is_same_v<T, BF16> ? DType::BFloat16 : DType::Float16;
+  EXPECT_EQ(Tensor<T>::dtype(), dt);
+  EXPECT_EQ(dtype_size(dt), 2u);
+  EXPECT_EQ(dtype_name(dt), (std::is_same_v<T, BF16> ? "bfloat16" : "float16"));
+  auto z = zeros<T>({2, 3});
+  EXPECT_EQ(as_floats(z), std::vector<float>(6, 0.0f));
+  EXPECT_EQ(as_floats(ones<T>({4})), std::vector<float>(4, 1.0f));
+  EXPECT_EQ(as_floats(full<T>({2}, T(0.1f))), std::vector<float>(2, static_cast<float>(T(0.1f))));
+  EXPECT_EQ(as_floats(arange<T>(0, 5)), (std::vector<float>{0, 1, 2, 3, 4}));
+  auto v = from_vector(lowp_vector<T>({1.5f, -2.0f, 0.25f, 3.0f}), {2, 2});
+  EXPECT_EQ(v.numel(), 4);
+  EXPECT_EQ(v[0][0].template item<float>(), 1.5f);
+  std::ostringstream os;
+  os << v;
+  EXPECT_EQ(os.str(), std::string("tensor([[1.5, -2],\n        [0.25, 3]], shape=[2, 2], dtype=") +
+                          std::string(dtype_name(dt)) + ", device=cpu:0)");
+  // randn draws the float numbers of the same seed and rounds each once.
+  manual_seed(5);
+  auto rf = randn<float>({64});
+  manual_seed(5);
+  auto rl = randn<T>({64});
+  expect_rounded_once(rl, rf.to_vector(), [](float x) { return x; });
+  // Views and copies move bits, nothing is rounded.
+  auto t = v.t().contiguous();
+  EXPECT_EQ(as_floats(t), (std::vector<float>{1.5f, 0.25f, -2.0f, 3.0f}));
+  EXPECT_EQ(as_floats(v.reshape({4}).narrow(0, 1, 2)), (std::vector<float>{-2.0f, 0.25f}));
+  EXPECT_EQ(as_floats(v.clone()), as_floats(v));
+}
+
+TYPED_TEST(LowpTypes, ItemChecksTheRange) {
+  using T = TypeParam;
+  auto v = from_vector(lowp_vector<T>({3.0f}));
+  EXPECT_EQ(v.template item<std::int64_t>(), 3);
+  EXPECT_EQ(v.template item<double>(), 3.0);
+  EXPECT_EQ(scalar_tensor<float>(0.1f).item<T>().bits(), T(0.1f).bits());
+  EXPECT_THROW(scalar_tensor<float>(std::numeric_limits<float>::max()).item<T>(), Error);
+  EXPECT_TRUE(std::isinf(static_cast<float>(scalar_tensor<float>(INFINITY).item<T>())));
+  EXPECT_THROW(full<T>({1}, std::numeric_limits<T>::quiet_NaN()).template item<std::int64_t>(), Error);
+}
+
+template <class From, class To>
+void check_conversion() {
+  const std::vector<float> in = {0.1f, -1.5f, 65504.0f, 70000.0f, 1e-6f, -0.0f, 3.0e38f, 1.0f / 3};
+  std::vector<From> src;
+  for (float x : in) src.push_back(From(x));
+  auto out = from_vector(src).template to<To>();
+  ASSERT_EQ(out.numel(), static_cast<std::int64_t>(in.size()));
+  const auto got = out.to_vector();
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    const To want = static_cast<To>(src[i]);  // the scalar conversion: RNE from the exact value
+    if constexpr (is_reduced_floating_v<To>) {
+      EXPECT_EQ(got[i].bits(), want.bits()) << i;
+    } else {
+      EXPECT_EQ(got[i], want) << i;
+    }
+  }
+}
+
+TEST(LowpTensor, ConversionsBetweenEveryFloatingPair) {
+  check_conversion<float, BF16>();
+  check_conversion<float, half>();
+  check_conversion<double, BF16>();
+  check_conversion<double, half>();
+  check_conversion<BF16, float>();
+  check_conversion<half, float>();
+  check_conversion<BF16, double>();
+  check_conversion<half, double>();
+  check_conversion<BF16, half>();
+  check_conversion<half, BF16>();
+  // To int64: NaN and out-of-range saturate instead of being undefined.
+  auto n = from_vector(std::vector<half>{std::numeric_limits<half>::quiet_NaN(), half(-7.0f), half(65504.0f)});
+  EXPECT_EQ(n.to<std::int64_t>().to_vector(), (std::vector<std::int64_t>{0, -7, 65504}));
+  // From int64: rounded once.
+  auto i = from_vector(std::vector<std::int64_t>{257, 1 << 20, -3});
+  EXPECT_EQ(as_floats(i.to<BF16>()), (std::vector<float>{256.0f, 1048576.0f, -3.0f}));
+  // The double 1 + 2^-8 + 2^-40 is just above a BF16 tie: rounds up (a float detour would round to even).
+  auto d = from_vector(std::vector<double>{1.0 + 0x1p-8 + 0x1p-40});
+  EXPECT_EQ(d.to<BF16>().item().bits(), 0x3f81);
+}
+
+TEST(LowpTensor, ConversionOfATensorThatRequiresGradIsRefused) {
+  auto x = ones<float>({2}).requires_grad_();
+  try {
+    x.to<BF16>();
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("to<bfloat16>()"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("float32"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(x.detach().to<BF16>());
+  {
+    NoGradGuard g;
+    EXPECT_NO_THROW(x.to<half>());
+  }
+  EXPECT_NO_THROW(x.to<std::int64_t>());  // an integer result never requires grad
+}
+
+TYPED_TEST(LowpTypes, ElementwiseComputesInFloatAndRoundsOnce) {
+  using T = TypeParam;
+  const std::vector<float> a = {0.1f, -1.7f, 2.5f, 100.0f, -0.0f, 3.3f};
+  const std::vector<float> b = {0.3f, 0.7f, -4.0f, 1e-3f, 2.0f, 3.3f};
+  std::vector<T> la, lb;
+  for (float x : a) la.push_back(T(x));
+  for (float x : b) lb.push_back(T(x));
+  std::vector<float> fa, fb;  // the exact values held
+  for (T x : la) fa.push_back(x);
+  for (T x : lb) fb.push_back(x);
+  auto ta = from_vector(la), tb = from_vector(lb);
+  auto at = [&](std::size_t i) { return fb[i]; };
+  std::vector<float> idx = {0, 1, 2, 3, 4, 5};
+  expect_rounded_once(ta + tb, fa, [&, i = 0](float x) mutable { return x + at(i++); });
+  expect_rounded_once(ta * tb, fa, [&, i = 0](float x) mutable { return x * at(i++); });
+  expect_rounded_once(ta / tb, fa, [&, i = 0](float x) mutable { return x / at(i++); });
+  expect_rounded_once(ta - tb, fa, [&, i = 0](float x) mutable { return x - at(i++); });
+  expect_rounded_once(relu(ta), fa, [](float x) { return x < 0 ? 0.0f : x; });
+  expect_rounded_once(exp(ta * 0.01), fa, [](float x) { return std::exp(static_cast<float>(T(x * 0.01f))); });
+  // A compound functor (GELU) is evaluated in float as a whole, then rounded once.
+  expect_rounded_once(gelu(ta), fa, [](float x) { return 0.5f * x * (1.0f + std::erf(x * 0.70710678118654752440f)); });
+  expect_rounded_once(sigmoid(ta), fa, [](float x) { return 1.0f / (1.0f + std::exp(-x)); });
+  // Broadcasting: [2, 3] + [3].
+  auto m = from_vector(la, {2, 3}) + from_vector(std::vector<T>(lb.begin(), lb.begin() + 3));
+  expect_rounded_once(m, fa, [&, i = 0](float x) mutable { return x + fb[i++ % 3]; });
+  (void)idx;
+}
+
+TYPED_TEST(LowpTypes, ReductionsAccumulateWideAndMatmulGoesThroughFloat) {
+  using T = TypeParam;
+  // 4096 copies of 1 + 2^-7 (or 2^-10): a 16-bit running sum would stall at 256 (BF16);
+  // accumulated in double and rounded once the sum is exact up to the final rounding.
+  const float e = std::ldexp(1.0f, 1 - std::numeric_limits<T>::digits);
+  auto x = full<T>({4096}, T(1.0f + e));
+  EXPECT_EQ(x.sum().item().bits(), T(4096.0 * (1.0 + e)).bits());
+  EXPECT_EQ(x.mean().item().bits(), T(1.0f + e).bits());
+  auto x2 = full<T>({64, 3}, T(1.0f + e));
+  EXPECT_EQ(as_floats(x2.sum(0)), std::vector<float>(3, static_cast<float>(T(64.0 * (1.0 + e)))));
+  EXPECT_EQ(as_floats(x2.sum(1)), std::vector<float>(64, static_cast<float>(T(3.0 * (1.0 + e)))));
+  // matmul: float products and sums, one rounding per output element.
+  manual_seed(1);
+  auto a = randn<T>({5, 7}), b = randn<T>({7, 3});
+  auto fa = a.template to<float>(), fb = b.template to<float>();
+  auto want = fa.matmul(fb).to_vector();
+  auto got = a.matmul(b).to_vector();
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i].bits(), T(want[i]).bits()) << i;
+  auto gt = a.t().contiguous().t().matmul(b).to_vector();  // a transposed operand
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_EQ(gt[i].bits(), got[i].bits()) << i;
+}
+
+TYPED_TEST(LowpTypes, BackwardWithinA16BitGraph) {
+  using T = TypeParam;
+  auto x = from_vector(lowp_vector<T>({1.0f, -2.0f, 0.5f})).requires_grad_();
+  auto y = (x * x + x).sum();  // dy/dx = 2x + 1
+  y.backward();
+  EXPECT_EQ(as_floats(x.grad()), (std::vector<float>{3.0f, -3.0f, 2.0f}));
+}
+
+TYPED_TEST(LowpTypes, OperatorsWithout16BitKernelsSayWhich) {
+  using T = TypeParam;
+  auto x = ones<T>({2, 3});
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string name(dtype_name(Tensor<T>::dtype()));
+  const auto sm = message([&] { softmax(x, 1); });
+  EXPECT_NE(sm.find("softmax"), std::string::npos) << sm;
+  EXPECT_NE(sm.find(name), std::string::npos) << sm;
+  const auto cs = message([&] { x.cumsum(1); });
+  EXPECT_NE(cs.find("cumsum"), std::string::npos) << cs;
+  const auto mse = message([&] { nn::functional::mse_loss(x, x); });
+  EXPECT_NE(mse.find(name), std::string::npos) << mse;
+}
+
+TEST(LowpTensor, AnyTensorHoldsBothTypes) {
+  AnyTensor a = zeros<BF16>({3}), h = ones<half>({2, 2});
+  EXPECT_EQ(a.dtype(), DType::BFloat16);
+  EXPECT_EQ(h.dtype(), DType::Float16);
+  EXPECT_EQ(a.nbytes(), 6u);
+  EXPECT_EQ(h.nbytes(), 8u);
+  EXPECT_TRUE(h.is<half>());
+  EXPECT_THROW(h.as<BF16>(), Error);
+  auto e = empty_any(DType::BFloat16, {4}, Device::cpu());
+  EXPECT_EQ(e.dtype(), DType::BFloat16);
+  EXPECT_EQ(e.numel(), 4);
+  EXPECT_EQ((visit_dtype(DType::Float16, [](auto tag) { return sizeof(tag); })), 2u);
 }

@@ -325,6 +325,13 @@ Tensor<U> Tensor<T>::to() const {
   if constexpr (std::is_same_v<T, U>) {
     return *this;
   } else {
+    // Note [conversions and autograd]: the graph is typed per dtype (Node<T>), so a gradient
+    // cannot yet flow from a Tensor<U> back into a Tensor<T>'s graph. Until the engine crosses
+    // dtypes, a conversion that autograd would record is refused rather than silently cut off.
+    CHORUS_CHECK(!(is_floating_v<U> && autograd::needs_grad(*this)), "to<", dtype_name(dtype_of<U>()),
+                 ">(): the ", dtype_name(dtype_of<T>()),
+                 " tensor requires grad, and conversions between dtypes are not differentiable yet "
+                 "(mixed precision, issue 19); convert detach() or under NoGradGuard");
     auto src = ops::detail::contiguous_data(*this);
     auto out = Tensor<U>::empty(shape(), device());
     backend::convert(out, src);
