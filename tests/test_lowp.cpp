@@ -4,7 +4,10 @@
 
 #include <chorus/chorus.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <filesystem>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -13,9 +16,7 @@
 #include <sstream>
 #include <vector>
 
-// OpenBLAS's cblas.h declares a global `typedef uint16_t bfloat16;` (its sbgemm storage): the
-// tests name chorus's type through an alias rather than a using-declaration that would clash.
-using BF16 = chorus::bfloat16;
+using chorus::bfloat16;
 using chorus::half;
 
 namespace {
@@ -72,18 +73,18 @@ std::uint16_t reference_round(double v, const Format& f) {
   return sign | r;
 }
 
-std::uint16_t bits_of(BF16 x) { return x.bits(); }
+std::uint16_t bits_of(bfloat16 x) { return x.bits(); }
 std::uint16_t bits_of(half x) { return x.bits(); }
 
 template <class T>
 const Format& format_of() {
-  if constexpr (std::is_same_v<T, BF16>) return bf16_format();
+  if constexpr (std::is_same_v<T, bfloat16>) return bf16_format();
   else return half_format();
 }
 
 template <class T>
 class LowpTypes : public ::testing::Test {};
-using Types = ::testing::Types<BF16, half>;
+using Types = ::testing::Types<bfloat16, half>;
 TYPED_TEST_SUITE(LowpTypes, Types);
 
 }  // namespace
@@ -107,7 +108,7 @@ TYPED_TEST(LowpTypes, EveryBitPatternRoundTripsThroughFloat) {
     const auto bits = static_cast<std::uint16_t>(b);
     const T x = T::from_bits(bits);
     const float v = x;
-    const double want = std::is_same_v<T, BF16> ? bf16_value(bits) : half_value(bits);
+    const double want = std::is_same_v<T, bfloat16> ? bf16_value(bits) : half_value(bits);
     const bool nan = (bits & 0x7fff) > f.inf_bits;
     if (nan) {
       ASSERT_TRUE(std::isnan(v)) << std::hex << b;
@@ -215,14 +216,14 @@ TEST(Half, SubnormalsAndOverflow) {
 }
 
 TEST(BFloat16, KnownValues) {
-  EXPECT_EQ(BF16(1.0f).bits(), 0x3f80);
-  EXPECT_EQ(BF16(3.140625f).bits(), 0x4049);
-  EXPECT_EQ(BF16(std::numeric_limits<float>::max()).bits(), 0x7f80);  // rounds past the largest
-  EXPECT_EQ(BF16(std::bit_cast<float>(0x3f808000u)).bits(), 0x3f80);   // tie, even below
-  EXPECT_EQ(BF16(std::bit_cast<float>(0x3f818000u)).bits(), 0x3f82);   // tie, even above
-  EXPECT_EQ(BF16(std::numeric_limits<float>::denorm_min()).bits(), 0x0000);
-  EXPECT_EQ(BF16(std::bit_cast<float>(0x00008000u)).bits(), 0x0000);  // tie to 0
-  EXPECT_EQ(BF16(std::bit_cast<float>(0x00018000u)).bits(), 0x0002);
+  EXPECT_EQ(bfloat16(1.0f).bits(), 0x3f80);
+  EXPECT_EQ(bfloat16(3.140625f).bits(), 0x4049);
+  EXPECT_EQ(bfloat16(std::numeric_limits<float>::max()).bits(), 0x7f80);  // rounds past the largest
+  EXPECT_EQ(bfloat16(std::bit_cast<float>(0x3f808000u)).bits(), 0x3f80);   // tie, even below
+  EXPECT_EQ(bfloat16(std::bit_cast<float>(0x3f818000u)).bits(), 0x3f82);   // tie, even above
+  EXPECT_EQ(bfloat16(std::numeric_limits<float>::denorm_min()).bits(), 0x0000);
+  EXPECT_EQ(bfloat16(std::bit_cast<float>(0x00008000u)).bits(), 0x0000);  // tie to 0
+  EXPECT_EQ(bfloat16(std::bit_cast<float>(0x00018000u)).bits(), 0x0002);
 }
 
 TYPED_TEST(LowpTypes, ArithmeticIsCorrectlyRoundedFromFloat) {
@@ -260,7 +261,7 @@ TYPED_TEST(LowpTypes, ArithmeticIsCorrectlyRoundedFromFloat) {
   EXPECT_TRUE(std::numeric_limits<T>::quiet_NaN() != std::numeric_limits<T>::quiet_NaN());
   EXPECT_EQ(static_cast<float>(T(3)), 3.0f);                     // from an integer
   EXPECT_EQ(static_cast<std::int64_t>(T(7.0f)), 7);              // to an integer, through float
-  EXPECT_EQ(half(BF16(1.5f)).bits(), half(1.5f).bits());     // between the two types
+  EXPECT_EQ(half(bfloat16(1.5f)).bits(), half(1.5f).bits());     // between the two types
 }
 
 TYPED_TEST(LowpTypes, PrintsAsItsFloatValue) {
@@ -300,10 +301,10 @@ void expect_rounded_once(const Tensor<T>& got, const std::vector<float>& in, F w
 
 TYPED_TEST(LowpTypes, TensorFactoriesAndPrinting) {
   using T = TypeParam;
-  const DType dt = std::is_same_v<T, BF16> ? DType::BFloat16 : DType::Float16;
+  const DType dt = std::is_same_v<T, bfloat16> ? DType::BFloat16 : DType::Float16;
   EXPECT_EQ(Tensor<T>::dtype(), dt);
   EXPECT_EQ(dtype_size(dt), 2u);
-  EXPECT_EQ(dtype_name(dt), (std::is_same_v<T, BF16> ? "bfloat16" : "float16"));
+  EXPECT_EQ(dtype_name(dt), (std::is_same_v<T, bfloat16> ? "bfloat16" : "float16"));
   auto z = zeros<T>({2, 3});
   EXPECT_EQ(as_floats(z), std::vector<float>(6, 0.0f));
   EXPECT_EQ(as_floats(ones<T>({4})), std::vector<float>(4, 1.0f));
@@ -359,37 +360,37 @@ void check_conversion() {
 }
 
 TEST(LowpTensor, ConversionsBetweenEveryFloatingPair) {
-  check_conversion<float, BF16>();
+  check_conversion<float, bfloat16>();
   check_conversion<float, half>();
-  check_conversion<double, BF16>();
+  check_conversion<double, bfloat16>();
   check_conversion<double, half>();
-  check_conversion<BF16, float>();
+  check_conversion<bfloat16, float>();
   check_conversion<half, float>();
-  check_conversion<BF16, double>();
+  check_conversion<bfloat16, double>();
   check_conversion<half, double>();
-  check_conversion<BF16, half>();
-  check_conversion<half, BF16>();
+  check_conversion<bfloat16, half>();
+  check_conversion<half, bfloat16>();
   // To int64: NaN and out-of-range saturate instead of being undefined.
   auto n = from_vector(std::vector<half>{std::numeric_limits<half>::quiet_NaN(), half(-7.0f), half(65504.0f)});
   EXPECT_EQ(n.to<std::int64_t>().to_vector(), (std::vector<std::int64_t>{0, -7, 65504}));
   // From int64: rounded once.
   auto i = from_vector(std::vector<std::int64_t>{257, 1 << 20, -3});
-  EXPECT_EQ(as_floats(i.to<BF16>()), (std::vector<float>{256.0f, 1048576.0f, -3.0f}));
-  // The double 1 + 2^-8 + 2^-40 is just above a BF16 tie: rounds up (a float detour would round to even).
+  EXPECT_EQ(as_floats(i.to<bfloat16>()), (std::vector<float>{256.0f, 1048576.0f, -3.0f}));
+  // The double 1 + 2^-8 + 2^-40 is just above a bfloat16 tie: rounds up (a float detour would round to even).
   auto d = from_vector(std::vector<double>{1.0 + 0x1p-8 + 0x1p-40});
-  EXPECT_EQ(d.to<BF16>().item().bits(), 0x3f81);
+  EXPECT_EQ(d.to<bfloat16>().item().bits(), 0x3f81);
 }
 
 TEST(LowpTensor, ConversionOfATensorThatRequiresGradIsRefused) {
   auto x = ones<float>({2}).requires_grad_();
   try {
-    x.to<BF16>();
+    x.to<bfloat16>();
     FAIL() << "no error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("to<bfloat16>()"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("float32"), std::string::npos) << e.what();
   }
-  EXPECT_NO_THROW(x.detach().to<BF16>());
+  EXPECT_NO_THROW(x.detach().to<bfloat16>());
   {
     NoGradGuard g;
     EXPECT_NO_THROW(x.to<half>());
@@ -427,7 +428,7 @@ TYPED_TEST(LowpTypes, ElementwiseComputesInFloatAndRoundsOnce) {
 
 TYPED_TEST(LowpTypes, ReductionsAccumulateWideAndMatmulGoesThroughFloat) {
   using T = TypeParam;
-  // 4096 copies of 1 + 2^-7 (or 2^-10): a 16-bit running sum would stall at 256 (BF16);
+  // 4096 copies of 1 + 2^-7 (or 2^-10): a 16-bit running sum would stall at 256 (bfloat16);
   // accumulated in double and rounded once the sum is exact up to the final rounding.
   const float e = std::ldexp(1.0f, 1 - std::numeric_limits<T>::digits);
   auto x = full<T>({4096}, T(1.0f + e));
@@ -478,15 +479,51 @@ TYPED_TEST(LowpTypes, OperatorsWithout16BitKernelsSayWhich) {
 }
 
 TEST(LowpTensor, AnyTensorHoldsBothTypes) {
-  AnyTensor a = zeros<BF16>({3}), h = ones<half>({2, 2});
+  AnyTensor a = zeros<bfloat16>({3}), h = ones<half>({2, 2});
   EXPECT_EQ(a.dtype(), DType::BFloat16);
   EXPECT_EQ(h.dtype(), DType::Float16);
   EXPECT_EQ(a.nbytes(), 6u);
   EXPECT_EQ(h.nbytes(), 8u);
   EXPECT_TRUE(h.is<half>());
-  EXPECT_THROW(h.as<BF16>(), Error);
+  EXPECT_THROW(h.as<bfloat16>(), Error);
   auto e = empty_any(DType::BFloat16, {4}, Device::cpu());
   EXPECT_EQ(e.dtype(), DType::BFloat16);
   EXPECT_EQ(e.numel(), 4);
   EXPECT_EQ((visit_dtype(DType::Float16, [](auto tag) { return sizeof(tag); })), 2u);
+}
+
+TEST(LowpTensor, ALinearLayerIn16BitsFromAFloatCheckpoint) {
+  // The 16-bit model of a float one: layers are templates over the scalar type, and a float
+  // checkpoint loads into them with convert_dtype (each value rounded once).
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("chorus_lowp_" + std::to_string(::getpid()) + ".safetensors")).string();
+  manual_seed(3);
+  nn::Linear f(4, 3);
+  save(f, path);
+  nn::LinearT<bfloat16> b(4, 3);
+  load(b, path, io::LoadOptions{.convert_dtype = true});
+  std::filesystem::remove(path);
+  const auto fw = f->weight.to_vector();
+  const auto bw = b->weight.to_vector();
+  for (std::size_t i = 0; i < fw.size(); ++i) EXPECT_EQ(bw[i].bits(), bfloat16(fw[i]).bits());
+  auto x = randn<bfloat16>({2, 4});
+  auto y = b(x);
+  EXPECT_EQ(y.shape(), (Shape{2, 3}));
+  // Each output: the float dot product of the 16-bit values plus the bias, rounded once.
+  const auto xv = x.to_vector(), yv = y.to_vector(), bias = b->bias.to_vector();
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 3; ++j) {
+      float acc = 0;
+      for (int k = 0; k < 4; ++k) acc += static_cast<float>(xv[i * 4 + k]) * static_cast<float>(bw[j * 4 + k]);
+      EXPECT_NEAR(static_cast<float>(yv[i * 3 + j]), acc + static_cast<float>(bias[j]),
+                  std::abs(acc + static_cast<float>(bias[j])) * 0x1p-8 + 1e-6);
+    }
+  y.sum().backward();
+  ASSERT_TRUE(b->weight.grad().defined());
+  const auto gw = b->weight.grad().to_vector();
+  for (int j = 0; j < 3; ++j)
+    for (int k = 0; k < 4; ++k)  // d(sum y)/dw[j, k] = x[0, k] + x[1, k], rounded once
+      EXPECT_EQ(gw[j * 4 + k].bits(),
+                bfloat16(static_cast<float>(xv[k]) + static_cast<float>(xv[4 + k])).bits());
+  EXPECT_EQ(as_floats(b->bias.grad()), std::vector<float>(3, 2.0f));
 }

@@ -1,6 +1,17 @@
 #pragma once
 // BLAS for the CPU backend: OpenBLAS through its CBLAS interface.
+// OpenBLAS's openblas_config.h declares a global `typedef uint16_t bfloat16;` (its sbgemm
+// storage), which would make `bfloat16` ambiguous for a user of `using namespace chorus;`.
+// Its prototypes are C functions, so the typedef is renamed while the header is read. (A
+// program that includes <cblas.h> before chorus still sees OpenBLAS's name: write
+// chorus::bfloat16 there.)
+#if defined(bfloat16)
 #include <cblas.h>
+#else
+#define bfloat16 chorus_openblas_bfloat16
+#include <cblas.h>
+#undef bfloat16
+#endif
 
 #include <cstdint>
 #include <type_traits>
