@@ -71,13 +71,13 @@ template <class T>
 template <class T>
 void fill(const Tensor<T>& out, T value) {  // out contiguous
   CHORUS_DISPATCH_T(T, "fill", out.device(), cpu::fill(out.data(), out.numel(), value),
-                  cuda::fill(out.data(), out.numel(), value, out.device()));
+                    cuda::fill(out.data(), out.numel(), value, out.device()));
 }
 
 template <class T>
 void arange(const Tensor<T>& out, double start, double step) {
   CHORUS_DISPATCH_T(T, "arange", out.device(), cpu::arange(out.data(), out.numel(), start, step),
-                  cuda::arange(out.data(), out.numel(), start, step, out.device()));
+                    cuda::arange(out.data(), out.numel(), start, step, out.device()));
 }
 
 /// dst = src elementwise for two tensors of one shape, any strides, any devices.
@@ -89,8 +89,9 @@ void copy(const Tensor<T>& dst, const Tensor<T>& src) {
       copy_bytes(dst.data(), dd, src.data(), sd, static_cast<std::size_t>(src.numel()) * sizeof(T));
       return;
     }
-    CHORUS_DISPATCH_T(T, "copy", dd, cpu::copy_strided(src.data(), src.strides(), dst.data(), dst.strides(), src.shape()),
-                    cuda::copy_strided(src.data(), src.strides(), dst.data(), dst.strides(), src.shape(), dd));
+    CHORUS_DISPATCH_T(T, "copy", dd,
+                      cpu::copy_strided(src.data(), src.strides(), dst.data(), dst.strides(), src.shape()),
+                      cuda::copy_strided(src.data(), src.strides(), dst.data(), dst.strides(), src.shape(), dd));
     return;
   }
   // Across devices: make the source contiguous on its device, move the bytes, then scatter
@@ -115,55 +116,58 @@ void convert(const Tensor<U>& dst, const Tensor<T>& src) {
   // A 16-bit type on either side has no CUDA kernel yet (the macro tests its first argument).
   using Narrow = std::conditional_t<is_reduced_floating_v<U>, U, T>;
   CHORUS_DISPATCH_T(Narrow, "convert", src.device(), cpu::convert(src.data(), dst.data(), src.numel()),
-                  cuda::convert(src.data(), dst.data(), src.numel(), src.device()));
+                    cuda::convert(src.data(), dst.data(), src.numel(), src.device()));
 }
 
 template <class T, class Op>
 void unary(const Tensor<T>& in, const Tensor<T>& out, Op op) {  // contiguous
   CHORUS_DISPATCH_T(T, "unary", in.device(), cpu::unary(in.data(), out.data(), in.numel(), op),
-                  cuda::unary(in.data(), out.data(), in.numel(), op, in.device()));
+                    cuda::unary(in.data(), out.data(), in.numel(), op, in.device()));
 }
 
 template <class T, class Op>
 void binary_same(const Tensor<T>& a, const Tensor<T>& b, const Tensor<T>& out, Op op) {  // contiguous
   CHORUS_DISPATCH_T(T, "binary_same", a.device(), cpu::binary_same(a.data(), b.data(), out.data(), a.numel(), op),
-                  cuda::binary_same(a.data(), b.data(), out.data(), a.numel(), op, a.device()));
+                    cuda::binary_same(a.data(), b.data(), out.data(), a.numel(), op, a.device()));
 }
 
 /// out (contiguous) = op(a, b) with a, b read through strides expanded to out's shape.
 template <class T, class Op>
 void binary_broadcast(const Tensor<T>& a, const Strides& as, const Tensor<T>& b, const Strides& bs,
                       const Tensor<T>& out, Op op) {
-  CHORUS_DISPATCH_T(T, "binary_broadcast", a.device(), cpu::binary_broadcast(a.data(), as, b.data(), bs, out.data(), out.shape(), op),
-                  cuda::binary_broadcast(a.data(), as, b.data(), bs, out.data(), out.shape(), op, a.device()));
+  CHORUS_DISPATCH_T(T, "binary_broadcast", a.device(),
+                    cpu::binary_broadcast(a.data(), as, b.data(), bs, out.data(), out.shape(), op),
+                    cuda::binary_broadcast(a.data(), as, b.data(), bs, out.data(), out.shape(), op, a.device()));
 }
 
 /// dst += src summed onto dst's broadcast strides (src contiguous).
 template <class T>
 void reduce_add_broadcast(const Tensor<T>& src, const Tensor<T>& dst, const Strides& dst_strides) {
-  CHORUS_DISPATCH_T(T, "reduce_add_broadcast", src.device(), cpu::reduce_add_broadcast(src.data(), src.shape(), dst.data(), dst_strides),
-                  cuda::reduce_add_broadcast(src.data(), src.shape(), dst.data(), dst_strides, src.device()));
+  CHORUS_DISPATCH_T(T, "reduce_add_broadcast", src.device(),
+                    cpu::reduce_add_broadcast(src.data(), src.shape(), dst.data(), dst_strides),
+                    cuda::reduce_add_broadcast(src.data(), src.shape(), dst.data(), dst_strides, src.device()));
 }
 
 /// out (one element) = scale * sum(in), in contiguous.
 template <class T>
 void sum_all(const Tensor<T>& in, const Tensor<T>& out, double scale) {
-  CHORUS_DISPATCH_T(T, "sum_all", in.device(), *out.data() = static_cast<T>(cpu::sum_all(in.data(), in.numel()) * scale),
-                  cuda::sum_dim(in.data(), 1, in.numel(), 1, out.data(), scale, in.device()));
+  CHORUS_DISPATCH_T(T, "sum_all", in.device(),
+                    *out.data() = static_cast<T>(cpu::sum_all(in.data(), in.numel()) * scale),
+                    cuda::sum_dim(in.data(), 1, in.numel(), 1, out.data(), scale, in.device()));
 }
 
 template <class T>
 void sum_dim(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, const Tensor<T>& out,
              double scale) {
   CHORUS_DISPATCH_T(T, "sum_dim", in.device(), cpu::sum_dim(in.data(), outer, n, inner, out.data(), scale),
-                  cuda::sum_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
+                    cuda::sum_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
 }
 
 template <class T>
 void expand_dim(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, const Tensor<T>& out,
                 double scale) {
   CHORUS_DISPATCH_T(T, "expand_dim", in.device(), cpu::expand_dim(in.data(), outer, n, inner, out.data(), scale),
-                  cuda::expand_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
+                    cuda::expand_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
 }
 
 template <class T>
@@ -172,8 +176,8 @@ void softmax(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("softmax");
   } else {
-  CHORUS_DISPATCH(in.device(), cpu::softmax(in.data(), outer, n, inner, out.data(), log_space),
-                  cuda::softmax(in.data(), outer, n, inner, out.data(), log_space, in.device()));
+    CHORUS_DISPATCH(in.device(), cpu::softmax(in.data(), outer, n, inner, out.data(), log_space),
+                    cuda::softmax(in.data(), outer, n, inner, out.data(), log_space, in.device()));
   }
 }
 
@@ -183,8 +187,8 @@ void softmax_backward(const Tensor<T>& g, const Tensor<T>& y, std::int64_t outer
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("softmax_backward");
   } else {
-  CHORUS_DISPATCH(g.device(), cpu::softmax_backward(g.data(), y.data(), outer, n, inner, gx.data(), log_space),
-                  cuda::softmax_backward(g.data(), y.data(), outer, n, inner, gx.data(), log_space, g.device()));
+    CHORUS_DISPATCH(g.device(), cpu::softmax_backward(g.data(), y.data(), outer, n, inner, gx.data(), log_space),
+                    cuda::softmax_backward(g.data(), y.data(), outer, n, inner, gx.data(), log_space, g.device()));
   }
 }
 
@@ -194,16 +198,18 @@ template <class T>
 void index_select(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner,
                   const Tensor<std::int64_t>& idx, const Tensor<T>& out, int dim = 0) {
   (void)dim;
-  CHORUS_DISPATCH_T(T, "index_select", in.device(), cpu::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data()),
-                  cuda::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), dim,
+  CHORUS_DISPATCH_T(T, "index_select", in.device(),
+                    cpu::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data()),
+                    cuda::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), dim,
                                      in.device()));
 }
 
 template <class T>
 void index_add(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner,
                const Tensor<std::int64_t>& idx, const Tensor<T>& out) {
-  CHORUS_DISPATCH_T(T, "index_add", in.device(), cpu::index_add(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data()),
-                  cuda::index_add(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), in.device()));
+  CHORUS_DISPATCH_T(T, "index_add", in.device(),
+                    cpu::index_add(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data()),
+                    cuda::index_add(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), in.device()));
 }
 
 /// Row-major C = alpha op(A) op(B) + beta C on one device.
@@ -217,7 +223,7 @@ void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T al
                " N=", N, " K=", K, " (lda ", lda, ", ldb ", ldb, ", ldc ", ldc,
                ") exceed the 32-bit BLAS interface (at most ", kMax, ")");
   CHORUS_DISPATCH_T(T, "gemm", dev, cpu::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc),
-                  cuda::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, dev));
+                    cuda::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, dev));
 }
 
 /// out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N]) for contiguous row-major x and w. On CUDA a
@@ -236,7 +242,7 @@ void linear_forward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>* bia
   T beta = T(0);
   if (bias && M > 0) {
     CHORUS_DISPATCH_T(T, "linear", d, cpu::broadcast_rows(bias->data(), M, N, out.data()),
-                    cuda::broadcast_rows(bias->data(), M, N, out.data(), d));
+                      cuda::broadcast_rows(bias->data(), M, N, out.data(), d));
     beta = T(1);
   }
   gemm(false, true, M, N, K, T(1), x.data(), std::max<std::int64_t>(K, 1), w.data(), std::max<std::int64_t>(K, 1),
@@ -246,7 +252,7 @@ void linear_forward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>* bia
 template <class T>
 void broadcast_rows(const Tensor<T>& bias, std::int64_t rows, std::int64_t cols, const Tensor<T>& out) {
   CHORUS_DISPATCH_T(T, "broadcast_rows", bias.device(), cpu::broadcast_rows(bias.data(), rows, cols, out.data()),
-                  cuda::broadcast_rows(bias.data(), rows, cols, out.data(), bias.device()));
+                    cuda::broadcast_rows(bias.data(), rows, cols, out.data(), bias.device()));
 }
 
 /// out (one element) = scale * sum((a - b)^2).
@@ -255,9 +261,9 @@ void squared_error_sum(const Tensor<T>& a, const Tensor<T>& b, const Tensor<T>& 
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("squared_error_sum");
   } else {
-  CHORUS_DISPATCH(a.device(),
-                  *out.data() = static_cast<T>(cpu::squared_error_sum(a.data(), b.data(), a.numel()) * scale),
-                  cuda::squared_error_sum(a.data(), b.data(), a.numel(), out.data(), scale, a.device()));
+    CHORUS_DISPATCH(a.device(),
+                    *out.data() = static_cast<T>(cpu::squared_error_sum(a.data(), b.data(), a.numel()) * scale),
+                    cuda::squared_error_sum(a.data(), b.data(), a.numel(), out.data(), scale, a.device()));
   }
 }
 
@@ -268,19 +274,19 @@ void squared_error_backward(const Tensor<T>& a, const Tensor<T>& b, const Tensor
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("squared_error_backward");
   } else {
-  const bool per_elem = g.numel() == a.numel() && a.numel() != 1;
-  T* pga = ga ? ga->data() : nullptr;
-  T* pgb = gb ? gb->data() : nullptr;
-  CHORUS_DISPATCH(
-      a.device(),
-      {
-        if (per_elem) {
-          cpu::squared_error_backward(a.data(), b.data(), a.numel(), scale, g.data(), pga, pgb);
-        } else {
-          cpu::squared_error_backward<T>(a.data(), b.data(), a.numel(), T(scale * *g.data()), nullptr, pga, pgb);
-        }
-      },
-      cuda::squared_error_backward(a.data(), b.data(), a.numel(), scale, g.data(), per_elem, pga, pgb, a.device()));
+    const bool per_elem = g.numel() == a.numel() && a.numel() != 1;
+    T* pga = ga ? ga->data() : nullptr;
+    T* pgb = gb ? gb->data() : nullptr;
+    CHORUS_DISPATCH(
+        a.device(),
+        {
+          if (per_elem) {
+            cpu::squared_error_backward(a.data(), b.data(), a.numel(), scale, g.data(), pga, pgb);
+          } else {
+            cpu::squared_error_backward<T>(a.data(), b.data(), a.numel(), T(scale * *g.data()), nullptr, pga, pgb);
+          }
+        },
+        cuda::squared_error_backward(a.data(), b.data(), a.numel(), scale, g.data(), per_elem, pga, pgb, a.device()));
   }
 }
 
@@ -305,11 +311,11 @@ void cross_entropy_forward(const Tensor<T>& logits, const Tensor<std::int64_t>& 
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("cross_entropy_forward");
   } else {
-  const auto N = logits.size(0), C = logits.size(1);
-  CHORUS_DISPATCH(logits.device(),
-                  cpu::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data()),
-                  cuda::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data(),
-                                              logits.device()));
+    const auto N = logits.size(0), C = logits.size(1);
+    CHORUS_DISPATCH(logits.device(),
+                    cpu::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data()),
+                    cuda::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data(),
+                                                logits.device()));
   }
 }
 
@@ -319,12 +325,12 @@ void cross_entropy_backward(const Tensor<T>& logits, const Tensor<std::int64_t>&
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("cross_entropy_backward");
   } else {
-  const auto N = logits.size(0), C = logits.size(1);
-  CHORUS_DISPATCH(
-      logits.device(),
-      cpu::cross_entropy_backward(logits.data(), N, C, target.data(), ignore_index, g.data(), g_stride, grad.data()),
-      cuda::cross_entropy_backward(logits.data(), N, C, target.data(), ignore_index, g.data(), g_stride,
-                                   grad.data(), logits.device()));
+    const auto N = logits.size(0), C = logits.size(1);
+    CHORUS_DISPATCH(
+        logits.device(),
+        cpu::cross_entropy_backward(logits.data(), N, C, target.data(), ignore_index, g.data(), g_stride, grad.data()),
+        cuda::cross_entropy_backward(logits.data(), N, C, target.data(), ignore_index, g.data(), g_stride,
+                                     grad.data(), logits.device()));
   }
 }
 
@@ -334,9 +340,9 @@ void nll_forward(const Tensor<T>& logp, const Tensor<std::int64_t>& target, std:
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("nll_forward");
   } else {
-  const auto N = logp.size(0), C = logp.size(1);
-  CHORUS_DISPATCH(logp.device(), cpu::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data()),
-                  cuda::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data(), logp.device()));
+    const auto N = logp.size(0), C = logp.size(1);
+    CHORUS_DISPATCH(logp.device(), cpu::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data()),
+                    cuda::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data(), logp.device()));
   }
 }
 
@@ -346,9 +352,11 @@ void nll_backward(const Tensor<std::int64_t>& target, std::int64_t C, std::int64
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("nll_backward");
   } else {
-  const auto N = target.numel();
-  CHORUS_DISPATCH(grad.device(), cpu::nll_backward(N, C, target.data(), ignore_index, g.data(), g_stride, grad.data()),
-                  cuda::nll_backward(N, C, target.data(), ignore_index, g.data(), g_stride, grad.data(), grad.device()));
+    const auto N = target.numel();
+    CHORUS_DISPATCH(grad.device(),
+                    cpu::nll_backward(N, C, target.data(), ignore_index, g.data(), g_stride, grad.data()),
+                    cuda::nll_backward(N, C, target.data(), ignore_index, g.data(), g_stride, grad.data(),
+                                       grad.device()));
   }
 }
 
@@ -371,11 +379,12 @@ void sgd_step(const Tensor<T>& p, const Tensor<T>& g, const Tensor<T>* buf, doub
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("sgd_step");
   } else {
-  T* b = buf ? buf->data() : nullptr;
-  CHORUS_DISPATCH(p.device(),
-                  cpu::sgd_step(p.data(), g.data(), b, p.numel(), lr, momentum, dampening, wd, nesterov, first, maximize),
-                  cuda::sgd_step(p.data(), g.data(), b, p.numel(), lr, momentum, dampening, wd, nesterov, first,
-                                 maximize, p.device()));
+    T* b = buf ? buf->data() : nullptr;
+    CHORUS_DISPATCH(p.device(),
+                    cpu::sgd_step(p.data(), g.data(), b, p.numel(), lr, momentum, dampening, wd, nesterov, first,
+                                  maximize),
+                    cuda::sgd_step(p.data(), g.data(), b, p.numel(), lr, momentum, dampening, wd, nesterov, first,
+                                   maximize, p.device()));
   }
 }
 
@@ -386,12 +395,12 @@ void adam_step(const Tensor<T>& p, const Tensor<T>& g, const Tensor<T>& m, const
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("adam_step");
   } else {
-  T* vm = vmax ? vmax->data() : nullptr;
-  CHORUS_DISPATCH(p.device(),
-                  cpu::adam_step(p.data(), g.data(), m.data(), v.data(), vm, p.numel(), lr, b1, b2, eps, wd, decoupled,
-                                 step, maximize),
-                  cuda::adam_step(p.data(), g.data(), m.data(), v.data(), vm, p.numel(), lr, b1, b2, eps, wd,
-                                  decoupled, step, maximize, p.device()));
+    T* vm = vmax ? vmax->data() : nullptr;
+    CHORUS_DISPATCH(p.device(),
+                    cpu::adam_step(p.data(), g.data(), m.data(), v.data(), vm, p.numel(), lr, b1, b2, eps, wd,
+                                   decoupled, step, maximize),
+                    cuda::adam_step(p.data(), g.data(), m.data(), v.data(), vm, p.numel(), lr, b1, b2, eps, wd,
+                                    decoupled, step, maximize, p.device()));
   }
 }
 
@@ -405,15 +414,15 @@ void foreach_norm(const std::vector<T*>& ptrs, const std::vector<std::int64_t>& 
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("foreach_norm");
   } else {
-  CHORUS_DISPATCH(
-      d,
-      {
-        double acc = 0;
-        for (std::size_t i = 0; i < ptrs.size(); ++i)
-          acc = norm_accumulate(s, acc, cpu::norm_partial(ptrs[i], numels[i], s));
-        raw[0] = acc;
-      },
-      cuda::foreach_norm(ptrs, numels, s, raw, d));
+    CHORUS_DISPATCH(
+        d,
+        {
+          double acc = 0;
+          for (std::size_t i = 0; i < ptrs.size(); ++i)
+            acc = norm_accumulate(s, acc, cpu::norm_partial(ptrs[i], numels[i], s));
+          raw[0] = acc;
+        },
+        cuda::foreach_norm(ptrs, numels, s, raw, d));
   }
 }
 
@@ -437,13 +446,13 @@ void foreach_scale(const std::vector<T*>& ptrs, const std::vector<std::int64_t>&
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("foreach_scale");
   } else {
-  CHORUS_DISPATCH(
-      d,
-      {
-        if (coef[0] != 1.0)
-          for (std::size_t i = 0; i < ptrs.size(); ++i) cpu::scale_inplace(ptrs[i], numels[i], coef[0]);
-      },
-      cuda::foreach_scale(ptrs, numels, coef, d));
+    CHORUS_DISPATCH(
+        d,
+        {
+          if (coef[0] != 1.0)
+            for (std::size_t i = 0; i < ptrs.size(); ++i) cpu::scale_inplace(ptrs[i], numels[i], coef[0]);
+        },
+        cuda::foreach_scale(ptrs, numels, coef, d));
   }
 }
 
@@ -453,12 +462,12 @@ void foreach_clamp(const std::vector<T*>& ptrs, const std::vector<std::int64_t>&
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("foreach_clamp");
   } else {
-  CHORUS_DISPATCH(
-      d,
-      {
-        for (std::size_t i = 0; i < ptrs.size(); ++i) cpu::clamp_inplace(ptrs[i], numels[i], hi);
-      },
-      cuda::foreach_clamp(ptrs, numels, hi, d));
+    CHORUS_DISPATCH(
+        d,
+        {
+          for (std::size_t i = 0; i < ptrs.size(); ++i) cpu::clamp_inplace(ptrs[i], numels[i], hi);
+        },
+        cuda::foreach_clamp(ptrs, numels, hi, d));
   }
 }
 

@@ -20,7 +20,7 @@ void im2col(const T* x, const Window2d& g, T* col, Device d) {
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("im2col");
   } else {
-  CHORUS_DISPATCH(d, cpu::im2col(x, g, col), cuda::im2col(x, g, col, d));
+    CHORUS_DISPATCH(d, cpu::im2col(x, g, col), cuda::im2col(x, g, col, d));
   }
 }
 /// x += col2im(col).
@@ -29,7 +29,7 @@ void col2im(const T* col, const Window2d& g, T* x, Device d) {
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("col2im");
   } else {
-  CHORUS_DISPATCH(d, cpu::col2im(col, g, x), cuda::col2im(col, g, x, d));
+    CHORUS_DISPATCH(d, cpu::col2im(col, g, x), cuda::col2im(col, g, x, d));
   }
 }
 template <class T>
@@ -37,7 +37,7 @@ void max_pool2d(const T* x, std::int64_t planes, const Window2d& g, T* out, std:
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("max_pool2d");
   } else {
-  CHORUS_DISPATCH(d, cpu::max_pool2d(x, planes, g, out, idx), cuda::max_pool2d(x, planes, g, out, idx, d));
+    CHORUS_DISPATCH(d, cpu::max_pool2d(x, planes, g, out, idx), cuda::max_pool2d(x, planes, g, out, idx, d));
   }
 }
 template <class T>
@@ -46,8 +46,8 @@ void max_pool2d_backward(const T* gy, const std::int64_t* idx, std::int64_t plan
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("max_pool2d_backward");
   } else {
-  CHORUS_DISPATCH(d, cpu::max_pool2d_backward(gy, idx, planes, g, gx),
-                  cuda::max_pool2d_backward(gy, idx, planes, g, gx, d));
+    CHORUS_DISPATCH(d, cpu::max_pool2d_backward(gy, idx, planes, g, gx),
+                    cuda::max_pool2d_backward(gy, idx, planes, g, gx, d));
   }
 }
 template <class T>
@@ -55,7 +55,7 @@ void avg_pool2d(const T* x, std::int64_t planes, const Window2d& g, bool inc, st
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("avg_pool2d");
   } else {
-  CHORUS_DISPATCH(d, cpu::avg_pool2d(x, planes, g, inc, div, out), cuda::avg_pool2d(x, planes, g, inc, div, out, d));
+    CHORUS_DISPATCH(d, cpu::avg_pool2d(x, planes, g, inc, div, out), cuda::avg_pool2d(x, planes, g, inc, div, out, d));
   }
 }
 template <class T>
@@ -64,8 +64,8 @@ void avg_pool2d_backward(const T* gy, std::int64_t planes, const Window2d& g, bo
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("avg_pool2d_backward");
   } else {
-  CHORUS_DISPATCH(d, cpu::avg_pool2d_backward(gy, planes, g, inc, div, gx),
-                  cuda::avg_pool2d_backward(gy, planes, g, inc, div, gx, d));
+    CHORUS_DISPATCH(d, cpu::avg_pool2d_backward(gy, planes, g, inc, div, gx),
+                    cuda::avg_pool2d_backward(gy, planes, g, inc, div, gx, d));
   }
 }
 template <class T>
@@ -73,7 +73,7 @@ void adaptive_avg_pool2d(const T* x, std::int64_t planes, const Window2d& g, T* 
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("adaptive_avg_pool2d");
   } else {
-  CHORUS_DISPATCH(d, cpu::adaptive_avg_pool2d(x, planes, g, out), cuda::adaptive_avg_pool2d(x, planes, g, out, d));
+    CHORUS_DISPATCH(d, cpu::adaptive_avg_pool2d(x, planes, g, out), cuda::adaptive_avg_pool2d(x, planes, g, out, d));
   }
 }
 template <class T>
@@ -81,8 +81,8 @@ void adaptive_avg_pool2d_backward(const T* gy, std::int64_t planes, const Window
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("adaptive_avg_pool2d_backward");
   } else {
-  CHORUS_DISPATCH(d, cpu::adaptive_avg_pool2d_backward(gy, planes, g, gx),
-                  cuda::adaptive_avg_pool2d_backward(gy, planes, g, gx, d));
+    CHORUS_DISPATCH(d, cpu::adaptive_avg_pool2d_backward(gy, planes, g, gx),
+                    cuda::adaptive_avg_pool2d_backward(gy, planes, g, gx, d));
   }
 }
 template <class T>
@@ -90,7 +90,7 @@ void channel_sums(const T* x, std::int64_t N, std::int64_t C, std::int64_t S, co
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("channel_sums");
   } else {
-  CHORUS_DISPATCH(d, cpu::channel_sums(x, N, C, S, mean, out), cuda::channel_sums(x, N, C, S, mean, out, d));
+    CHORUS_DISPATCH(d, cpu::channel_sums(x, N, C, S, mean, out), cuda::channel_sums(x, N, C, S, mean, out, d));
   }
 }
 template <class T>
@@ -99,8 +99,8 @@ void bn_apply(const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const 
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("bn_apply");
   } else {
-  CHORUS_DISPATCH(d, cpu::bn_apply(x, N, C, S, mean, invstd, w, b, y),
-                  cuda::bn_apply(x, N, C, S, mean, invstd, w, b, y, d));
+    CHORUS_DISPATCH(d, cpu::bn_apply(x, N, C, S, mean, invstd, w, b, y),
+                    cuda::bn_apply(x, N, C, S, mean, invstd, w, b, y, d));
   }
 }
 /// Per-channel mean and M2 = Σ (x - mean)² of x [N, C, S] in the accumulator A (either may be
@@ -111,7 +111,7 @@ void bn_stats(const T* x, std::int64_t N, std::int64_t C, std::int64_t S, A* mea
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("bn_stats");
   } else {
-  CHORUS_DISPATCH(d, cpu::bn_stats(x, N, C, S, mean, m2, fin), cuda::bn_stats(x, N, C, S, mean, m2, fin, d));
+    CHORUS_DISPATCH(d, cpu::bn_stats(x, N, C, S, mean, m2, fin), cuda::bn_stats(x, N, C, S, mean, m2, fin, d));
   }
 }
 /// Finishes per-channel statistics (mean, M2 over fin.count values) into `fin`.
@@ -120,7 +120,7 @@ void bn_finish(const A* mean, const A* m2, std::int64_t C, const BnFinish<T>& fi
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("bn_finish");
   } else {
-  CHORUS_DISPATCH(d, cpu::bn_finish(mean, m2, C, fin), cuda::bn_finish(mean, m2, C, fin, d));
+    CHORUS_DISPATCH(d, cpu::bn_finish(mean, m2, C, fin), cuda::bn_finish(mean, m2, C, fin, d));
   }
 }
 /// SyncBatchNorm between its reductions (see bn_sync_channel).
@@ -137,8 +137,8 @@ void bn_backward_reduce(const T* gy, const T* x, std::int64_t N, std::int64_t C,
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("bn_backward_reduce");
   } else {
-  CHORUS_DISPATCH(d, cpu::bn_backward_reduce(gy, x, N, C, S, mean, invstd, sums, gw, gb),
-                  cuda::bn_backward_reduce(gy, x, N, C, S, mean, invstd, sums, gw, gb, d));
+    CHORUS_DISPATCH(d, cpu::bn_backward_reduce(gy, x, N, C, S, mean, invstd, sums, gw, gb),
+                    cuda::bn_backward_reduce(gy, x, N, C, S, mean, invstd, sums, gw, gb, d));
   }
 }
 template <class T, class A>
@@ -147,8 +147,8 @@ void bn_backward_input(const T* gy, const T* x, std::int64_t N, std::int64_t C, 
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("bn_backward_input");
   } else {
-  CHORUS_DISPATCH(d, cpu::bn_backward_input(gy, x, N, C, S, mean, invstd, w, sums, inv_count, gx),
-                  cuda::bn_backward_input(gy, x, N, C, S, mean, invstd, w, sums, inv_count, gx, d));
+    CHORUS_DISPATCH(d, cpu::bn_backward_input(gy, x, N, C, S, mean, invstd, w, sums, inv_count, gx),
+                    cuda::bn_backward_input(gy, x, N, C, S, mean, invstd, w, sums, inv_count, gx, d));
   }
 }
 
@@ -160,8 +160,8 @@ void dropout_apply(const T* in, T* out, std::int64_t n, const PhiloxLayout& layo
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("dropout_apply");
   } else {
-  CHORUS_DISPATCH(d, cpu::dropout_apply(in, out, n, layout, threshold, scale),
-                  cuda::dropout_apply(in, out, n, layout, threshold, scale, d));
+    CHORUS_DISPATCH(d, cpu::dropout_apply(in, out, n, layout, threshold, scale),
+                    cuda::dropout_apply(in, out, n, layout, threshold, scale, d));
   }
 }
 

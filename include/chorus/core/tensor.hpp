@@ -275,9 +275,10 @@ U checked_item_cast(T v) {
     return checked_item_cast<U>(static_cast<float>(v));  // exact
   } else if constexpr (is_reduced_floating_v<U>) {
     static_assert(std::is_arithmetic_v<T>);
-    const U r(v);  // rounded once; only a finite value beyond U's range (or NaN to int) fails
-    CHORUS_CHECK(!(v == v && !std::isinf(static_cast<double>(v)) && std::isinf(static_cast<float>(r))), "item(): the value ",
-                 v, " cannot be converted to ", dtype_name(dtype_of<U>()), " without overflow");
+    const U r(v);  // rounded once; a finite value that becomes infinite is refused
+    const bool finite = !std::isnan(static_cast<double>(v)) && !std::isinf(static_cast<double>(v));
+    CHORUS_CHECK(!(finite && std::isinf(static_cast<float>(r))), "item(): the value ", v, " cannot be converted to ",
+                 dtype_name(dtype_of<U>()), " without overflow");
     return r;
   } else {
     return checked_item_cast_arithmetic<U>(v);

@@ -466,7 +466,8 @@ inline void load_into(nn::Module& module, const File& f, const std::string& what
         if (r.dtype != x.dtype()) {  // checked above: both floating, convert_dtype asked
           visit_dtype(r.dtype, [&](auto tag) {
             using F = decltype(tag);
-            if constexpr (is_floating_v<F> && is_floating_v<T>) backend::copy(x, detail::host_tensor<F>(f, r).template to<T>().to(x.device()));
+            if constexpr (is_floating_v<F> && is_floating_v<T>)
+              backend::copy(x, detail::host_tensor<F>(f, r).template to<T>().to(x.device()));
           });
         } else if (x.device().is_cpu() && x.is_contiguous()) {
           f.read_into(r, x.data());  // straight into the tensor's storage
