@@ -410,7 +410,6 @@ TYPED_TEST(LowpTypes, ElementwiseComputesInFloatAndRoundsOnce) {
   for (T x : lb) fb.push_back(x);
   auto ta = from_vector(la), tb = from_vector(lb);
   auto at = [&](std::size_t i) { return fb[i]; };
-  std::vector<float> idx = {0, 1, 2, 3, 4, 5};
   expect_rounded_once(ta + tb, fa, [&, i = 0](float x) mutable { return x + at(i++); });
   expect_rounded_once(ta * tb, fa, [&, i = 0](float x) mutable { return x * at(i++); });
   expect_rounded_once(ta / tb, fa, [&, i = 0](float x) mutable { return x / at(i++); });
@@ -423,7 +422,6 @@ TYPED_TEST(LowpTypes, ElementwiseComputesInFloatAndRoundsOnce) {
   // Broadcasting: [2, 3] + [3].
   auto m = from_vector(la, {2, 3}) + from_vector(std::vector<T>(lb.begin(), lb.begin() + 3));
   expect_rounded_once(m, fa, [&, i = 0](float x) mutable { return x + fb[i++ % 3]; });
-  (void)idx;
 }
 
 TYPED_TEST(LowpTypes, ReductionsAccumulateWideAndMatmulGoesThroughFloat) {

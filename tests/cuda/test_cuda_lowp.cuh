@@ -61,7 +61,7 @@ void check_device_conversions() {
 TEST(CudaLowp, DeviceConversionsMatchTheHostAndCuda) {
   REQUIRE_GPU();
   check_device_conversions<bfloat16>();
-  check_device_conversions<half>();
+  check_device_conversions<chorus::half>();  // cuda_fp16.h declares a global `half` too
 }
 
 TEST(CudaLowp, TensorsMoveBitForBitAndKernelsRefuse) {

@@ -30,6 +30,9 @@
 //  - A double is rounded to float with round-to-odd first and then to 16 bits, which is the
 //    correctly rounded result (float keeps more than p + 1 bits), never a double rounding.
 //    Integers convert through double: exact up to 2^53 in magnitude.
+//  - Names: OpenBLAS declares a global `bfloat16` (renamed while backend/cpu/blas.hpp reads
+//    <cblas.h>) and cuda_fp16.h a global `half` (= __half): in a translation unit compiled by
+//    nvcc, `using namespace chorus;` makes a bare `half` ambiguous; write chorus::half there.
 #include <bit>
 #include <cstdint>
 #include <limits>
