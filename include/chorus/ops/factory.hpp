@@ -101,7 +101,9 @@ Tensor<T> rand(const Shape& shape, Device device = Device::cpu(), double lo = 0.
                Generator& gen = default_generator()) {
   static_assert(is_floating_v<T>, "rand: floating-point tensors only");
   auto t = Tensor<T>::empty(shape, device);
-  if constexpr (is_reduced_floating_v<T>) {  // the float numbers of the same seed, each rounded once
+  // 16-bit: the float numbers of the same seed, each rounded once (a value just below hi may
+  // round to hi itself).
+  if constexpr (is_reduced_floating_v<T>) {
     backend::random_fill(t, [&](T* p, std::int64_t n) {
       std::vector<float> f(static_cast<std::size_t>(n));
       gen.uniform(f.data(), n, lo, hi);
