@@ -1,6 +1,8 @@
 // Helper of the safetensors interoperability test (safetensors_interop.py).
 //   safetensors_interop write FILE   saves the reference model (deterministic values)
 //   safetensors_interop check FILE   loads FILE and checks it holds the reference values + 1
+//   safetensors_interop write-lowp FILE / check-lowp FILE: the same for the 16-bit reference
+//   (check-lowp also loads FILE into a float32 module with LoadOptions::convert_dtype)
 #include <chorus/chorus.hpp>
 
 #include <cmath>
@@ -26,14 +28,73 @@ struct Reference : nn::Module {
     head->weight.copy_(arange<double>(8).reshape({2, 4}) * 0.25);
   }
 };
+
+// w[i] = bfloat16((i - 7) / 3 + add) (bfloat16 [2, 3]), h[i] = half(1000.5 i + add) (float16 [4]):
+// each a float rounded once to nearest even, as the Python side computes it from float32 bits.
+template <class W, class H>
+struct LowpReference : nn::Module {
+  Tensor<W> w;
+  Tensor<H> h;
+  explicit LowpReference(float add = 0) {
+    std::vector<W> wv;
+    std::vector<H> hv;
+    for (int i = 0; i < 6; ++i) wv.push_back(W(static_cast<float>(i - 7) / 3.0f + add));
+    for (int i = 0; i < 4; ++i) hv.push_back(H(static_cast<float>(i) * 1000.5f + add));
+    w = register_parameter("w", from_vector(wv, {2, 3}));
+    h = register_parameter("h", from_vector(hv));
+  }
+};
+
+int check_lowp(const std::string& path) {
+  LowpReference<bfloat16, half> m, expected(1.0f);
+  load(m, path);
+  bool ok = true;
+  auto same_bits = [&](const auto& got, const auto& want, const char* name) {
+    auto g = got.to_vector();
+    auto w = want.to_vector();
+    for (std::size_t i = 0; i < g.size(); ++i)
+      if (g[i].bits() != w[i].bits()) {
+        std::cerr << name << "[" << i << "] has bits " << g[i].bits() << ", expected " << w[i].bits() << "\n";
+        ok = false;
+      }
+  };
+  same_bits(m.w, expected.w, "w");
+  same_bits(m.h, expected.h, "h");
+  // Into a float32 module: refused unless asked, then widened exactly.
+  LowpReference<float, float> wide;
+  try {
+    load(wide, path);
+    std::cerr << "a 16-bit file loaded into a float32 module without convert_dtype\n";
+    ok = false;
+  } catch (const Error& e) {
+    if (std::string(e.what()).find("bfloat16") == std::string::npos) {
+      std::cerr << "unexpected error: " << e.what() << "\n";
+      ok = false;
+    }
+  }
+  load(wide, path, io::LoadOptions{.convert_dtype = true});
+  auto ww = wide.w.to_vector();
+  auto ew = expected.w.to_vector();
+  for (std::size_t i = 0; i < ww.size(); ++i)
+    if (ww[i] != static_cast<float>(ew[i])) {
+      std::cerr << "converted w[" << i << "] = " << ww[i] << ", expected " << static_cast<float>(ew[i]) << "\n";
+      ok = false;
+    }
+  return ok ? 0 : 1;
+}
 }  // namespace
 
 int main(int argc, char** argv) try {
   if (argc != 3) {
-    std::cerr << "usage: safetensors_interop write|check FILE\n";
+    std::cerr << "usage: safetensors_interop write|check|write-lowp|check-lowp FILE\n";
     return 2;
   }
   const std::string mode = argv[1], path = argv[2];
+  if (mode == "write-lowp") {
+    save(LowpReference<bfloat16, half>(), path);
+    return 0;
+  }
+  if (mode == "check-lowp") return check_lowp(path);
   if (mode == "write") {
     save(Reference(), path, {{"producer", "chorus"}});
     return 0;

@@ -232,7 +232,9 @@ TEST(Safetensors, BadFilesAreRefusedAndLeaveTheModuleUnchanged) {
   expect_refused(make_file("[1, 2]", 0), {"not a JSON object"});
   expect_refused(make_file(R"({"w":{"dtype":"Q7","shape":[2,2],"data_offsets":[0,16]}})", 16),
                  {"unknown dtype 'Q7'"});
-  expect_refused(make_file(R"({"w":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]}})", 8), {"F16", "does not hold"});
+  expect_refused(make_file(R"({"w":{"dtype":"I16","shape":[2,2],"data_offsets":[0,8]}})", 8), {"I16", "does not hold"});
+  expect_refused(make_file(R"({"w":{"dtype":"F16","shape":[2,2],"data_offsets":[0,8]}})", 8),
+                 {"'w' is float16", "float32 in the module", "convert_dtype = true"});
   expect_refused(make_file(R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[0,32]}})", 16), {"out of range"});
   expect_refused(make_file(R"({"w":{"dtype":"F32","shape":[2,2],"data_offsets":[8,24]},
                                "v":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]}})",
@@ -325,4 +327,95 @@ TEST(Safetensors, GroupsAndSchedulerResumeExactly) {
   save(*opt_f, dir.file("nosched.safetensors"));
   EXPECT_TRUE(throws_with([&] { load(*opt_lr, dir.file("nosched.safetensors"), &other); }, {"no learning-rate scheduler"}));
   EXPECT_TRUE(throws_with([&] { load(plain, dir.file("optim.safetensors")); }, {"2 parameter groups", "has 1"}));
+}
+
+// ---- 16-bit checkpoints (issue 19) ----
+namespace {
+template <class W, class H>
+struct LowpNet : nn::Module {
+  Tensor<W> w;
+  Tensor<H> h;
+  Tensor<std::int64_t> steps;
+  explicit LowpNet(float shift = 0) {
+    std::vector<W> wv;
+    std::vector<H> hv;
+    for (int i = 0; i < 6; ++i) wv.push_back(W(static_cast<float>(i - 7) / 3.0f + shift));
+    for (int i = 0; i < 4; ++i) hv.push_back(H(static_cast<float>(i) * 1000.5f + shift));
+    w = register_parameter("w", from_vector(wv, {2, 3}));
+    h = register_parameter("h", from_vector(hv));
+    steps = register_buffer("steps", from_vector<std::int64_t>({3, 4}));
+  }
+};
+template <class T>
+std::vector<std::uint16_t> bits_of(const Tensor<T>& t) {
+  std::vector<std::uint16_t> r;
+  for (T x : t.to_vector()) r.push_back(x.bits());
+  return r;
+}
+}  // namespace
+
+TEST(Safetensors, BFloat16AndFloat16RoundTripBitForBit) {
+  TempDir dir;
+  const auto path = dir.file("lowp.safetensors");
+  LowpNet<bfloat16, half> a(0.25f), b;
+  save(a, path);
+  auto f = io::read(path);
+  EXPECT_EQ(f.tensors.at("w").dtype, DType::BFloat16);
+  EXPECT_EQ(f.tensors.at("h").dtype, DType::Float16);
+  EXPECT_EQ(f.tensors.at("w").end - f.tensors.at("w").begin, 12u);
+  load(b, path);
+  EXPECT_EQ(bits_of(b.w), bits_of(a.w));
+  EXPECT_EQ(bits_of(b.h), bits_of(a.h));
+  // The header names the dtypes as safetensors does.
+  const auto bytes = bytes_of(path);
+  const std::string text(bytes.begin(), bytes.end());
+  EXPECT_NE(text.find(R"("dtype":"BF16")"), std::string::npos);
+  EXPECT_NE(text.find(R"("dtype":"F16")"), std::string::npos);
+}
+
+TEST(Safetensors, A16BitFileLoadsIntoAFloatModuleOnlyWhenAsked) {
+  TempDir dir;
+  const auto path = dir.file("lowp.safetensors");
+  LowpNet<bfloat16, half> lowp(0.25f);
+  save(lowp, path);
+  LowpNet<float, double> wide;
+  const auto before = wide.w.to_vector();
+  EXPECT_TRUE(throws_with([&] { load(wide, path); }, {"'h' is float16", "float64 in the module", "convert_dtype"}) ||
+              throws_with([&] { load(wide, path); }, {"'w' is bfloat16", "float32 in the module", "convert_dtype"}));
+  EXPECT_EQ(wide.w.to_vector(), before);  // unchanged
+  load(wide, path, io::LoadOptions{.convert_dtype = true});
+  auto w = wide.w.to_vector();
+  auto lw = lowp.w.to_vector();
+  for (std::size_t i = 0; i < w.size(); ++i) EXPECT_EQ(w[i], static_cast<float>(lw[i]));  // exact widening
+  auto h = wide.h.to_vector();
+  auto lh = lowp.h.to_vector();
+  for (std::size_t i = 0; i < h.size(); ++i) EXPECT_EQ(h[i], static_cast<double>(static_cast<float>(lh[i])));
+  // And back: a float checkpoint into a 16-bit module rounds each value once to nearest even.
+  const auto wide_path = dir.file("wide.safetensors");
+  LowpNet<float, double> src(0.1f);
+  save(src, wide_path);
+  LowpNet<bfloat16, half> dst;
+  EXPECT_TRUE(throws_with([&] { load(dst, wide_path); }, {"in the module", "convert_dtype = true"}));
+  load(dst, wide_path, io::LoadOptions{.convert_dtype = true});
+  auto sw = src.w.to_vector();
+  for (std::size_t i = 0; i < sw.size(); ++i) EXPECT_EQ(dst.w.to_vector()[i].bits(), bfloat16(sw[i]).bits());
+  auto sh = src.h.to_vector();
+  for (std::size_t i = 0; i < sh.size(); ++i) EXPECT_EQ(dst.h.to_vector()[i].bits(), half(sh[i]).bits());
+}
+
+TEST(Safetensors, IntegerTensorsAreNeverConverted) {
+  TempDir dir;
+  const auto path = dir.file("ints.safetensors");
+  struct Ints : nn::Module {
+    Tensor<std::int64_t> steps;
+    Ints() { steps = register_buffer("steps", from_vector<std::int64_t>({1, 2})); }
+  };
+  struct Floats : nn::Module {
+    Tensor<float> steps;
+    Floats() { steps = register_buffer("steps", zeros<float>({2})); }
+  };
+  save(Ints(), path);
+  Floats f;
+  EXPECT_TRUE(throws_with([&] { load(f, path, io::LoadOptions{.convert_dtype = true}); },
+                          {"'steps' is int64", "float32 in the module"}));
 }

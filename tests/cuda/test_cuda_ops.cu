@@ -304,3 +304,5 @@ TEST(CudaAttention, MultiheadAttentionAndTransformerLayers) {
                     },
                     {r<double>({N, L, E}, 5), r<double>({N, S, E}, 6)});
 }
+
+#include "test_cuda_lowp.cuh"  // the 16-bit types under nvcc (issue 19)

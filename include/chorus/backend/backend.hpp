@@ -38,16 +38,46 @@ namespace backend {
   } while (0)
 #endif
 
+// Note [16-bit kernels]
+// bfloat16 and half tensors run on the CPU kernels that compute in float (the opmath loads of
+// cpu::unary/binary, double accumulators, the GEMM through float blocks); the CUDA kernels
+// have no 16-bit instantiation yet. A backend function without a 16-bit path still compiles
+// for them (generic code visits every dtype of an AnyTensor: optimizers, DataParallel,
+// checkpoints) but throws a chorus::Error naming the kernel and the dtype, and never
+// instantiates the float kernel with a 16-bit T: nothing runs with silent extra roundings.
+// CHORUS_DISPATCH_T(T, name, dev, cpu, cuda) is CHORUS_DISPATCH for kernels that have a CPU
+// 16-bit path: for a 16-bit T it runs the CPU call and refuses a CUDA device.
+namespace detail {
+template <class T>
+[[noreturn]] void no_reduced_kernel(const char* kernel, Device d = Device::cpu()) {
+  CHORUS_FAIL(kernel, ": no ", dtype_name(dtype_of<T>()), " kernel", d.is_cuda() ? " for CUDA devices" : "",
+              " yet (mixed precision, issue 19); convert with .to<float>() first");
+}
+}  // namespace detail
+
+#define CHORUS_DISPATCH_T(T, name, dev, cpu_call, cuda_call)                   \
+  do {                                                                         \
+    if constexpr (::chorus::is_reduced_floating_v<T>) {                        \
+      if ((dev).is_cpu()) {                                                    \
+        cpu_call;                                                              \
+      } else {                                                                 \
+        ::chorus::backend::detail::no_reduced_kernel<T>(name, (dev));          \
+      }                                                                        \
+    } else {                                                                   \
+      CHORUS_DISPATCH(dev, cpu_call, cuda_call);                               \
+    }                                                                          \
+  } while (0)
+
 template <class T>
 void fill(const Tensor<T>& out, T value) {  // out contiguous
-  CHORUS_DISPATCH(out.device(), cpu::fill(out.data(), out.numel(), value),
-                  cuda::fill(out.data(), out.numel(), value, out.device()));
+  CHORUS_DISPATCH_T(T, "fill", out.device(), cpu::fill(out.data(), out.numel(), value),
+                    cuda::fill(out.data(), out.numel(), value, out.device()));
 }
 
 template <class T>
 void arange(const Tensor<T>& out, double start, double step) {
-  CHORUS_DISPATCH(out.device(), cpu::arange(out.data(), out.numel(), start, step),
-                  cuda::arange(out.data(), out.numel(), start, step, out.device()));
+  CHORUS_DISPATCH_T(T, "arange", out.device(), cpu::arange(out.data(), out.numel(), start, step),
+                    cuda::arange(out.data(), out.numel(), start, step, out.device()));
 }
 
 /// dst = src elementwise for two tensors of one shape, any strides, any devices.
@@ -59,8 +89,9 @@ void copy(const Tensor<T>& dst, const Tensor<T>& src) {
       copy_bytes(dst.data(), dd, src.data(), sd, static_cast<std::size_t>(src.numel()) * sizeof(T));
       return;
     }
-    CHORUS_DISPATCH(dd, cpu::copy_strided(src.data(), src.strides(), dst.data(), dst.strides(), src.shape()),
-                    cuda::copy_strided(src.data(), src.strides(), dst.data(), dst.strides(), src.shape(), dd));
+    CHORUS_DISPATCH_T(T, "copy", dd,
+                      cpu::copy_strided(src.data(), src.strides(), dst.data(), dst.strides(), src.shape()),
+                      cuda::copy_strided(src.data(), src.strides(), dst.data(), dst.strides(), src.shape(), dd));
     return;
   }
   // Across devices: make the source contiguous on its device, move the bytes, then scatter
@@ -82,70 +113,83 @@ void copy(const Tensor<T>& dst, const Tensor<T>& src) {
 /// dst = static_cast<U>(src), both contiguous on one device.
 template <class U, class T>
 void convert(const Tensor<U>& dst, const Tensor<T>& src) {
-  CHORUS_DISPATCH(src.device(), cpu::convert(src.data(), dst.data(), src.numel()),
-                  cuda::convert(src.data(), dst.data(), src.numel(), src.device()));
+  // A 16-bit type on either side has no CUDA kernel yet (the macro tests its first argument).
+  using Narrow = std::conditional_t<is_reduced_floating_v<U>, U, T>;
+  CHORUS_DISPATCH_T(Narrow, "convert", src.device(), cpu::convert(src.data(), dst.data(), src.numel()),
+                    cuda::convert(src.data(), dst.data(), src.numel(), src.device()));
 }
 
 template <class T, class Op>
 void unary(const Tensor<T>& in, const Tensor<T>& out, Op op) {  // contiguous
-  CHORUS_DISPATCH(in.device(), cpu::unary(in.data(), out.data(), in.numel(), op),
-                  cuda::unary(in.data(), out.data(), in.numel(), op, in.device()));
+  CHORUS_DISPATCH_T(T, "unary", in.device(), cpu::unary(in.data(), out.data(), in.numel(), op),
+                    cuda::unary(in.data(), out.data(), in.numel(), op, in.device()));
 }
 
 template <class T, class Op>
 void binary_same(const Tensor<T>& a, const Tensor<T>& b, const Tensor<T>& out, Op op) {  // contiguous
-  CHORUS_DISPATCH(a.device(), cpu::binary_same(a.data(), b.data(), out.data(), a.numel(), op),
-                  cuda::binary_same(a.data(), b.data(), out.data(), a.numel(), op, a.device()));
+  CHORUS_DISPATCH_T(T, "binary_same", a.device(), cpu::binary_same(a.data(), b.data(), out.data(), a.numel(), op),
+                    cuda::binary_same(a.data(), b.data(), out.data(), a.numel(), op, a.device()));
 }
 
 /// out (contiguous) = op(a, b) with a, b read through strides expanded to out's shape.
 template <class T, class Op>
 void binary_broadcast(const Tensor<T>& a, const Strides& as, const Tensor<T>& b, const Strides& bs,
                       const Tensor<T>& out, Op op) {
-  CHORUS_DISPATCH(a.device(), cpu::binary_broadcast(a.data(), as, b.data(), bs, out.data(), out.shape(), op),
-                  cuda::binary_broadcast(a.data(), as, b.data(), bs, out.data(), out.shape(), op, a.device()));
+  CHORUS_DISPATCH_T(T, "binary_broadcast", a.device(),
+                    cpu::binary_broadcast(a.data(), as, b.data(), bs, out.data(), out.shape(), op),
+                    cuda::binary_broadcast(a.data(), as, b.data(), bs, out.data(), out.shape(), op, a.device()));
 }
 
 /// dst += src summed onto dst's broadcast strides (src contiguous).
 template <class T>
 void reduce_add_broadcast(const Tensor<T>& src, const Tensor<T>& dst, const Strides& dst_strides) {
-  CHORUS_DISPATCH(src.device(), cpu::reduce_add_broadcast(src.data(), src.shape(), dst.data(), dst_strides),
-                  cuda::reduce_add_broadcast(src.data(), src.shape(), dst.data(), dst_strides, src.device()));
+  CHORUS_DISPATCH_T(T, "reduce_add_broadcast", src.device(),
+                    cpu::reduce_add_broadcast(src.data(), src.shape(), dst.data(), dst_strides),
+                    cuda::reduce_add_broadcast(src.data(), src.shape(), dst.data(), dst_strides, src.device()));
 }
 
 /// out (one element) = scale * sum(in), in contiguous.
 template <class T>
 void sum_all(const Tensor<T>& in, const Tensor<T>& out, double scale) {
-  CHORUS_DISPATCH(in.device(), *out.data() = static_cast<T>(cpu::sum_all(in.data(), in.numel()) * scale),
-                  cuda::sum_dim(in.data(), 1, in.numel(), 1, out.data(), scale, in.device()));
+  CHORUS_DISPATCH_T(T, "sum_all", in.device(),
+                    *out.data() = static_cast<T>(cpu::sum_all(in.data(), in.numel()) * scale),
+                    cuda::sum_dim(in.data(), 1, in.numel(), 1, out.data(), scale, in.device()));
 }
 
 template <class T>
 void sum_dim(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, const Tensor<T>& out,
              double scale) {
-  CHORUS_DISPATCH(in.device(), cpu::sum_dim(in.data(), outer, n, inner, out.data(), scale),
-                  cuda::sum_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
+  CHORUS_DISPATCH_T(T, "sum_dim", in.device(), cpu::sum_dim(in.data(), outer, n, inner, out.data(), scale),
+                    cuda::sum_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
 }
 
 template <class T>
 void expand_dim(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, const Tensor<T>& out,
                 double scale) {
-  CHORUS_DISPATCH(in.device(), cpu::expand_dim(in.data(), outer, n, inner, out.data(), scale),
-                  cuda::expand_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
+  CHORUS_DISPATCH_T(T, "expand_dim", in.device(), cpu::expand_dim(in.data(), outer, n, inner, out.data(), scale),
+                    cuda::expand_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
 }
 
 template <class T>
 void softmax(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, const Tensor<T>& out,
              bool log_space) {
-  CHORUS_DISPATCH(in.device(), cpu::softmax(in.data(), outer, n, inner, out.data(), log_space),
-                  cuda::softmax(in.data(), outer, n, inner, out.data(), log_space, in.device()));
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("softmax");
+  } else {
+    CHORUS_DISPATCH(in.device(), cpu::softmax(in.data(), outer, n, inner, out.data(), log_space),
+                    cuda::softmax(in.data(), outer, n, inner, out.data(), log_space, in.device()));
+  }
 }
 
 template <class T>
 void softmax_backward(const Tensor<T>& g, const Tensor<T>& y, std::int64_t outer, std::int64_t n,
                       std::int64_t inner, const Tensor<T>& gx, bool log_space) {
-  CHORUS_DISPATCH(g.device(), cpu::softmax_backward(g.data(), y.data(), outer, n, inner, gx.data(), log_space),
-                  cuda::softmax_backward(g.data(), y.data(), outer, n, inner, gx.data(), log_space, g.device()));
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("softmax_backward");
+  } else {
+    CHORUS_DISPATCH(g.device(), cpu::softmax_backward(g.data(), y.data(), outer, n, inner, gx.data(), log_space),
+                    cuda::softmax_backward(g.data(), y.data(), outer, n, inner, gx.data(), log_space, g.device()));
+  }
 }
 
 /// CPU: the caller validated the indices. CUDA: the kernel does (Note [device-side validation];
@@ -154,16 +198,18 @@ template <class T>
 void index_select(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner,
                   const Tensor<std::int64_t>& idx, const Tensor<T>& out, int dim = 0) {
   (void)dim;
-  CHORUS_DISPATCH(in.device(), cpu::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data()),
-                  cuda::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), dim,
+  CHORUS_DISPATCH_T(T, "index_select", in.device(),
+                    cpu::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data()),
+                    cuda::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), dim,
                                      in.device()));
 }
 
 template <class T>
 void index_add(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner,
                const Tensor<std::int64_t>& idx, const Tensor<T>& out) {
-  CHORUS_DISPATCH(in.device(), cpu::index_add(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data()),
-                  cuda::index_add(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), in.device()));
+  CHORUS_DISPATCH_T(T, "index_add", in.device(),
+                    cpu::index_add(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data()),
+                    cuda::index_add(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), in.device()));
 }
 
 /// Row-major C = alpha op(A) op(B) + beta C on one device.
@@ -176,8 +222,8 @@ void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T al
   CHORUS_CHECK(M <= kMax && N <= kMax && K <= kMax && lda <= kMax && ldb <= kMax && ldc <= kMax, "gemm: sizes M=", M,
                " N=", N, " K=", K, " (lda ", lda, ", ldb ", ldb, ", ldc ", ldc,
                ") exceed the 32-bit BLAS interface (at most ", kMax, ")");
-  CHORUS_DISPATCH(dev, cpu::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc),
-                  cuda::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, dev));
+  CHORUS_DISPATCH_T(T, "gemm", dev, cpu::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc),
+                    cuda::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, dev));
 }
 
 /// out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N]) for contiguous row-major x and w. On CUDA a
@@ -195,8 +241,8 @@ void linear_forward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>* bia
 #endif
   T beta = T(0);
   if (bias && M > 0) {
-    CHORUS_DISPATCH(d, cpu::broadcast_rows(bias->data(), M, N, out.data()),
-                    cuda::broadcast_rows(bias->data(), M, N, out.data(), d));
+    CHORUS_DISPATCH_T(T, "linear", d, cpu::broadcast_rows(bias->data(), M, N, out.data()),
+                      cuda::broadcast_rows(bias->data(), M, N, out.data(), d));
     beta = T(1);
   }
   gemm(false, true, M, N, K, T(1), x.data(), std::max<std::int64_t>(K, 1), w.data(), std::max<std::int64_t>(K, 1),
@@ -205,41 +251,49 @@ void linear_forward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>* bia
 
 template <class T>
 void broadcast_rows(const Tensor<T>& bias, std::int64_t rows, std::int64_t cols, const Tensor<T>& out) {
-  CHORUS_DISPATCH(bias.device(), cpu::broadcast_rows(bias.data(), rows, cols, out.data()),
-                  cuda::broadcast_rows(bias.data(), rows, cols, out.data(), bias.device()));
+  CHORUS_DISPATCH_T(T, "broadcast_rows", bias.device(), cpu::broadcast_rows(bias.data(), rows, cols, out.data()),
+                    cuda::broadcast_rows(bias.data(), rows, cols, out.data(), bias.device()));
 }
 
 /// out (one element) = scale * sum((a - b)^2).
 template <class T>
 void squared_error_sum(const Tensor<T>& a, const Tensor<T>& b, const Tensor<T>& out, double scale) {
-  CHORUS_DISPATCH(a.device(),
-                  *out.data() = static_cast<T>(cpu::squared_error_sum(a.data(), b.data(), a.numel()) * scale),
-                  cuda::squared_error_sum(a.data(), b.data(), a.numel(), out.data(), scale, a.device()));
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("squared_error_sum");
+  } else {
+    CHORUS_DISPATCH(a.device(),
+                    *out.data() = static_cast<T>(cpu::squared_error_sum(a.data(), b.data(), a.numel()) * scale),
+                    cuda::squared_error_sum(a.data(), b.data(), a.numel(), out.data(), scale, a.device()));
+  }
 }
 
 /// ga = scale * g * (a - b), gb = -ga. `g` is a one-element tensor (broadcast) or has a's size.
 template <class T>
 void squared_error_backward(const Tensor<T>& a, const Tensor<T>& b, const Tensor<T>& g, T scale,
                             const Tensor<T>* ga, const Tensor<T>* gb) {
-  const bool per_elem = g.numel() == a.numel() && a.numel() != 1;
-  T* pga = ga ? ga->data() : nullptr;
-  T* pgb = gb ? gb->data() : nullptr;
-  CHORUS_DISPATCH(
-      a.device(),
-      {
-        if (per_elem) {
-          cpu::squared_error_backward(a.data(), b.data(), a.numel(), scale, g.data(), pga, pgb);
-        } else {
-          cpu::squared_error_backward<T>(a.data(), b.data(), a.numel(), T(scale * *g.data()), nullptr, pga, pgb);
-        }
-      },
-      cuda::squared_error_backward(a.data(), b.data(), a.numel(), scale, g.data(), per_elem, pga, pgb, a.device()));
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("squared_error_backward");
+  } else {
+    const bool per_elem = g.numel() == a.numel() && a.numel() != 1;
+    T* pga = ga ? ga->data() : nullptr;
+    T* pgb = gb ? gb->data() : nullptr;
+    CHORUS_DISPATCH(
+        a.device(),
+        {
+          if (per_elem) {
+            cpu::squared_error_backward(a.data(), b.data(), a.numel(), scale, g.data(), pga, pgb);
+          } else {
+            cpu::squared_error_backward<T>(a.data(), b.data(), a.numel(), T(scale * *g.data()), nullptr, pga, pgb);
+          }
+        },
+        cuda::squared_error_backward(a.data(), b.data(), a.numel(), scale, g.data(), per_elem, pga, pgb, a.device()));
+  }
 }
 
 /// out (one element) = the number of targets that are not `ignore_index`.
 template <class T>
 void count_not_ignored(const Tensor<std::int64_t>& target, std::int64_t ignore_index, const Tensor<T>& out) {
-  CHORUS_DISPATCH(
+  CHORUS_DISPATCH_T(T, "count_not_ignored", 
       target.device(),
       {
         std::int64_t c = 0;
@@ -254,38 +308,56 @@ void count_not_ignored(const Tensor<std::int64_t>& target, std::int64_t ignore_i
 template <class T>
 void cross_entropy_forward(const Tensor<T>& logits, const Tensor<std::int64_t>& target, std::int64_t ignore_index,
                            const Tensor<T>& loss) {
-  const auto N = logits.size(0), C = logits.size(1);
-  CHORUS_DISPATCH(logits.device(),
-                  cpu::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data()),
-                  cuda::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data(),
-                                              logits.device()));
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("cross_entropy_forward");
+  } else {
+    const auto N = logits.size(0), C = logits.size(1);
+    CHORUS_DISPATCH(logits.device(),
+                    cpu::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data()),
+                    cuda::cross_entropy_forward(logits.data(), N, C, target.data(), ignore_index, loss.data(),
+                                                logits.device()));
+  }
 }
 
 template <class T>
 void cross_entropy_backward(const Tensor<T>& logits, const Tensor<std::int64_t>& target, std::int64_t ignore_index,
                             const Tensor<T>& g, std::int64_t g_stride, const Tensor<T>& grad) {
-  const auto N = logits.size(0), C = logits.size(1);
-  CHORUS_DISPATCH(
-      logits.device(),
-      cpu::cross_entropy_backward(logits.data(), N, C, target.data(), ignore_index, g.data(), g_stride, grad.data()),
-      cuda::cross_entropy_backward(logits.data(), N, C, target.data(), ignore_index, g.data(), g_stride,
-                                   grad.data(), logits.device()));
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("cross_entropy_backward");
+  } else {
+    const auto N = logits.size(0), C = logits.size(1);
+    CHORUS_DISPATCH(
+        logits.device(),
+        cpu::cross_entropy_backward(logits.data(), N, C, target.data(), ignore_index, g.data(), g_stride, grad.data()),
+        cuda::cross_entropy_backward(logits.data(), N, C, target.data(), ignore_index, g.data(), g_stride,
+                                     grad.data(), logits.device()));
+  }
 }
 
 template <class T>
 void nll_forward(const Tensor<T>& logp, const Tensor<std::int64_t>& target, std::int64_t ignore_index,
                  const Tensor<T>& loss) {
-  const auto N = logp.size(0), C = logp.size(1);
-  CHORUS_DISPATCH(logp.device(), cpu::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data()),
-                  cuda::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data(), logp.device()));
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("nll_forward");
+  } else {
+    const auto N = logp.size(0), C = logp.size(1);
+    CHORUS_DISPATCH(logp.device(), cpu::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data()),
+                    cuda::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data(), logp.device()));
+  }
 }
 
 template <class T>
 void nll_backward(const Tensor<std::int64_t>& target, std::int64_t C, std::int64_t ignore_index, const Tensor<T>& g,
                   std::int64_t g_stride, const Tensor<T>& grad) {
-  const auto N = target.numel();
-  CHORUS_DISPATCH(grad.device(), cpu::nll_backward(N, C, target.data(), ignore_index, g.data(), g_stride, grad.data()),
-                  cuda::nll_backward(N, C, target.data(), ignore_index, g.data(), g_stride, grad.data(), grad.device()));
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("nll_backward");
+  } else {
+    const auto N = target.numel();
+    CHORUS_DISPATCH(grad.device(),
+                    cpu::nll_backward(N, C, target.data(), ignore_index, g.data(), g_stride, grad.data()),
+                    cuda::nll_backward(N, C, target.data(), ignore_index, g.data(), g_stride, grad.data(),
+                                       grad.device()));
+  }
 }
 
 /// Random fill: numbers come from the (host) generator whatever the device, so a seed gives
@@ -304,23 +376,32 @@ void random_fill(const Tensor<T>& out, Fill&& fill_host) {
 template <class T>
 void sgd_step(const Tensor<T>& p, const Tensor<T>& g, const Tensor<T>* buf, double lr, double momentum,
               double dampening, double wd, bool nesterov, bool first, bool maximize) {
-  T* b = buf ? buf->data() : nullptr;
-  CHORUS_DISPATCH(p.device(),
-                  cpu::sgd_step(p.data(), g.data(), b, p.numel(), lr, momentum, dampening, wd, nesterov, first, maximize),
-                  cuda::sgd_step(p.data(), g.data(), b, p.numel(), lr, momentum, dampening, wd, nesterov, first,
-                                 maximize, p.device()));
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("sgd_step");
+  } else {
+    T* b = buf ? buf->data() : nullptr;
+    CHORUS_DISPATCH(p.device(),
+                    cpu::sgd_step(p.data(), g.data(), b, p.numel(), lr, momentum, dampening, wd, nesterov, first,
+                                  maximize),
+                    cuda::sgd_step(p.data(), g.data(), b, p.numel(), lr, momentum, dampening, wd, nesterov, first,
+                                   maximize, p.device()));
+  }
 }
 
 template <class T>
 void adam_step(const Tensor<T>& p, const Tensor<T>& g, const Tensor<T>& m, const Tensor<T>& v, const Tensor<T>* vmax,
                double lr, double b1, double b2, double eps, double wd, bool decoupled, std::int64_t step,
                bool maximize) {
-  T* vm = vmax ? vmax->data() : nullptr;
-  CHORUS_DISPATCH(p.device(),
-                  cpu::adam_step(p.data(), g.data(), m.data(), v.data(), vm, p.numel(), lr, b1, b2, eps, wd, decoupled,
-                                 step, maximize),
-                  cuda::adam_step(p.data(), g.data(), m.data(), v.data(), vm, p.numel(), lr, b1, b2, eps, wd,
-                                  decoupled, step, maximize, p.device()));
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("adam_step");
+  } else {
+    T* vm = vmax ? vmax->data() : nullptr;
+    CHORUS_DISPATCH(p.device(),
+                    cpu::adam_step(p.data(), g.data(), m.data(), v.data(), vm, p.numel(), lr, b1, b2, eps, wd,
+                                   decoupled, step, maximize),
+                    cuda::adam_step(p.data(), g.data(), m.data(), v.data(), vm, p.numel(), lr, b1, b2, eps, wd,
+                                    decoupled, step, maximize, p.device()));
+  }
 }
 
 // ---- tensor lists (gradient clipping; Note [gradient clipping on the device], nn/utils.hpp) ----
@@ -330,15 +411,19 @@ void adam_step(const Tensor<T>& p, const Tensor<T>& g, const Tensor<T>& m, const
 template <class T>
 void foreach_norm(const std::vector<T*>& ptrs, const std::vector<std::int64_t>& numels, const NormSpec& s, double* raw,
                   Device d) {
-  CHORUS_DISPATCH(
-      d,
-      {
-        double acc = 0;
-        for (std::size_t i = 0; i < ptrs.size(); ++i)
-          acc = norm_accumulate(s, acc, cpu::norm_partial(ptrs[i], numels[i], s));
-        raw[0] = acc;
-      },
-      cuda::foreach_norm(ptrs, numels, s, raw, d));
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("foreach_norm");
+  } else {
+    CHORUS_DISPATCH(
+        d,
+        {
+          double acc = 0;
+          for (std::size_t i = 0; i < ptrs.size(); ++i)
+            acc = norm_accumulate(s, acc, cpu::norm_partial(ptrs[i], numels[i], s));
+          raw[0] = acc;
+        },
+        cuda::foreach_norm(ptrs, numels, s, raw, d));
+  }
 }
 
 /// total[0] = the norm of `count` accumulated parts on d; coef[0] = min(1, max_norm / (total + 1e-6)).
@@ -358,24 +443,32 @@ inline void norm_finish(const double* parts, std::int64_t count, const NormSpec&
 /// Every tensor *= coef[0] (memory of d; nothing happens when it is 1).
 template <class T>
 void foreach_scale(const std::vector<T*>& ptrs, const std::vector<std::int64_t>& numels, const double* coef, Device d) {
-  CHORUS_DISPATCH(
-      d,
-      {
-        if (coef[0] != 1.0)
-          for (std::size_t i = 0; i < ptrs.size(); ++i) cpu::scale_inplace(ptrs[i], numels[i], coef[0]);
-      },
-      cuda::foreach_scale(ptrs, numels, coef, d));
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("foreach_scale");
+  } else {
+    CHORUS_DISPATCH(
+        d,
+        {
+          if (coef[0] != 1.0)
+            for (std::size_t i = 0; i < ptrs.size(); ++i) cpu::scale_inplace(ptrs[i], numels[i], coef[0]);
+        },
+        cuda::foreach_scale(ptrs, numels, coef, d));
+  }
 }
 
 /// Every element clamped into [-hi, hi] (NaN stays NaN).
 template <class T>
 void foreach_clamp(const std::vector<T*>& ptrs, const std::vector<std::int64_t>& numels, T hi, Device d) {
-  CHORUS_DISPATCH(
-      d,
-      {
-        for (std::size_t i = 0; i < ptrs.size(); ++i) cpu::clamp_inplace(ptrs[i], numels[i], hi);
-      },
-      cuda::foreach_clamp(ptrs, numels, hi, d));
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("foreach_clamp");
+  } else {
+    CHORUS_DISPATCH(
+        d,
+        {
+          for (std::size_t i = 0; i < ptrs.size(); ++i) cpu::clamp_inplace(ptrs[i], numels[i], hi);
+        },
+        cuda::foreach_clamp(ptrs, numels, hi, d));
+  }
 }
 
 }  // namespace backend

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "../config.hpp"
+#include "../core/half.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace backend::fn {
@@ -25,6 +26,14 @@ using std::tanh;
 template <class T>
 struct opmath {
   using type = T;
+};
+template <>
+struct opmath<bfloat16> {
+  using type = float;
+};
+template <>
+struct opmath<half> {
+  using type = float;
 };
 template <class T>
 using opmath_t = typename opmath<T>::type;

@@ -20,23 +20,25 @@ namespace backend {
 template <class M, class T>
 void where(const Tensor<M>& cond, const Strides& cs, const Tensor<T>& a, const Strides& as, const Tensor<T>& b,
            const Strides& bs, const Tensor<T>& out) {
-  CHORUS_DISPATCH(out.device(), cpu::where(cond.data(), cs, a.data(), as, b.data(), bs, out.data(), out.shape()),
-                  cuda::where(cond.data(), cs, a.data(), as, b.data(), bs, out.data(), out.shape(), out.device()));
+  CHORUS_DISPATCH_T(T, "where", out.device(),
+                    cpu::where(cond.data(), cs, a.data(), as, b.data(), bs, out.data(), out.shape()),
+                    cuda::where(cond.data(), cs, a.data(), as, b.data(), bs, out.data(), out.shape(), out.device()));
 }
 
 /// out (a contiguous 0/1 mask) = op(a, b) with broadcast strides.
 template <class M, class T, class Op>
 void compare(const Tensor<T>& a, const Strides& as, const Tensor<T>& b, const Strides& bs, const Tensor<M>& out,
              Op op) {
-  CHORUS_DISPATCH(out.device(), cpu::compare(a.data(), as, b.data(), bs, out.data(), out.shape(), op),
-                  cuda::compare(a.data(), as, b.data(), bs, out.data(), out.shape(), op, out.device()));
+  CHORUS_DISPATCH_T(T, "compare", out.device(), cpu::compare(a.data(), as, b.data(), bs, out.data(), out.shape(), op),
+                    cuda::compare(a.data(), as, b.data(), bs, out.data(), out.shape(), op, out.device()));
 }
 
 /// out (contiguous, idx's shape) = in gathered along `dim` (idx contiguous).
 template <class T>
 void gather(const Tensor<T>& in, int dim, const Tensor<std::int64_t>& idx, const Tensor<T>& out) {
-  CHORUS_DISPATCH(in.device(), cpu::gather(in.data(), in.strides(), dim, idx.data(), out.data(), idx.shape()),
-                  cuda::gather(in.data(), in.strides(), in.shape()[dim], dim, idx.data(), out.data(), idx.shape(),
+  CHORUS_DISPATCH_T(T, "gather", in.device(),
+                    cpu::gather(in.data(), in.strides(), dim, idx.data(), out.data(), idx.shape()),
+                    cuda::gather(in.data(), in.strides(), in.shape()[dim], dim, idx.data(), out.data(), idx.shape(),
                                in.device()));
 }
 
@@ -45,9 +47,9 @@ void gather(const Tensor<T>& in, int dim, const Tensor<std::int64_t>& idx, const
 template <class T>
 void scatter_add(const Tensor<T>& src, const Strides& src_strides, int dim, const Tensor<std::int64_t>& idx,
                  const Tensor<T>& out) {
-  CHORUS_DISPATCH(out.device(),
-                  cpu::scatter_add(src.data(), src_strides, dim, idx.data(), out.data(), out.strides(), idx.shape()),
-                  cuda::scatter_add(src.data(), src_strides, dim, idx.data(), out.data(), out.strides(),
+  CHORUS_DISPATCH_T(T, "scatter_add", out.device(),
+                    cpu::scatter_add(src.data(), src_strides, dim, idx.data(), out.data(), out.strides(), idx.shape()),
+                    cuda::scatter_add(src.data(), src_strides, dim, idx.data(), out.data(), out.strides(),
                                     out.shape()[dim], idx.shape(), out.device()));
 }
 
@@ -63,30 +65,36 @@ void one_hot(const Tensor<std::int64_t>& idx, std::int64_t classes, const Tensor
 template <class T>
 void select_extremum(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* vals,
                      std::int64_t* idx, fn::RankOrder order) {
-  CHORUS_DISPATCH(in.device(), cpu::select_extremum(in.data(), outer, n, inner, vals, idx, order),
-                  cuda::select_extremum(in.data(), outer, n, inner, vals, idx, order, in.device()));
+  CHORUS_DISPATCH_T(T, "select_extremum", in.device(),
+                    cpu::select_extremum(in.data(), outer, n, inner, vals, idx, order),
+                    cuda::select_extremum(in.data(), outer, n, inner, vals, idx, order, in.device()));
 }
 
 template <class T>
 void topk(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, std::int64_t k,
           const Tensor<T>& vals, const Tensor<std::int64_t>& idx, fn::RankOrder order) {
-  CHORUS_DISPATCH(in.device(), cpu::topk(in.data(), outer, n, inner, k, vals.data(), idx.data(), order),
-                  cuda::topk(in.data(), outer, n, inner, k, vals.data(), idx.data(), order, in.device()));
+  CHORUS_DISPATCH_T(T, "topk", in.device(), cpu::topk(in.data(), outer, n, inner, k, vals.data(), idx.data(), order),
+                    cuda::topk(in.data(), outer, n, inner, k, vals.data(), idx.data(), order, in.device()));
 }
 
 template <class T>
 void cumsum(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, const Tensor<T>& out,
             bool reverse) {
-  CHORUS_DISPATCH(in.device(), cpu::cumsum(in.data(), outer, n, inner, out.data(), reverse),
-                  cuda::cumsum(in.data(), outer, n, inner, out.data(), reverse, in.device()));
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("cumsum");
+  } else {
+    CHORUS_DISPATCH(in.device(), cpu::cumsum(in.data(), outer, n, inner, out.data(), reverse),
+                    cuda::cumsum(in.data(), outer, n, inner, out.data(), reverse, in.device()));
+  }
 }
 
 /// tril (lower) / triu of contiguous [batch, rows, cols].
 template <class T>
 void triangle(const Tensor<T>& in, const Tensor<T>& out, std::int64_t batch, std::int64_t rows, std::int64_t cols,
               std::int64_t diagonal, bool lower) {
-  CHORUS_DISPATCH(in.device(), cpu::triangle(in.data(), out.data(), batch, rows, cols, diagonal, lower),
-                  cuda::triangle(in.data(), out.data(), batch, rows, cols, diagonal, lower, in.device()));
+  CHORUS_DISPATCH_T(T, "triangle", in.device(),
+                    cpu::triangle(in.data(), out.data(), batch, rows, cols, diagonal, lower),
+                    cuda::triangle(in.data(), out.data(), batch, rows, cols, diagonal, lower, in.device()));
 }
 
 /// `batch` row-major GEMMs, matrix b of each operand at b * stride (0: one shared matrix).
@@ -94,15 +102,19 @@ template <class T>
 void gemm_batched(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A,
                   std::int64_t lda, std::int64_t sa, const T* B, std::int64_t ldb, std::int64_t sb, T beta, T* C,
                   std::int64_t ldc, std::int64_t sc, std::int64_t batch, Device dev) {
-  if (dev.is_cpu()) {
-    // CBLAS takes int sizes (Note [checked sizes]); cuBLAS's _64 API takes them as they are.
-    constexpr std::int64_t kMax = INT32_MAX;
-    CHORUS_CHECK(M <= kMax && N <= kMax && K <= kMax && lda <= kMax && ldb <= kMax && ldc <= kMax,
-                 "gemm_batched: sizes M=", M, " N=", N, " K=", K, " (lda ", lda, ", ldb ", ldb, ", ldc ", ldc,
-                 ") exceed the 32-bit BLAS interface (at most ", kMax, ")");
+  if constexpr (is_reduced_floating_v<T>) {
+    detail::no_reduced_kernel<T>("gemm_batched");
+  } else {
+    if (dev.is_cpu()) {
+      // CBLAS takes int sizes (Note [checked sizes]); cuBLAS's _64 API takes them as they are.
+      constexpr std::int64_t kMax = INT32_MAX;
+      CHORUS_CHECK(M <= kMax && N <= kMax && K <= kMax && lda <= kMax && ldb <= kMax && ldc <= kMax,
+                   "gemm_batched: sizes M=", M, " N=", N, " K=", K, " (lda ", lda, ", ldb ", ldb, ", ldc ", ldc,
+                   ") exceed the 32-bit BLAS interface (at most ", kMax, ")");
+    }
+    CHORUS_DISPATCH(dev, cpu::gemm_batched(ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch),
+                    cuda::gemm_batched(ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch, dev));
   }
-  CHORUS_DISPATCH(dev, cpu::gemm_batched(ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch),
-                  cuda::gemm_batched(ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch, dev));
 }
 
 }  // namespace backend

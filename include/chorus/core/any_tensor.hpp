@@ -9,7 +9,7 @@ CHORUS_NAMESPACE_BEGIN
 
 class AnyTensor {
  public:
-  using Variant = std::variant<Tensor<float>, Tensor<double>, Tensor<std::int64_t>>;
+  using Variant = std::variant<Tensor<float>, Tensor<double>, Tensor<std::int64_t>, Tensor<bfloat16>, Tensor<half>>;
 
   AnyTensor() = default;
   template <class T>

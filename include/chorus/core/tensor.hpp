@@ -52,7 +52,7 @@ struct TensorImpl {
 
 template <class T>
 class Tensor {
-  static_assert(is_supported_scalar_v<T>, "chorus tensors hold float, double or int64_t");
+  static_assert(is_supported_scalar_v<T>, "chorus tensors hold float, double, int64_t, bfloat16 or half");
 
  public:
   using value_type = T;
@@ -266,9 +266,27 @@ class Tensor {
 };
 
 namespace detail {
+template <class U, class T>
+U checked_item_cast_arithmetic(T v);
 /// `v` as U, or an error when U cannot represent it (see Tensor::item<U>).
 template <class U, class T>
 U checked_item_cast(T v) {
+  if constexpr (is_reduced_floating_v<T>) {
+    return checked_item_cast<U>(static_cast<float>(v));  // exact
+  } else if constexpr (is_reduced_floating_v<U>) {
+    static_assert(std::is_arithmetic_v<T>);
+    const U r(v);  // rounded once; a finite value that becomes infinite is refused
+    const bool finite = !std::isnan(static_cast<double>(v)) && !std::isinf(static_cast<double>(v));
+    CHORUS_CHECK(!(finite && std::isinf(static_cast<float>(r))), "item(): the value ", v, " cannot be converted to ",
+                 dtype_name(dtype_of<U>()), " without overflow");
+    return r;
+  } else {
+    return checked_item_cast_arithmetic<U>(v);
+  }
+}
+
+template <class U, class T>
+U checked_item_cast_arithmetic(T v) {
   static_assert(std::is_arithmetic_v<U> && std::is_arithmetic_v<T>, "item<U>(): U must be an arithmetic type");
   using LU = std::numeric_limits<U>;
   if constexpr (std::is_same_v<U, bool>) {

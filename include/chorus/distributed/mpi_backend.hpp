@@ -45,13 +45,20 @@ inline std::string mpi_error_string(int code) {
                                     " in ", #expr);                                                    \
   } while (0)
 
-inline MPI_Datatype mpi_type(DType d) {
+/// The MPI type of `d`'s elements; `sum`: for MPI_SUM, which has no 16-bit floating type
+/// (moving 16-bit elements, as uint16, is exact).
+inline MPI_Datatype mpi_type(DType d, bool sum = false) {
   switch (d) {
     case DType::Float32: return MPI_FLOAT;
     case DType::Float64: return MPI_DOUBLE;
     case DType::Int64: return MPI_INT64_T;
+    case DType::BFloat16:
+    case DType::Float16:
+      if (!sum) return MPI_UINT16_T;
+      break;  // a sum over the raw bits would be wrong
   }
-  return MPI_BYTE;
+  CHORUS_FAIL("MPI process group: allreduce of ", dtype_name(d),
+              " tensors is not supported yet (mixed precision, issue 19); reduce them as float32");
 }
 
 /// The communication thread (Note [communication thread]).
@@ -197,9 +204,10 @@ class MpiBackend final : public Backend {
     t.visit([&](const auto& x) {
       using T = typename std::decay_t<decltype(x)>::value_type;
       const int world = state_.world, n = checked_int_count(x.numel(), work->what());
+      const MPI_Datatype type = mpi_type(dtype_of<T>(), true);  // throws here, not on the comm thread
       if (op == ReduceOp::Avg) work->on_done = [x, world] { divide_in_place(x, world); };
-      submit(work, [x, n, comm = comm_](MPI_Request* r) {
-        return MPI_Iallreduce(MPI_IN_PLACE, x.data(), n, mpi_type(dtype_of<T>()), MPI_SUM, comm, r);
+      submit(work, [x, n, type, comm = comm_](MPI_Request* r) {
+        return MPI_Iallreduce(MPI_IN_PLACE, x.data(), n, type, MPI_SUM, comm, r);
       });
     });
   }

@@ -116,6 +116,8 @@ inline const char* dtype_code(DType d) {
     case DType::Float32: return "F32";
     case DType::Float64: return "F64";
     case DType::Int64: return "I64";
+    case DType::BFloat16: return "BF16";
+    case DType::Float16: return "F16";
   }
   return "?";
 }
@@ -124,11 +126,13 @@ inline DType parse_dtype(const std::string& code, const std::string& name, const
   if (code == "F32") return DType::Float32;
   if (code == "F64") return DType::Float64;
   if (code == "I64") return DType::Int64;
+  if (code == "BF16") return DType::BFloat16;
+  if (code == "F16") return DType::Float16;
   static const std::set<std::string> known = {"BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16",
-                                              "F16",  "BF16", "I32", "U32", "U64"};
+                                              "I32",  "U32", "U64"};
   if (known.count(code))
     CHORUS_FAIL("safetensors: ", what, ": tensor '", name, "' has dtype ", code,
-                ", which chorus does not hold (F32, F64 and I64 are supported)");
+                ", which chorus does not hold (F32, F64, BF16, F16 and I64 are supported)");
   CHORUS_FAIL("safetensors: ", what, ": tensor '", name, "' has unknown dtype '", code, "'");
 }
 
@@ -367,7 +371,12 @@ struct LoadOptions {
   /// Removed from the front of every file name that starts with it before matching, as
   /// PyTorch's consume_prefix_in_state_dict_if_present does: "module." loads a file saved
   /// from a model wrapped in PyTorch's nn.DataParallel into the bare module.
-  std::string strip_prefix;
+  std::string strip_prefix = {};
+  /// Converts a floating-point tensor whose dtype in the file differs from the module's (a
+  /// bfloat16 checkpoint into a float32 module, or back), each value rounded once to nearest
+  /// even. Off by default: a mismatch is an error naming both dtypes. Integer tensors are
+  /// never converted.
+  bool convert_dtype = false;
 };
 
 namespace detail {
@@ -440,8 +449,11 @@ inline void load_into(nn::Module& module, const File& f, const std::string& what
   }
   for (const auto& t : named) {
     const auto& r = *file.at(t.name);
-    CHORUS_CHECK(r.dtype == t.tensor.dtype(), "load: '", t.name, "' is ", dtype_name(r.dtype), " in ", what,
-                 " but ", dtype_name(t.tensor.dtype()), " in the module");
+    const DType md = t.tensor.dtype();
+    const bool convertible = is_floating_dtype(r.dtype) && is_floating_dtype(md);
+    CHORUS_CHECK(r.dtype == md || (convertible && options.convert_dtype), "load: '", t.name, "' is ",
+                 dtype_name(r.dtype), " in ", what, " but ", dtype_name(md), " in the module",
+                 convertible ? "; load with io::LoadOptions{.convert_dtype = true} to convert it" : "");
     CHORUS_CHECK(r.shape == t.tensor.shape(), "load: '", t.name, "' has shape ", r.shape, " in ", what,
                  " but shape ", t.tensor.shape(), " in the module");
   }
@@ -451,7 +463,13 @@ inline void load_into(nn::Module& module, const File& f, const std::string& what
       const auto& r = *file.at(t.name);
       t.tensor.visit([&](auto& x) {
         using T = typename std::decay_t<decltype(x)>::value_type;
-        if (x.device().is_cpu() && x.is_contiguous()) {
+        if (r.dtype != x.dtype()) {  // checked above: both floating, convert_dtype asked
+          visit_dtype(r.dtype, [&](auto tag) {
+            using F = decltype(tag);
+            if constexpr (is_floating_v<F> && is_floating_v<T>)
+              backend::copy(x, detail::host_tensor<F>(f, r).template to<T>().to(x.device()));
+          });
+        } else if (x.device().is_cpu() && x.is_contiguous()) {
           f.read_into(r, x.data());  // straight into the tensor's storage
         } else {
           backend::copy(x, detail::host_tensor<T>(f, r));
@@ -598,6 +616,8 @@ inline void load(optim::Optimizer& opt, const std::string& path, optim::LRSchedu
       case DType::Float32: t = io::detail::host_tensor<float>(f, r).to(dev); break;
       case DType::Float64: t = io::detail::host_tensor<double>(f, r); break;  // scalars stay on the host
       case DType::Int64: t = io::detail::host_tensor<std::int64_t>(f, r).to(dev); break;
+      case DType::BFloat16: t = io::detail::host_tensor<bfloat16>(f, r).to(dev); break;
+      case DType::Float16: t = io::detail::host_tensor<half>(f, r).to(dev); break;
     }
     if (r.dtype == DType::Float64 && name.substr(dot + 1) != "step") t = t.as<double>().to(dev);
     state[i][name.substr(dot + 1)] = t;

@@ -101,7 +101,17 @@ Tensor<T> rand(const Shape& shape, Device device = Device::cpu(), double lo = 0.
                Generator& gen = default_generator()) {
   static_assert(is_floating_v<T>, "rand: floating-point tensors only");
   auto t = Tensor<T>::empty(shape, device);
-  backend::random_fill(t, [&](T* p, std::int64_t n) { gen.uniform(p, n, lo, hi); });
+  // 16-bit: the float numbers of the same seed, each rounded once (a value just below hi may
+  // round to hi itself).
+  if constexpr (is_reduced_floating_v<T>) {
+    backend::random_fill(t, [&](T* p, std::int64_t n) {
+      std::vector<float> f(static_cast<std::size_t>(n));
+      gen.uniform(f.data(), n, lo, hi);
+      for (std::int64_t i = 0; i < n; ++i) p[i] = T(f[i]);
+    });
+  } else {
+    backend::random_fill(t, [&](T* p, std::int64_t n) { gen.uniform(p, n, lo, hi); });
+  }
   return t;
 }
 
@@ -111,7 +121,15 @@ Tensor<T> randn(const Shape& shape, Device device = Device::cpu(), double mean =
                 Generator& gen = default_generator()) {
   static_assert(is_floating_v<T>, "randn: floating-point tensors only");
   auto t = Tensor<T>::empty(shape, device);
-  backend::random_fill(t, [&](T* p, std::int64_t n) { gen.normal(p, n, mean, stddev); });
+  if constexpr (is_reduced_floating_v<T>) {  // the float numbers of the same seed, each rounded once
+    backend::random_fill(t, [&](T* p, std::int64_t n) {
+      std::vector<float> f(static_cast<std::size_t>(n));
+      gen.normal(f.data(), n, mean, stddev);
+      for (std::int64_t i = 0; i < n; ++i) p[i] = T(f[i]);
+    });
+  } else {
+    backend::random_fill(t, [&](T* p, std::int64_t n) { gen.normal(p, n, mean, stddev); });
+  }
   return t;
 }
 

@@ -325,6 +325,19 @@ Tensor<U> Tensor<T>::to() const {
   if constexpr (std::is_same_v<T, U>) {
     return *this;
   } else {
+    // Note [conversions and autograd]
+    // The graph is typed per dtype (Node<T> has Edge<T>s, the engine's GraphTask<T> walks one
+    // dtype), so a gradient cannot yet flow from a Tensor<U> back into a Tensor<T>'s graph.
+    // Running T's graph from inside U's backward (a nested backward) would be wrong where the
+    // two graphs meet again at an interior node: it would run before all of its gradients
+    // arrived. The way on is one engine over a type-erased node base (edges to any dtype, the
+    // gradients held as AnyTensor, each node's input dtype checked), with a ToDtypeBackward
+    // node whose one edge leads into the other dtype's graph. Until then a conversion that
+    // autograd would record is refused rather than silently cut off from the graph.
+    CHORUS_CHECK(!(is_floating_v<U> && autograd::needs_grad(*this)), "to<", dtype_name(dtype_of<U>()),
+                 ">(): the ", dtype_name(dtype_of<T>()),
+                 " tensor requires grad, and conversions between dtypes are not differentiable yet "
+                 "(mixed precision, issue 19); convert detach() or under NoGradGuard");
     auto src = ops::detail::contiguous_data(*this);
     auto out = Tensor<U>::empty(shape(), device());
     backend::convert(out, src);

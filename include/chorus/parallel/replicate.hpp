@@ -429,8 +429,10 @@ class Replicator {
     // replica 0's backward, the loss and the AccumulateGrad sums, so this balances the load.
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       Stream* stream = comm_->streams()[1 + b % (used - 1)];
-      if (buckets_[b].dtype == DType::Float32) wire_bucket<float>(buckets_[b], used, stream);
-      else wire_bucket<double>(buckets_[b], used, stream);
+      visit_dtype(buckets_[b].dtype, [&](auto tag) {  // buckets hold floating tensors (trainable())
+        using T = decltype(tag);
+        if constexpr (is_floating_v<T>) wire_bucket<T>(buckets_[b], used, stream);
+      });
     }
   }
 

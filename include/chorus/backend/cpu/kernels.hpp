@@ -8,7 +8,9 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
+#include "../../core/dtype.hpp"
 #include "../../core/shape.hpp"
 #include "../functors.hpp"
 #include "parallel.hpp"
@@ -16,9 +18,17 @@
 CHORUS_NAMESPACE_BEGIN
 namespace backend::cpu {
 
-/// Accumulator type for long sums: double for float inputs keeps reductions accurate.
+/// Accumulator type for long sums: double for float (and 16-bit) inputs keeps reductions accurate.
 template <class T>
-using acc_t = std::conditional_t<std::is_same_v<T, float>, double, T>;
+using acc_t = std::conditional_t<std::is_same_v<T, float> || is_reduced_floating_v<T>, double, T>;
+
+/// An element loaded for a functor: as its arithmetic type (float for bfloat16 and half, the
+/// type itself otherwise), so that a 16-bit kernel evaluates the whole functor in float and
+/// rounds its result once (Note [16-bit storage types]).
+template <class T>
+CHORUS_HOST_DEVICE inline fn::opmath_t<T> load(T v) {
+  return static_cast<fn::opmath_t<T>>(v);
+}
 
 /// Visits `shape` in row-major order with K operands of the given strides; calls
 /// inner(offsets, n_last, last_strides) once per innermost row.
@@ -76,13 +86,14 @@ void copy_strided(const T* src, const Strides& src_strides, T* dst, const Stride
 
 template <class U, class T>
 void convert(const T* src, U* dst, std::int64_t n) {
-  if constexpr (std::is_floating_point_v<T> && std::is_integral_v<U>) {
+  if constexpr ((std::is_floating_point_v<T> || is_reduced_floating_v<T>) && std::is_integral_v<U>) {
     // Casting NaN or an out-of-range value to an integer is undefined behaviour in C++:
     // saturate instead, as CUDA's conversion instructions do (NaN -> 0).
+    using F = fn::opmath_t<T>;
     constexpr U lo = std::numeric_limits<U>::min(), hi = std::numeric_limits<U>::max();
     for (std::int64_t i = 0; i < n; ++i) {
-      const T v = src[i];
-      dst[i] = v != v ? U(0) : v <= static_cast<T>(lo) ? lo : v >= static_cast<T>(hi) ? hi : static_cast<U>(v);
+      const F v = load(src[i]);
+      dst[i] = v != v ? U(0) : v <= static_cast<F>(lo) ? lo : v >= static_cast<F>(hi) ? hi : static_cast<U>(v);
     }
   } else {
     for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<U>(src[i]);
@@ -91,14 +102,14 @@ void convert(const T* src, U* dst, std::int64_t n) {
 
 template <class T, class Op>
 void unary(const T* in, T* out, std::int64_t n, Op op) {
-  for (std::int64_t i = 0; i < n; ++i) out[i] = op(in[i]);
+  for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(op(load(in[i])));
 }
 
 /// out[i] = op(a[i], b[i]) for contiguous operands of equal size.
 template <class T, class Op>
 void binary_same(const T* a, const T* b, T* out, std::int64_t n, Op op) {
   parallel_for(n, [&](std::int64_t begin, std::int64_t end) {
-    for (std::int64_t i = begin; i < end; ++i) out[i] = op(a[i], b[i]);
+    for (std::int64_t i = begin; i < end; ++i) out[i] = static_cast<T>(op(load(a[i]), load(b[i])));
   });
 }
 
@@ -112,15 +123,16 @@ void binary_broadcast(const T* a, const Strides& as, const T* b, const Strides& 
                 const T* pb = b + off[1];
                 T* po = out + off[2];
                 if (st[0] == 1 && st[1] == 1) {
-                  for (std::int64_t i = 0; i < n; ++i) po[i] = op(pa[i], pb[i]);
+                  for (std::int64_t i = 0; i < n; ++i) po[i] = static_cast<T>(op(load(pa[i]), load(pb[i])));
                 } else if (st[0] == 1 && st[1] == 0) {
-                  const T vb = *pb;
-                  for (std::int64_t i = 0; i < n; ++i) po[i] = op(pa[i], vb);
+                  const auto vb = load(*pb);
+                  for (std::int64_t i = 0; i < n; ++i) po[i] = static_cast<T>(op(load(pa[i]), vb));
                 } else if (st[0] == 0 && st[1] == 1) {
-                  const T va = *pa;
-                  for (std::int64_t i = 0; i < n; ++i) po[i] = op(va, pb[i]);
+                  const auto va = load(*pa);
+                  for (std::int64_t i = 0; i < n; ++i) po[i] = static_cast<T>(op(va, load(pb[i])));
                 } else {
-                  for (std::int64_t i = 0; i < n; ++i) po[i] = op(pa[i * st[0]], pb[i * st[1]]);
+                  for (std::int64_t i = 0; i < n; ++i)
+                    po[i] = static_cast<T>(op(load(pa[i * st[0]]), load(pb[i * st[1]])));
                 }
               });
 }
@@ -135,7 +147,11 @@ void reduce_add_broadcast(const T* src, const Shape& shape, T* dst, const Stride
                 if (st[1] == 0) {
                   acc_t<T> acc = 0;
                   for (std::int64_t i = 0; i < n; ++i) acc += s[i];
-                  *d += static_cast<T>(acc);
+                  if constexpr (is_reduced_floating_v<T>) {
+                    *d = static_cast<T>(acc + static_cast<acc_t<T>>(*d));  // one rounding
+                  } else {
+                    *d += static_cast<T>(acc);
+                  }
                 } else {
                   for (std::int64_t i = 0; i < n; ++i) d[i * st[1]] += s[i];
                 }
@@ -167,13 +183,23 @@ void sum_dim(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner
       dst[0] = static_cast<T>(sum_all(base, n) * scale);
       continue;
     }
-    std::fill(dst, dst + inner, T(0));
-    for (std::int64_t i = 0; i < n; ++i) {
-      const T* row = base + i * inner;
-      for (std::int64_t j = 0; j < inner; ++j) dst[j] += row[j];
+    if constexpr (is_reduced_floating_v<T>) {  // accumulate in double, round once
+      std::vector<double> acc(static_cast<std::size_t>(inner), 0.0);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const T* row = base + i * inner;
+        for (std::int64_t j = 0; j < inner; ++j) acc[j] += row[j];
+      }
+      for (std::int64_t j = 0; j < inner; ++j) dst[j] = static_cast<T>(acc[j] * scale);
+      continue;
+    } else {
+      std::fill(dst, dst + inner, T(0));
+      for (std::int64_t i = 0; i < n; ++i) {
+        const T* row = base + i * inner;
+        for (std::int64_t j = 0; j < inner; ++j) dst[j] += row[j];
+      }
+      if (scale != 1.0)
+        for (std::int64_t j = 0; j < inner; ++j) dst[j] = static_cast<T>(dst[j] * scale);
     }
-    if (scale != 1.0)
-      for (std::int64_t j = 0; j < inner; ++j) dst[j] = static_cast<T>(dst[j] * scale);
   }
 }
 
