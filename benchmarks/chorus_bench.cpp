@@ -26,6 +26,7 @@
 
 #include "../examples/resnet.hpp"
 #include "bench_util.hpp"
+#include "lm_models.hpp"
 #include "peer.hpp"
 
 using namespace chorus;
@@ -54,48 +55,6 @@ struct Tutorial : nn::Module {
   nn::Linear fc;
   Tutorial() : fc(register_module("fc", nn::Linear(5, 2))) {}
   Tensor<float> forward(const Tensor<float>& x) { return fc(x); }
-};
-
-// The language models (benchmarks/README.md, the same in libtorch_bench.cpp): tokens [B, L] of a
-// 96-symbol vocabulary -> Embedding(96, 256) -> the model -> Linear(256, 96) -> logits [B, L, 96],
-// cross-entropy over all B*L positions against random targets, Adam.
-constexpr std::int64_t kLmVocab = 96, kLmWidth = 256;
-
-/// lstm-lm: Embedding -> LSTM(256, 256, num_layers 2, batch_first) -> Linear; batch 64, sequence 64.
-struct LstmLm : nn::Module {
-  nn::Embedding embed;
-  nn::LSTM lstm;
-  nn::Linear head;
-  LstmLm()
-      : embed(register_module("embed", nn::Embedding(kLmVocab, kLmWidth))),
-        lstm(register_module("lstm", nn::LSTM(kLmWidth, kLmWidth, {.num_layers = 2, .batch_first = true}))),
-        head(register_module("head", nn::Linear(kLmWidth, kLmVocab))) {}
-  Tensor<float> forward(const Tensor<std::int64_t>& tokens) { return head(std::get<0>(lstm(embed(tokens)))); }
-};
-
-/// transformer-lm: token Embedding + a learned position embedding (Embedding(128, 256), positions
-/// 0..L-1) -> 4 x TransformerEncoderLayer(256, 4 heads, dim_feedforward 1024, dropout 0, ReLU,
-/// post-norm; sequence-first inside) under the causal mask -> Linear; batch 32, sequence 128.
-struct TransformerLm : nn::Module {
-  static constexpr std::int64_t kSeq = 128;
-  nn::Embedding embed, pos;
-  nn::TransformerEncoder encoder;
-  nn::Linear head;
-  TransformerLm()
-      : embed(register_module("embed", nn::Embedding(kLmVocab, kLmWidth))),
-        pos(register_module("pos", nn::Embedding(kSeq, kLmWidth))),
-        encoder(register_module(
-            "encoder", nn::TransformerEncoder(nn::TransformerEncoderLayer(kLmWidth, 4, {.dim_feedforward = 1024,
-                                                                                        .dropout = 0.0}),
-                                              4))),
-        head(register_module("head", nn::Linear(kLmWidth, kLmVocab))) {}
-  Tensor<float> forward(const Tensor<std::int64_t>& tokens) {
-    const std::int64_t len = tokens.shape()[1];
-    const Device dev = tokens.device();
-    auto x = add(embed(tokens), pos(arange<std::int64_t>(0, len, 1, dev)));  // [B, L, E]
-    auto mask = nn::generate_square_subsequent_mask<float>(len, dev);
-    return head(encoder(x.transpose(0, 1), mask).transpose(0, 1));
-  }
 };
 
 /// Calls the model either directly (devices empty: one device, no wrapper) or through DataParallel.
@@ -163,22 +122,22 @@ std::function<void()> make_workload(const std::string& workload, const std::vect
   }
   if (workload == "lstm-lm" || workload == "transformer-lm") {
     const bool lstm = workload == "lstm-lm";
-    const std::int64_t batch = lstm ? 64 : 32, len = lstm ? 64 : TransformerLm::kSeq;
-    auto x = randint(0, kLmVocab, {batch, len});
-    auto y = randint(0, kLmVocab, {batch * len});
+    const std::int64_t batch = lstm ? 64 : 32, len = lstm ? 64 : bench::TransformerLm::kSeq;
+    auto x = randint(0, bench::kLmVocab, {batch, len});
+    auto y = randint(0, bench::kLmVocab, {batch * len});
     auto step = [x, y](auto model, auto opt) {
       return [model, opt, x, y] {
-        auto loss = F::cross_entropy((*model)(x).reshape({y.shape()[0], kLmVocab}), y);
+        auto loss = F::cross_entropy((*model)(x).reshape({y.shape()[0], bench::kLmVocab}), y);
         opt->zero_grad();
         loss.backward();
         opt->step();
       };
     };
     if (lstm) {
-      auto model = std::make_shared<Runner<LstmLm>>(devices);
+      auto model = std::make_shared<Runner<bench::LstmLm>>(devices);
       return step(model, std::make_shared<optim::Adam>(model->parameters(), optim::AdamOptions{.lr = 1e-3}));
     }
-    auto model = std::make_shared<Runner<TransformerLm>>(devices);
+    auto model = std::make_shared<Runner<bench::TransformerLm>>(devices);
     return step(model, std::make_shared<optim::Adam>(model->parameters(), optim::AdamOptions{.lr = 1e-3}));
   }
   CHORUS_FAIL("unknown workload '", workload, "'");
@@ -188,8 +147,8 @@ double workload_flops(const std::string& w) {
   if (w == "mlp-small") return bench::mlp_step_flops(256, {{784, 512}, {512, 512}, {512, 10}});
   if (w == "mlp-medium") return bench::mlp_step_flops(512, {{1024, 1024}, {1024, 1024}, {1024, 1024}, {1024, 1024}});
   if (w == "resnet20-cifar") return bench::resnet20_step_flops(128);
-  if (w == "lstm-lm") return bench::lstm_lm_step_flops(64, 64, kLmWidth, kLmWidth, 2, kLmVocab);
-  if (w == "transformer-lm") return bench::transformer_lm_step_flops(32, 128, kLmWidth, 1024, 4, kLmVocab);
+  if (w == "lstm-lm") return bench::lstm_lm_step_flops(64, 64, bench::kLmWidth, bench::kLmWidth, 2, bench::kLmVocab);
+  if (w == "transformer-lm") return bench::transformer_lm_step_flops(32, 128, bench::kLmWidth, 1024, 4, bench::kLmVocab);
   return 0;
 }
 
