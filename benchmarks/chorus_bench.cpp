@@ -3,14 +3,15 @@
 // [paired rounds] in bench_util.hpp): every ratio is the median of per-round ratios, with its
 // min-max.
 //
-//   chorus_bench [--threads 1,2] [--devices 1,2] [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar]
+//   chorus_bench [--threads 1,2] [--devices 1,2] [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar,lstm-lm,transformer-lm]
 //                [--rounds R (7)] [--repeats N (timed steps per round)] [--json FILE] [--peer LIBTORCH_BENCH]
 //
 // Workloads (see benchmarks/README.md): tutorial = Linear(5, 2) forward over 100 samples in
 // batches of 30, data on the host, time per epoch; mlp-small = 784-512-512-10 ReLU MLP,
 // batch 256, cross-entropy, SGD, time per step; mlp-medium = 4 x Linear(1024, 1024) with
 // ReLU, batch 512, MSE, SGD, time per step; resnet20-cifar = ResNet-20 (examples/resnet.hpp),
-// batch 128 of 3x32x32, cross-entropy, SGD with momentum, time per step.
+// batch 128 of 3x32x32, cross-entropy, SGD with momentum, time per step; lstm-lm and
+// transformer-lm = the language models of lm_models.hpp (Adam), time per step.
 #include <chorus/chorus.hpp>
 
 #include <cstdio>
@@ -169,7 +170,7 @@ std::string fmt_spread(const nlohmann::json& s) {
 
 int main(int argc, char** argv) try {
   std::vector<int> threads = {1, 2}, devices = {1, 2};
-  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar"};
+  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar", "lstm-lm", "transformer-lm"};
   int repeats = 0, rounds = 7;
   std::string json_path = "chorus_bench.json", peer;
   for (int i = 1; i < argc; ++i) {
@@ -196,7 +197,7 @@ int main(int argc, char** argv) try {
       peer = next();
     } else {
       std::cerr << "usage: chorus_bench [--threads 1,2] [--devices 1,2]"
-                   " [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar]"
+                   " [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar,lstm-lm,transformer-lm]"
                    " [--rounds R] [--repeats N] [--json FILE] [--peer LIBTORCH_BENCH]\n";
       return 2;
     }

@@ -179,7 +179,7 @@ std::function<void()> make_workload(const std::string& w) {
 int main(int argc, char** argv) try {
   int threads = 1, omp_threads = 0, repeats = 0, rounds = 7;
   bool serve = false;
-  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar"};
+  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar", "lstm-lm", "transformer-lm"};
   std::string json_path = "libtorch_bench.json";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
