@@ -20,7 +20,7 @@ struct LstmLm : nn::Module {
   nn::Linear head;
   LstmLm()
       : embed(register_module("embed", nn::Embedding(kLmVocab, kLmWidth))),
-        lstm(register_module("lstm", nn::LSTM(kLmWidth, kLmWidth, {.num_layers = 2, .batch_first = true}))),
+        lstm(register_module("lstm", nn::LSTM(kLmWidth, kLmWidth, nn::LSTMOptions{.num_layers = 2, .batch_first = true}))),
         head(register_module("head", nn::Linear(kLmWidth, kLmVocab))) {}
   Tensor<float> forward(const Tensor<std::int64_t>& tokens) { return head(std::get<0>(lstm(embed(tokens)))); }
 };
