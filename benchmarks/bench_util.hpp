@@ -145,4 +145,22 @@ inline double mlp_step_flops(double batch, const std::vector<std::pair<int, int>
 /// gradient, weight gradient). Batch norms, ReLUs and pooling are not counted.
 inline double resnet20_step_flops(double batch) { return 6.0 * 40551040.0 * batch; }
 
+/// FLOPs of one training step of the LSTM language model: per layer and position 4·hidden·(in +
+/// hidden) multiply-adds (input projection and recurrence), the head hidden·vocab; times 2 FLOPs,
+/// times 3 (forward, input gradient, weight gradient). Gates, embedding and softmax not counted.
+inline double lstm_lm_step_flops(double batch, double seq, double in, double hidden, int layers, double vocab) {
+  double mac = 0;
+  for (int l = 0; l < layers; ++l) mac += 4 * hidden * ((l == 0 ? in : hidden) + hidden);
+  return 6.0 * batch * seq * (mac + hidden * vocab);
+}
+
+/// FLOPs of one training step of the transformer language model: per layer and position
+/// d·3d (q, k, v) + d·d (output projection) + 2·d·ff (feed-forward) multiply-adds, plus 2·L·d for
+/// the scores and the weighted values (the whole L x L, masked or not), the head d·vocab; times
+/// 2 FLOPs, times 3. Softmax, layer norms and embeddings are not counted.
+inline double transformer_lm_step_flops(double batch, double seq, double d, double ff, int layers, double vocab) {
+  const double per_layer = 4 * d * d + 2 * d * ff + 2 * seq * d;
+  return 6.0 * batch * seq * (layers * per_layer + d * vocab);
+}
+
 }  // namespace bench

@@ -3,14 +3,15 @@
 // [paired rounds] in bench_util.hpp): every ratio is the median of per-round ratios, with its
 // min-max.
 //
-//   chorus_bench [--threads 1,2] [--devices 1,2] [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar]
+//   chorus_bench [--threads 1,2] [--devices 1,2] [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar,lstm-lm,transformer-lm]
 //                [--rounds R (7)] [--repeats N (timed steps per round)] [--json FILE] [--peer LIBTORCH_BENCH]
 //
 // Workloads (see benchmarks/README.md): tutorial = Linear(5, 2) forward over 100 samples in
 // batches of 30, data on the host, time per epoch; mlp-small = 784-512-512-10 ReLU MLP,
 // batch 256, cross-entropy, SGD, time per step; mlp-medium = 4 x Linear(1024, 1024) with
 // ReLU, batch 512, MSE, SGD, time per step; resnet20-cifar = ResNet-20 (examples/resnet.hpp),
-// batch 128 of 3x32x32, cross-entropy, SGD with momentum, time per step.
+// batch 128 of 3x32x32, cross-entropy, SGD with momentum, time per step; lstm-lm and
+// transformer-lm = the language models of lm_models.hpp (Adam), time per step.
 #include <chorus/chorus.hpp>
 
 #include <cstdio>
@@ -26,6 +27,7 @@
 
 #include "../examples/resnet.hpp"
 #include "bench_util.hpp"
+#include "lm_models.hpp"
 #include "peer.hpp"
 
 using namespace chorus;
@@ -65,7 +67,10 @@ struct Runner {
     if (devices.empty()) plain = std::make_unique<M>();
     else dp = std::make_unique<DataParallel<M>>(M(), devices);
   }
-  Tensor<float> operator()(const Tensor<float>& x) { return plain ? plain->forward(x) : (*dp)(x); }
+  template <class X>
+  Tensor<float> operator()(const X& x) {
+    return plain ? plain->forward(x) : (*dp)(x);
+  }
   std::vector<AnyTensor> parameters() const { return plain ? plain->parameters() : dp->parameters(); }
 };
 
@@ -116,6 +121,26 @@ std::function<void()> make_workload(const std::string& workload, const std::vect
       opt->step();
     };
   }
+  if (workload == "lstm-lm" || workload == "transformer-lm") {
+    const bool lstm = workload == "lstm-lm";
+    const std::int64_t batch = lstm ? 64 : 32, len = lstm ? 64 : bench::TransformerLm::kSeq;
+    auto x = randint(0, bench::kLmVocab, {batch, len});
+    auto y = randint(0, bench::kLmVocab, {batch * len});
+    auto step = [x, y](auto model, auto opt) {
+      return [model, opt, x, y] {
+        auto loss = F::cross_entropy((*model)(x).reshape({y.shape()[0], bench::kLmVocab}), y);
+        opt->zero_grad();
+        loss.backward();
+        opt->step();
+      };
+    };
+    if (lstm) {
+      auto model = std::make_shared<Runner<bench::LstmLm>>(devices);
+      return step(model, std::make_shared<optim::Adam>(model->parameters(), optim::AdamOptions{.lr = 1e-3}));
+    }
+    auto model = std::make_shared<Runner<bench::TransformerLm>>(devices);
+    return step(model, std::make_shared<optim::Adam>(model->parameters(), optim::AdamOptions{.lr = 1e-3}));
+  }
   CHORUS_FAIL("unknown workload '", workload, "'");
 }
 
@@ -123,13 +148,15 @@ double workload_flops(const std::string& w) {
   if (w == "mlp-small") return bench::mlp_step_flops(256, {{784, 512}, {512, 512}, {512, 10}});
   if (w == "mlp-medium") return bench::mlp_step_flops(512, {{1024, 1024}, {1024, 1024}, {1024, 1024}, {1024, 1024}});
   if (w == "resnet20-cifar") return bench::resnet20_step_flops(128);
+  if (w == "lstm-lm") return bench::lstm_lm_step_flops(64, 64, bench::kLmWidth, bench::kLmWidth, 2, bench::kLmVocab);
+  if (w == "transformer-lm") return bench::transformer_lm_step_flops(32, 128, bench::kLmWidth, 1024, 4, bench::kLmVocab);
   return 0;
 }
 
 /// Timed steps per round (Note [paired rounds]): about 0.05-1.5 s of work per configuration and round.
 int repeats_for(const std::string& w, int requested) {
   if (requested > 0) return requested;
-  return w == "tutorial" ? 200 : w == "mlp-small" ? 10 : w == "resnet20-cifar" ? 3 : 5;
+  return w == "tutorial" ? 200 : w == "mlp-small" ? 10 : w == "resnet20-cifar" || w == "lstm-lm" ? 3 : w == "transformer-lm" ? 2 : 5;
 }
 
 std::string fmt_spread(const nlohmann::json& s) {
@@ -143,7 +170,7 @@ std::string fmt_spread(const nlohmann::json& s) {
 
 int main(int argc, char** argv) try {
   std::vector<int> threads = {1, 2}, devices = {1, 2};
-  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar"};
+  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar", "lstm-lm", "transformer-lm"};
   int repeats = 0, rounds = 7;
   std::string json_path = "chorus_bench.json", peer;
   for (int i = 1; i < argc; ++i) {
@@ -170,7 +197,7 @@ int main(int argc, char** argv) try {
       peer = next();
     } else {
       std::cerr << "usage: chorus_bench [--threads 1,2] [--devices 1,2]"
-                   " [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar]"
+                   " [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar,lstm-lm,transformer-lm]"
                    " [--rounds R] [--repeats N] [--json FILE] [--peer LIBTORCH_BENCH]\n";
       return 2;
     }

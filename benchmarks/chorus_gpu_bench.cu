@@ -5,7 +5,7 @@
 // bench_util.hpp); scripts/compare_benchmarks.py then prints the paired ratios.
 //
 //   chorus_gpu_bench --serve     (Note [peer protocol] in peer.hpp)
-//   chorus_gpu_bench [--workloads tutorial,mlp-small,mlp-large,resnet20-cifar] [--rounds R] [--repeats N]
+//   chorus_gpu_bench [--workloads tutorial,mlp-small,mlp-large,resnet20-cifar,lstm-lm,transformer-lm] [--rounds R] [--repeats N]
 //                    [--json FILE]     (alone: its own rounds, no peer)
 //
 // TF32 is off in every row but those labelled tf32 (cuBLAS and cuDNN alike, one flag), as in
@@ -20,6 +20,7 @@
 
 #include "../examples/resnet.hpp"
 #include "bench_util.hpp"
+#include "lm_models.hpp"
 #include "peer.hpp"
 
 using namespace chorus;
@@ -86,13 +87,33 @@ struct Plain {
   M m;
   template <class... A>
   explicit Plain(A&&... a) : m(std::forward<A>(a)...) {}
-  Tensor<float> operator()(const Tensor<float>& x) { return m.forward(x); }
+  template <class X>
+  Tensor<float> operator()(const X& x) {
+    return m.forward(x);
+  }
   std::vector<AnyTensor> parameters() const { return m.parameters(); }
 };
 
+/// One language-model step (lstm-lm, transformer-lm): logits [B, L, vocab], cross-entropy over
+/// all positions, Adam -- as chorus_bench's.
+template <class M>
+std::function<void()> lm_step(std::int64_t batch, std::int64_t len) {
+  auto model = std::make_shared<Plain<M>>();
+  model->m.to(kGpu);
+  auto opt = std::make_shared<optim::Adam>(model->parameters(), optim::AdamOptions{.lr = 1e-3});
+  auto x = randint(0, bench::kLmVocab, {batch, len}, kGpu);
+  auto y = randint(0, bench::kLmVocab, {batch * len}, kGpu);
+  return [model, opt, x, y] {
+    auto loss = F::cross_entropy((*model)(x).reshape({y.shape()[0], bench::kLmVocab}), y);
+    opt->zero_grad();
+    loss.backward();
+    opt->step();
+  };
+}
+
 /// Timed steps per round (the same as pytorch_gpu_bench.py's REPEATS).
 int repeats_for(const std::string& w) {
-  return w == "tutorial" ? 40 : w == "mlp-small" ? 20 : w == "mlp-large" ? 4 : 10;
+  return w == "tutorial" ? 40 : w == "mlp-small" ? 20 : w == "mlp-large" ? 4 : w == "transformer-lm" ? 20 : 10;
 }
 
 /// The configurations of workload `w`. Each is built under its TF32 setting and sets it again at
@@ -162,12 +183,23 @@ std::vector<bench::Offer> offers(const std::string& w) {
              }),
              10}};
   }
+  if (w == "lstm-lm") {  // batch 64, sequence 64, Adam
+    return {{meta("1 GPU fp32", 1, bench::lstm_lm_step_flops(64, 64, bench::kLmWidth, bench::kLmWidth, 2, bench::kLmVocab),
+                  false),
+             under(false, [] { return lm_step<bench::LstmLm>(64, 64); }), 5}};
+  }
+  if (w == "transformer-lm") {  // batch 32, sequence 128, Adam
+    return {{meta("1 GPU fp32", 1, bench::transformer_lm_step_flops(32, 128, bench::kLmWidth, 1024, 4, bench::kLmVocab),
+                  false),
+             under(false, [] { return lm_step<bench::TransformerLm>(32, bench::TransformerLm::kSeq); }), 5}};
+  }
   CHORUS_FAIL("unknown workload '", w, "'");
 }
 }  // namespace
 
 int main(int argc, char** argv) try {
-  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-large", "resnet20-cifar"};
+  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-large", "resnet20-cifar", "lstm-lm",
+                                        "transformer-lm"};
   int repeats = 0, rounds = 5;
   bool serve = false;
   std::string json_path = "chorus_gpu_bench.json";

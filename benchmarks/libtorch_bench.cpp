@@ -63,6 +63,46 @@ struct ResNet20Impl : torch::nn::Module {
 };
 TORCH_MODULE(ResNet20);
 
+// The language models as chorus_bench.cpp defines them (benchmarks/README.md): tokens [B, L] of a
+// 96-symbol vocabulary -> Embedding(96, 256) -> the model -> Linear(256, 96), cross-entropy over
+// all B*L positions, Adam.
+constexpr int64_t kLmVocab = 96, kLmWidth = 256;
+
+struct LstmLmImpl : torch::nn::Module {
+  torch::nn::Embedding embed{nullptr};
+  torch::nn::LSTM lstm{nullptr};
+  torch::nn::Linear head{nullptr};
+  LstmLmImpl() {
+    embed = register_module("embed", torch::nn::Embedding(kLmVocab, kLmWidth));
+    lstm = register_module("lstm", torch::nn::LSTM(torch::nn::LSTMOptions(kLmWidth, kLmWidth).num_layers(2).batch_first(true)));
+    head = register_module("head", torch::nn::Linear(kLmWidth, kLmVocab));
+  }
+  torch::Tensor forward(const torch::Tensor& tokens) { return head(std::get<0>(lstm(embed(tokens)))); }
+};
+TORCH_MODULE(LstmLm);
+
+struct TransformerLmImpl : torch::nn::Module {
+  static constexpr int64_t kSeq = 128;
+  torch::nn::Embedding embed{nullptr}, pos{nullptr};
+  torch::nn::TransformerEncoder encoder{nullptr};
+  torch::nn::Linear head{nullptr};
+  TransformerLmImpl() {
+    embed = register_module("embed", torch::nn::Embedding(kLmVocab, kLmWidth));
+    pos = register_module("pos", torch::nn::Embedding(kSeq, kLmWidth));
+    encoder = register_module(
+        "encoder", torch::nn::TransformerEncoder(torch::nn::TransformerEncoderOptions(
+                       torch::nn::TransformerEncoderLayerOptions(kLmWidth, 4).dim_feedforward(1024).dropout(0.0), 4)));
+    head = register_module("head", torch::nn::Linear(kLmWidth, kLmVocab));
+  }
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    const int64_t len = tokens.size(1);
+    auto x = embed(tokens) + pos(torch::arange(len, torch::kLong));  // [B, L, E]
+    auto mask = torch::nn::TransformerImpl::generate_square_subsequent_mask(len);
+    return head(encoder(x.transpose(0, 1), mask).transpose(0, 1));
+  }
+};
+TORCH_MODULE(TransformerLm);
+
 std::function<void()> make_workload(const std::string& w) {
   if (w == "tutorial") {
     auto model = std::make_shared<torch::nn::Linear>(5, 2);
@@ -115,6 +155,23 @@ std::function<void()> make_workload(const std::string& w) {
       opt->step();
     };
   }
+  if (w == "lstm-lm" || w == "transformer-lm") {
+    const bool lstm = w == "lstm-lm";
+    const int64_t batch = lstm ? 64 : 32, len = lstm ? 64 : TransformerLmImpl::kSeq;
+    auto x = torch::randint(0, kLmVocab, {batch, len}, torch::kLong);
+    auto y = torch::randint(0, kLmVocab, {batch * len}, torch::kLong);
+    auto step = [x, y](auto model) {
+      auto opt = std::make_shared<torch::optim::Adam>((*model)->parameters(), torch::optim::AdamOptions(1e-3));
+      return std::function<void()>([model, opt, x, y] {
+        auto loss = torch::nn::functional::cross_entropy((*model)->forward(x).reshape({y.size(0), kLmVocab}), y);
+        opt->zero_grad();
+        loss.backward();
+        opt->step();
+      });
+    };
+    if (lstm) return step(std::make_shared<LstmLm>());
+    return step(std::make_shared<TransformerLm>());
+  }
   throw std::runtime_error("unknown workload " + w);
 }
 }  // namespace
@@ -122,7 +179,7 @@ std::function<void()> make_workload(const std::string& w) {
 int main(int argc, char** argv) try {
   int threads = 1, omp_threads = 0, repeats = 0, rounds = 7;
   bool serve = false;
-  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar"};
+  std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar", "lstm-lm", "transformer-lm"};
   std::string json_path = "libtorch_bench.json";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -160,7 +217,12 @@ int main(int argc, char** argv) try {
   nlohmann::json records = nlohmann::json::array();
   for (const auto& w : workloads) {
     const int reps =
-        repeats > 0 ? repeats : (w == "tutorial" ? 200 : w == "mlp-small" ? 10 : w == "resnet20-cifar" ? 3 : 5);
+        repeats > 0 ? repeats
+                    : (w == "tutorial"                               ? 200
+                       : w == "mlp-small"                            ? 10
+                       : w == "resnet20-cifar" || w == "lstm-lm"     ? 3
+                       : w == "transformer-lm"                       ? 2
+                                                                     : 5);
     std::vector<bench::Entry> entries;
     for (auto& o : offers(w)) {
       auto timed = std::make_shared<bench::Timed>(o.make(), o.warmup);

@@ -4,7 +4,7 @@ captured — timed with CUDA events, in rounds. With --chorus it also drives `ch
 [paired rounds] in benchmarks/bench_util.hpp), writing chorus's records too; then
 scripts/compare_benchmarks.py takes every ratio round by round (median, min-max).
 
-usage: pytorch_gpu_bench.py [--workloads tutorial,mlp-small,mlp-large,resnet20-cifar] [--rounds R]
+usage: pytorch_gpu_bench.py [--workloads tutorial,mlp-small,mlp-large,resnet20-cifar,lstm-lm,transformer-lm] [--rounds R]
                             [--repeats N] [--json FILE]
                             [--chorus CHORUS_GPU_BENCH [--chorus-env NAME=VALUE ...] [--chorus-json FILE]]
 
@@ -129,7 +129,63 @@ def mlp_flops(batch, layers):
 
 
 # Timed steps per round (and untimed calls before the first): the same as chorus_gpu_bench's.
-REPEATS = {"tutorial": 40, "mlp-small": 20, "mlp-large": 4, "resnet20-cifar": 10}
+REPEATS = {"tutorial": 40, "mlp-small": 20, "mlp-large": 4, "resnet20-cifar": 10, "lstm-lm": 10, "transformer-lm": 20}
+
+# The language models of benchmarks/lm_models.hpp: tokens [B, L] of a 96-symbol vocabulary ->
+# Embedding(96, 256) -> the model -> Linear(256, 96), cross-entropy over all B*L positions, Adam.
+LM_VOCAB, LM_WIDTH = 96, 256
+
+
+class LstmLm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(LM_VOCAB, LM_WIDTH)
+        self.lstm = nn.LSTM(LM_WIDTH, LM_WIDTH, num_layers=2, batch_first=True)
+        self.head = nn.Linear(LM_WIDTH, LM_VOCAB)
+
+    def forward(self, tokens):
+        return self.head(self.lstm(self.embed(tokens))[0])
+
+
+class TransformerLm(nn.Module):
+    SEQ = 128
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(LM_VOCAB, LM_WIDTH)
+        self.pos = nn.Embedding(self.SEQ, LM_WIDTH)
+        layer = nn.TransformerEncoderLayer(LM_WIDTH, 4, dim_feedforward=1024, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        self.head = nn.Linear(LM_WIDTH, LM_VOCAB)
+
+    def forward(self, tokens):
+        length = tokens.shape[1]
+        x = self.embed(tokens) + self.pos(torch.arange(length, device=tokens.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
+        return self.head(self.encoder(x.transpose(0, 1), mask).transpose(0, 1))
+
+
+def lm_step(model, batch, length):
+    model = model.cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randint(0, LM_VOCAB, (batch, length), device="cuda")
+    y = torch.randint(0, LM_VOCAB, (batch * length,), device="cuda")
+
+    def step():
+        loss = F.cross_entropy(model(x).reshape(-1, LM_VOCAB), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return step
+
+
+def lm_flops(kind):
+    """As bench::lstm_lm_step_flops / bench::transformer_lm_step_flops."""
+    if kind == "lstm-lm":
+        b, s, h = 64, 64, LM_WIDTH
+        return 6.0 * b * s * (2 * 4 * h * (h + h) + h * LM_VOCAB)
+    b, s, d, ff = 32, 128, LM_WIDTH, 1024
+    return 6.0 * b * s * (4 * (4 * d * d + 2 * d * ff + 2 * s * d) + d * LM_VOCAB)
 
 
 def offers(w):
@@ -184,12 +240,17 @@ def offers(w):
             name = "1 GPU fp32" + (" channels_last" if channels_last else "")
             out.append((meta("pytorch-eager", name, flops), build, 10))
         return out
+    if w == "lstm-lm":  # batch 64, sequence 64; cuDNN's LSTM, as PyTorch picks it
+        return [(meta("pytorch-eager", "1 GPU fp32", lm_flops(w)), lambda: lm_step(LstmLm(), 64, 64), 5)]
+    if w == "transformer-lm":  # batch 32, sequence 128
+        return [(meta("pytorch-eager", "1 GPU fp32", lm_flops(w)),
+                 lambda: lm_step(TransformerLm(), 32, TransformerLm.SEQ), 5)]
     raise ValueError(f"unknown workload '{w}'")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workloads", default="tutorial,mlp-small,mlp-large,resnet20-cifar")
+    ap.add_argument("--workloads", default="tutorial,mlp-small,mlp-large,resnet20-cifar,lstm-lm,transformer-lm")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=0, help="timed steps per round (default: per workload)")
     ap.add_argument("--json", default="pytorch_gpu_bench.json")

@@ -110,7 +110,7 @@ class PytorchGpuBenchTf32(unittest.TestCase):
             sys.modules.pop("pytorch_gpu_bench", None)
             import pytorch_gpu_bench as pgb
             rows = 0
-            for w in ("tutorial", "mlp-small", "mlp-large", "resnet20-cifar"):
+            for w in ("tutorial", "mlp-small", "mlp-large", "resnet20-cifar", "lstm-lm", "transformer-lm"):
                 for meta, _, _ in pgb.offers(w):
                     for before in (False, True):  # whatever the row before left
                         pgb.set_tf32(before)
@@ -120,7 +120,7 @@ class PytorchGpuBenchTf32(unittest.TestCase):
                         self.assertEqual(torch.backends.cuda.matmul.allow_tf32, want, meta)
                         self.assertEqual(torch.backends.cudnn.allow_tf32, want, meta)
                     rows += 1
-            self.assertEqual(rows, 9)
+            self.assertEqual(rows, 11)
             sys.modules.pop("pytorch_gpu_bench", None)
 
 

@@ -43,6 +43,8 @@ TARGETS = [
     ("mlp-large", "DataParallel {cuda:0, cuda:0} fp32", "chorus", "1 GPU fp32", 1.15),
     ("resnet20-cifar", "1 GPU fp32", "pytorch-eager", "1 GPU fp32", 1.0),
     ("resnet20-cifar", "1 GPU fp32", "pytorch-eager", "1 GPU fp32 channels_last", None),
+    ("lstm-lm", "1 GPU fp32", "pytorch-eager", "1 GPU fp32", None),
+    ("transformer-lm", "1 GPU fp32", "pytorch-eager", "1 GPU fp32", None),
 ]
 
 

@@ -337,14 +337,27 @@ TEST(RNN, TimeStepsAndGatesAreCutOutByOneNodeEach) {
   // Note [one split node]: a node per slice (select/narrow) would make backward quadratic in
   // the sequence length.
   const std::int64_t S = 7;
+  nn::GRUT<double> gru(3, 4, nn::GRUOptions{.num_layers = 2, .bidirectional = true});
+  auto h0 = r({4, 2, 4}, 2).requires_grad_(true);
+  auto [y, h] = gru->forward(r({S, 2, 3}, 1), h0);
+  auto counts = node_counts(y + 0.0 * h.sum());
+  EXPECT_EQ(counts["UnbindBackward"], 4 + 1);   // each layer's projection per direction, h0
+  EXPECT_EQ(counts["SplitBackward"], 4 * S * 2);  // the gates of every step, input and recurrent side
+  EXPECT_EQ(counts["SelectBackward"] + counts["NarrowBackward"], 0);
+  EXPECT_EQ(counts["LinearBackward"], 4 * (S + 1));  // one projection and one GEMM per step
+}
+
+TEST(RNN, AnLSTMLayerIsOneNodePerDirectionOnTheCpu) {
+  // Note [fused LSTM layer]: the projection of the whole sequence, then one node for the steps.
+  const std::int64_t S = 7;
   nn::LSTMT<double> lstm(3, 4, nn::LSTMOptions{.num_layers = 2, .bidirectional = true});
   auto h0 = r({4, 2, 4}, 2).requires_grad_(true), c0 = r({4, 2, 4}, 3).requires_grad_(true);
   auto [y, hc] = lstm->forward(r({S, 2, 3}, 1), {h0, c0});
   auto counts = node_counts(y + 0.0 * std::get<0>(hc).sum() + 0.0 * std::get<1>(hc).sum());
-  EXPECT_EQ(counts["UnbindBackward"], 4 + 2);  // each layer's projection per direction, h0, c0
-  EXPECT_EQ(counts["SplitBackward"], 4 * S);   // the gates of every step
-  EXPECT_EQ(counts["SelectBackward"] + counts["NarrowBackward"], 0);
-  EXPECT_EQ(counts["LinearBackward"], 4 * (S + 1));  // one projection and one GEMM per step
+  EXPECT_EQ(counts["LSTMLayerBackward"], 4);
+  EXPECT_EQ(counts["UnbindBackward"], 2);  // h0, c0
+  EXPECT_EQ(counts["SplitBackward"] + counts["SelectBackward"] + counts["NarrowBackward"], 0);
+  EXPECT_EQ(counts["LinearBackward"], 4);  // the projections
 }
 
 TEST(RNN, BatchFirstIsTheTransposedLayout) {

@@ -11,12 +11,14 @@
 // GEMM ([seq*batch, input] x [input, G*hidden]); the recurrence is one GEMM per time step
 // (W_hh h + b_hh) plus the gates' elementwise ops. Everything is built from differentiable ops,
 // so autograd gives the backward; the time steps and the gates are cut out of the projections
-// by one node each (Note [one split node] in rnn_cell.hpp). A fused gate kernel is later work.
+// by one node each (Note [one split node] in rnn_cell.hpp). On the CPU an LSTM layer without a
+// projection runs as one node instead (Note [fused LSTM layer] in ops/rnn.hpp).
 #include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "../ops/rnn.hpp"
 #include "rnn_cell.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -161,10 +163,18 @@ class RNNImplBase : public Module {
       for (int d = 0; d < num_directions(); ++d) {
         const auto idx = static_cast<std::size_t>(l * num_directions() + d);
         const Weights& w = weights_[idx];
-        auto steps = nn::detail::unbind(linear(x, w.w_ih, w.b_ih), 0);  // Note [recurrent layer GEMMs]
+        auto proj = linear(x, w.w_ih, w.b_ih);  // Note [recurrent layer GEMMs]
         Tensor<T> h = hs.empty() ? zeros<T>(Shape{batch, h_size}, dev) : hs[idx];
         Tensor<T> c;
         if (lstm) c = cs.empty() ? zeros<T>(Shape{batch, hidden_size}, dev) : cs[idx];
+        if (lstm && !w.w_hr.defined() && dev.is_cpu()) {  // one node for the layer (Note [fused LSTM layer])
+          auto [o, hn, cn] = ops::lstm_layer(proj, w.w_hh, w.b_hh, h, c, d == 1);
+          dir_out.push_back(o);
+          h_n.push_back(hn);
+          c_n.push_back(cn);
+          continue;
+        }
+        auto steps = nn::detail::unbind(proj, 0);
         std::vector<Tensor<T>> out(static_cast<std::size_t>(seq));
         for (std::int64_t k = 0; k < seq; ++k) {
           const auto t = static_cast<std::size_t>(d == 0 ? k : seq - 1 - k);
