@@ -54,8 +54,10 @@ class LSTMLayerBackward final : public autograd::Node<T> {
     const T* g_out = grads[0].data();
     auto dG = Tensor<T>::empty(Shape{S, B, G}, dev);  // gradients of the gates' pre-activations
     auto dh = Tensor<T>::empty(Shape{B, H}, dev), dc = Tensor<T>::empty(Shape{B, H}, dev);
-    std::memcpy(dh.data(), grads[1].data(), sizeof(T) * B * H);
-    std::memcpy(dc.data(), grads[2].data(), sizeof(T) * B * H);
+    if (B * H > 0) {  // an empty batch has no buffers: memcpy's pointers may not be null
+      std::memcpy(dh.data(), grads[1].data(), sizeof(T) * B * H);
+      std::memcpy(dc.data(), grads[2].data(), sizeof(T) * B * H);
+    }
     const T* act = act_.data();
     const T* cs = cs_.data();
     const T* wh = w_hh_.data();
@@ -132,6 +134,7 @@ std::tuple<Tensor<T>, Tensor<T>, Tensor<T>> lstm_layer(const Tensor<T>& gx_in, c
   const auto S = gx_in.shape()[0], B = gx_in.shape()[1], G = gx_in.shape()[2], H = G / 4;
   const Device dev = gx_in.device();
   CHORUS_CHECK(dev.is_cpu(), "lstm_layer: CPU tensors only, got ", dev);
+  CHORUS_CHECK(S > 0, "lstm_layer: expected a sequence of at least one step, got gx of shape ", gx_in.shape());
   CHORUS_CHECK(w_hh_in.shape() == (Shape{G, H}), "lstm_layer: expected w_hh of shape ", Shape{G, H}, ", got ",
                w_hh_in.shape());
   CHORUS_CHECK(!b_hh.defined() || b_hh.shape() == (Shape{G}), "lstm_layer: expected b_hh of shape ", Shape{G},
@@ -173,8 +176,10 @@ std::tuple<Tensor<T>, Tensor<T>, Tensor<T>> lstm_layer(const Tensor<T>& gx_in, c
   }
   const std::int64_t last = reverse ? 0 : S - 1;
   auto h_n = Tensor<T>::empty(Shape{B, H}, dev), c_n = Tensor<T>::empty(Shape{B, H}, dev);
-  std::memcpy(h_n.data(), out.data() + last * B * H, sizeof(T) * B * H);
-  std::memcpy(c_n.data(), cs.data() + last * B * H, sizeof(T) * B * H);
+  if (B * H > 0) {  // an empty batch has no buffers: memcpy's pointers may not be null
+    std::memcpy(h_n.data(), out.data() + last * B * H, sizeof(T) * B * H);
+    std::memcpy(c_n.data(), cs.data() + last * B * H, sizeof(T) * B * H);
+  }
   if (autograd::needs_grad(gx_in, w_hh_in, b_hh, h0_in, c0_in)) {
     std::shared_ptr<autograd::Node<T>> node;
     if (b_hh.defined())
