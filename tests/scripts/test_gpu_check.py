@@ -470,7 +470,7 @@ class TestBenchStage(Base):
     def test_one_interleaved_run_gives_paired_rows(self):
         run, b = self.bench()
         self.assertTrue(b["ok"], b)
-        self.assertEqual(b["verdict"], "passed (10 row(s) compared, 10 paired)")
+        self.assertEqual(b["verdict"], "passed (12 row(s) compared, 12 paired)")
         self.assertFalse(run.failed)
         self.assertEqual(b["unpaired"], [])
         self.assertEqual(b["missing"], [])
@@ -512,11 +512,11 @@ class TestBenchStage(Base):
 
     def test_unpaired_and_missing_rows_are_named(self):
         _, b = self.bench("other_run")
-        self.assertEqual(b["verdict"], "passed (10 row(s) compared, 1 paired, 9 unpaired)")
+        self.assertEqual(b["verdict"], "passed (12 row(s) compared, 1 paired, 11 unpaired)")
         self.assertIn("mlp-small 1 GPU vs pytorch-eager 1 GPU", b["unpaired"])
         self.assertIn("mlp-small 1 GPU vs pytorch-eager 1 GPU: 1.00x unpaired, target <= 0.25 MISSED", b["table"])
         _, b = self.bench(server="no_dp")
-        self.assertEqual(b["verdict"], "passed (9 row(s) compared, 9 paired, 1 missing)")
+        self.assertEqual(b["verdict"], "passed (11 row(s) compared, 11 paired, 1 missing)")
         self.assertEqual(b["missing"], ["mlp-large DataParallel {cuda:0, cuda:0} fp32 vs chorus 1 GPU fp32"])
 
     def test_a_driver_that_cannot_start(self):
@@ -532,7 +532,7 @@ class TestBenchStage(Base):
         self.assertLess(time.monotonic() - t, 30)
         self.assertFalse(b["ok"])
         self.assertTrue(b["timed_out"])
-        self.assertEqual(b["verdict"], "timed out (1 row(s) compared, 1 paired, 9 missing)")
+        self.assertEqual(b["verdict"], "timed out (1 row(s) compared, 1 paired, 11 missing)")
         self.assertEqual(len(b["table"]), 1)
         for side, p in self.processes().items():
             self.assertFalse(alive(p["pid"]), f"the {side} side outlived the stage's timeout")
