@@ -209,10 +209,26 @@ TYPED_TEST(LayersTyped, BatchNormStatisticsAndBuffers) {
   EXPECT_NEAR(double(plain(a).mean(0).to_vector()[0]), 0.0, 1e-6);
 }
 
+// The fused CPU layer norm (Note [fused layer norm]) in float, against the double one, on rows
+// whose mean is large next to their spread (where a one-pass variance loses its digits).
+TEST(Layers, FloatLayerNormIsAccurateForLargeMeans) {
+  Generator g(3);
+  auto x = randn<float>({5, 300}, Device::cpu(), 1000.0, 0.01, g);
+  auto w = randn<float>({300}, Device::cpu(), 0.0, 1.0, g), b = randn<float>({300}, Device::cpu(), 0.0, 1.0, g);
+  auto want = layer_norm(x.to<double>(), Shape{300}, w.to<double>(), b.to<double>());
+  auto got = layer_norm(x, Shape{300}, w, b);
+  EXPECT_LT(double(amax(abs(sub(got.to<double>(), want))).item()), 1e-4);  // E[x²] - E[x]² would be off by ~1
+}
+
 TEST(LayersGradcheck, LayerNormEmbeddingSiluDropout2d) {
   EXPECT_TRUE(gradcheck([](const TL& x) { return layer_norm(x[0], Shape{4}, x[1], x[2]); },
                         {r({3, 4}, 1), r({4}, 2), r({4}, 3)}));
   EXPECT_TRUE(gradcheck([](const TL& x) { return layer_norm(x[0], Shape{2, 3}); }, {r({2, 2, 3}, 4)}));
+  // Note [fused layer norm]: bias without weight; a strided input over 2 trailing dimensions.
+  EXPECT_TRUE(gradcheck([](const TL& x) { return layer_norm(x[0], Shape{3}, Tensor<double>(), x[1]); },
+                        {r({2, 3}, 11), r({3}, 12)}));
+  EXPECT_TRUE(gradcheck([](const TL& x) { return layer_norm(x[0].transpose(0, 2), Shape{3, 2}, x[1], x[2]); },
+                        {r({2, 3, 4}, 13), r({3, 2}, 14), r({3, 2}, 15)}));
   auto idx = from_vector<std::int64_t>({1, 0, 3, 1, 3, 2}, Shape{2, 3});
   EXPECT_TRUE(gradcheck([&](const TL& x) { return embedding(idx, x[0]); }, {r({4, 3}, 5)}));
   EXPECT_TRUE(gradcheck([](const TL& x) { return silu(x[0]); }, {r({7}, 6, -3, 3)}));

@@ -1,5 +1,7 @@
 // Forward values of the operations, broadcasting and argument errors.
 #include <cmath>
+#include <limits>
+#include <random>
 
 #include "test_util.hpp"
 
@@ -134,4 +136,46 @@ TYPED_TEST(OpsTyped, DropoutScalesAndIsIdentityInEval) {
   EXPECT_TRUE(is_same(dropout(x, 0.25, false), x));
   EXPECT_TRUE(values_are(dropout(x.narrow(0, 0, 3), 1.0, true), {0, 0, 0}));
   EXPECT_THROW(dropout(x, 1.5, true), Error);
+}
+
+// Note [vectorizable math]: the CPU loops' float exp, sigmoid and tanh against the double
+// functions, in ulps of the float result, over 2^22 samples of [-20, 20] (a quarter scaled
+// down by 10^3, an eighth by 2^-k to reach tiny arguments), plus the special values.
+TEST(VectorizableMath, FloatExpSigmoidTanhWithinThreeUlps) {
+  namespace vm = chorus::backend::cpu::vmath;
+  const auto ulps = [](float got, double want) {
+    if (want == 0) return got == 0 ? 0.0 : 1e30;
+    int e = 0;
+    std::frexp(want, &e);
+    return std::fabs(got - want) / std::ldexp(1.0, e - 24);
+  };
+  std::mt19937 gen(7);
+  std::uniform_real_distribution<float> dist(-20.0f, 20.0f);
+  double worst_exp = 0, worst_sigmoid = 0, worst_tanh = 0;
+  for (int i = 0; i < (1 << 22); ++i) {
+    float x = dist(gen);
+    if (i % 4 == 0) x *= 1e-3f;
+    if (i % 8 == 1) x = std::ldexp(x, -(i % 60));
+    const double xd = x;
+    worst_exp = std::max(worst_exp, ulps(vm::exp(x), std::exp(xd)));
+    worst_sigmoid = std::max(worst_sigmoid, ulps(vm::sigmoid(x), 1.0 / (1.0 + std::exp(-xd))));
+    worst_tanh = std::max(worst_tanh, ulps(vm::tanh(x), std::tanh(xd)));
+  }
+  EXPECT_LE(worst_exp, 2.0);
+  EXPECT_LE(worst_sigmoid, 3.0);
+  EXPECT_LE(worst_tanh, 3.0);
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(vm::exp(-inf), 0.0f);
+  EXPECT_EQ(vm::exp(-87.4f), 0.0f);  // below the smallest normal: flushed
+  EXPECT_FLOAT_EQ(vm::exp(88.7f), std::exp(88.7f));
+  EXPECT_EQ(vm::exp(88.8f), inf);
+  EXPECT_EQ(vm::exp(inf), inf);
+  EXPECT_TRUE(std::isnan(vm::exp(nan)) && std::isnan(vm::sigmoid(nan)) && std::isnan(vm::tanh(nan)));
+  EXPECT_EQ(vm::sigmoid(inf), 1.0f);
+  EXPECT_EQ(vm::sigmoid(-inf), 0.0f);
+  EXPECT_EQ(vm::tanh(inf), 1.0f);
+  EXPECT_EQ(vm::tanh(-inf), -1.0f);
+  EXPECT_TRUE(std::signbit(vm::tanh(-0.0f)));
+  EXPECT_EQ(vm::tanh(1e-30f), 1e-30f);
+  EXPECT_EQ(vm::exp(1.0), std::exp(1.0));  // double: the standard function
 }

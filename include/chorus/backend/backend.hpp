@@ -170,14 +170,15 @@ void expand_dim(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::in
                     cuda::expand_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
 }
 
+/// `zero_dead`: rows of -inf give zeros, not NaN (cpu::softmax).
 template <class T>
 void softmax(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, const Tensor<T>& out,
-             bool log_space) {
+             bool log_space, bool zero_dead = false) {
   if constexpr (is_reduced_floating_v<T>) {
     detail::no_reduced_kernel<T>("softmax");
   } else {
-    CHORUS_DISPATCH(in.device(), cpu::softmax(in.data(), outer, n, inner, out.data(), log_space),
-                    cuda::softmax(in.data(), outer, n, inner, out.data(), log_space, in.device()));
+    CHORUS_DISPATCH(in.device(), cpu::softmax(in.data(), outer, n, inner, out.data(), log_space, zero_dead),
+                    cuda::softmax(in.data(), outer, n, inner, out.data(), log_space, zero_dead, in.device()));
   }
 }
 

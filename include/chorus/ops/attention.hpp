@@ -114,10 +114,11 @@ inline bool broadcasts_to(const Shape& from, const Shape& to) {
 /// gives NaN when need_weights=True (an explicit softmax) and 0 otherwise (through SDPA), and the
 /// Transformer layers call it with need_weights=False, so they get 0. chorus gives 0 everywhere,
 /// weights included: one rule, and the one PyTorch moved to. The rows are found on the device
-/// (amax of the row == -inf), never on the host. Their scores are replaced by 0 before the
-/// softmax as well as after it, so that no NaN exists for the softmax's backward to multiply
-/// by 0 (0·NaN is NaN): the gradient of a fully masked row is exactly 0. Without any mask the
-/// check is skipped (a row is then all -inf only if the inputs hold infinities).
+/// by the softmax kernel itself (its `zero_dead` mode: a row whose maximum is -inf is written as
+/// zeros), never on the host, and without extra passes over the scores. No NaN exists for the
+/// softmax's backward to multiply by 0 (0·NaN is NaN): its gradient y·(g - Σ g·y) is exactly 0
+/// on such a row. Without any mask the mode is off (a row is then all -inf only if the inputs
+/// hold infinities, and gives NaN, as torch.softmax).
 template <class T>
 std::pair<Tensor<T>, Tensor<T>> attend(const char* op, const Tensor<T>& q, const Tensor<T>& k, const Tensor<T>& v,
                                        const std::vector<ScoreMask<T>>& masks, double dropout_p, double scale) {
@@ -144,13 +145,8 @@ std::pair<Tensor<T>, Tensor<T>> attend(const char* op, const Tensor<T>& q, const
         break;
     }
   }
-  Tensor<T> attn;
-  if (!masks.empty() && scores.numel() > 0) {  // Note [fully masked rows]
-    auto dead = eq(amax(scores.detach(), std::vector<std::int64_t>{-1}, true), -inf);  // [..., L, 1]
-    attn = where(dead, 0.0, softmax(where(dead, 0.0, scores), -1));
-  } else {
-    attn = softmax(scores, -1);
-  }
+  // Note [fully masked rows]: with a mask, rows of -inf get zeros.
+  Tensor<T> attn = softmax_impl(scores, -1, false, !masks.empty());
   if (dropout_p > 0.0) attn = dropout(attn, dropout_p, true);
   return {matmul(attn, v), attn};
 }

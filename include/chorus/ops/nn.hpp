@@ -1,7 +1,8 @@
 #pragma once
 // Differentiable operations of the convolutional and normalisation layers, on NCHW tensors:
 // conv2d, max/avg/adaptive-avg pooling, batch_norm (optionally synchronised through a
-// StatsReducer), layer_norm, embedding, silu; dropout and dropout2d (dropout.hpp).
+// StatsReducer), embedding, silu; layer_norm (layer_norm.hpp), dropout and dropout2d
+// (dropout.hpp).
 #include <array>
 #include <limits>
 #include <memory>
@@ -10,6 +11,7 @@
 #include "../backend/nn.hpp"
 #include "dropout.hpp"
 #include "elementwise.hpp"
+#include "layer_norm.hpp"
 #include "reduce.hpp"
 #include "view.hpp"
 
@@ -654,31 +656,6 @@ Tensor<T> batch_norm(const Tensor<T>& x, const Tensor<T>& running_mean, const Te
                      double momentum = 0.1, double eps = 1e-5, std::shared_ptr<StatsReducer> reducer = nullptr) {
   return ops::detail::batch_norm_impl(x, running_mean, running_var, weight, bias, training, momentum, eps,
                                       std::move(reducer), nullptr);
-}
-
-/// Layer normalisation over the trailing dimensions `normalized_shape` (as
-/// torch.nn.functional.layer_norm; biased variance), composed of differentiable ops.
-template <class T>
-Tensor<T> layer_norm(const Tensor<T>& x, const Shape& normalized_shape, const Tensor<T>& weight = Tensor<T>(),
-                     const Tensor<T>& bias = Tensor<T>(), double eps = 1e-5) {
-  static_assert(is_floating_v<T>, "layer_norm: floating-point tensors only");
-  ops::detail::check_defined("layer_norm", x);
-  const int k = normalized_shape.size();
-  bool ok = k > 0 && x.dim() >= k;
-  for (int i = 0; ok && i < k; ++i) ok = x.shape()[x.dim() - k + i] == normalized_shape[i];
-  CHORUS_CHECK(ok, "layer_norm: input of shape ", x.shape(), " does not end in normalized_shape ", normalized_shape);
-  for (const auto* t : {&weight, &bias})
-    if (t->defined())
-      CHORUS_CHECK(t->shape() == normalized_shape, "layer_norm: weight/bias of shape ", t->shape(),
-                   " differs from normalized_shape ", normalized_shape);
-  const std::int64_t D = numel_of(normalized_shape);
-  CHORUS_CHECK(D > 0, "layer_norm: normalized_shape ", normalized_shape, " is empty");
-  auto x2 = x.reshape(Shape{x.numel() / D, D});
-  auto xc = sub(x2, mean(x2, 1, true));
-  auto y = mul(xc, pow(add(mean(mul(xc, xc), 1, true), eps), -0.5)).reshape(x.shape());
-  if (weight.defined()) y = mul(y, weight);
-  if (bias.defined()) y = add(y, bias);
-  return y;
 }
 
 /// Rows of `weight` [num, dim] picked by `indices` (any shape): output indices.shape + [dim].

@@ -104,15 +104,16 @@ class SoftmaxBackward final : public autograd::Node<T> {
   bool log_;
 };
 
+/// `zero_dead`: rows of -inf along `dim` give zeros, not NaN (Note [fully masked rows]).
 template <class T>
-Tensor<T> softmax_impl(const Tensor<T>& x, std::int64_t dim, bool log_space) {
+Tensor<T> softmax_impl(const Tensor<T>& x, std::int64_t dim, bool log_space, bool zero_dead = false) {
   check_defined(log_space ? "log_softmax" : "softmax", x);
   const int d = wrap_dim(dim, x.dim());
   auto xc = contiguous_data(x);
   std::int64_t outer, n, inner;
   split_around(x.shape(), d, outer, n, inner);
   auto out = Tensor<T>::empty(x.shape(), x.device());
-  if (x.numel() > 0) backend::softmax(xc, outer, n, inner, out, log_space);
+  if (x.numel() > 0) backend::softmax(xc, outer, n, inner, out, log_space, zero_dead);
   if (autograd::needs_grad(x)) {
     auto node = autograd::make_node<SoftmaxBackward<T>, T>({&x}, out.detach(), d, log_space);
     autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));

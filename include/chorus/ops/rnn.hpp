@@ -13,12 +13,14 @@
 // (two when the first step's h0 is not part of the output buffer) and that of b_hh as one
 // column sum. The saved state is the gate activations [S, B, 4H] and the cell states [S, B, H],
 // what cuDNN keeps as its reserve space. Gate order i, f, g, o (PyTorch's). The pointwise loops
-// compute in float for 16-bit types (double for double), rounding once on store.
+// compute in float for 16-bit types (double for double), rounding once on store, with the
+// vectorizable sigmoid and tanh of backend/cpu/vmath.hpp (Note [vectorizable math]).
 #include <cmath>
 #include <cstring>
 #include <tuple>
 #include <type_traits>
 
+#include "../backend/cpu/vmath.hpp"
 #include "common.hpp"
 #include "linalg.hpp"
 
@@ -29,9 +31,56 @@ namespace detail {
 template <class T>
 using lstm_acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-template <class A>
-inline A lstm_sigmoid(A x) {
-  return A(1) / (A(1) + std::exp(-x));
+// One batch row of one step. The gate blocks of a row [i | f | g | o] are H apart in one
+// buffer; passing them as separate restrict pointers tells the compiler they do not overlap,
+// and the loops vectorize (an offset of H between a load and a store defeats its analysis).
+
+/// Forward: the pre-activations a[0, 4H) become the activations; writes c and h.
+template <class T>
+inline void lstm_row_forward(T* __restrict gi, T* __restrict gf, T* __restrict gg, T* __restrict go,
+                             const T* __restrict cprev, T* __restrict c, T* __restrict h, std::int64_t H) {
+  using A = lstm_acc_t<T>;
+  namespace vm = backend::cpu::vmath;
+  for (std::int64_t j = 0; j < H; ++j) {
+    const A i = vm::sigmoid(A(gi[j])), f = vm::sigmoid(A(gf[j]));
+    const A g = vm::tanh(A(gg[j])), o = vm::sigmoid(A(go[j]));
+    const A cn = f * A(cprev[j]) + i * g;
+    gi[j] = T(i);
+    gf[j] = T(f);
+    gg[j] = T(g);
+    go[j] = T(o);
+    c[j] = T(cn);
+    h[j] = T(o * vm::tanh(cn));
+  }
+}
+
+/// Backward: from the activations `a` [4H], the cell state c and the one before, the gradient
+/// reaching h (dh, from the next step, plus gout, from the output) and c (dc, updated in place
+/// to the gradient of the step before), the gradients of the pre-activations d [4H].
+template <class T>
+inline void lstm_row_backward_blocks(const T* __restrict ai, const T* __restrict af, const T* __restrict ag,
+                                     const T* __restrict ao, const T* __restrict c, const T* __restrict cprev,
+                                     const T* __restrict gout, const T* __restrict dh, T* __restrict dc,
+                                     T* __restrict di, T* __restrict df, T* __restrict dg, T* __restrict dout,
+                                     std::int64_t H) {
+  using A = lstm_acc_t<T>;
+  for (std::int64_t j = 0; j < H; ++j) {
+    const A i = A(ai[j]), f = A(af[j]), g = A(ag[j]), o = A(ao[j]);
+    const A tc = backend::cpu::vmath::tanh(A(c[j]));
+    const A hgrad = A(dh[j]) + A(gout[j]);
+    const A cgrad = A(dc[j]) + hgrad * o * (A(1) - tc * tc);
+    di[j] = T(cgrad * g * i * (A(1) - i));
+    df[j] = T(cgrad * A(cprev[j]) * f * (A(1) - f));
+    dg[j] = T(cgrad * i * (A(1) - g * g));
+    dout[j] = T(hgrad * tc * o * (A(1) - o));
+    dc[j] = T(cgrad * f);
+  }
+}
+
+template <class T>
+inline void lstm_row_backward(const T* a, const T* c, const T* cprev, const T* gout, const T* dh, T* dc, T* d,
+                              std::int64_t H) {
+  lstm_row_backward_blocks(a, a + H, a + 2 * H, a + 3 * H, c, cprev, gout, dh, dc, d, d + H, d + 2 * H, d + 3 * H, H);
 }
 
 template <class T>
@@ -46,7 +95,6 @@ class LSTMLayerBackward final : public autograd::Node<T> {
   std::string name() const override { return "LSTMLayerBackward"; }
 
   typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
-    using A = lstm_acc_t<T>;
     const auto S = act_.shape()[0], B = act_.shape()[1], G = act_.shape()[2], H = G / 4;
     const Device dev = act_.device();
     const auto& e = this->next_edges();
@@ -71,19 +119,10 @@ class LSTMLayerBackward final : public autograd::Node<T> {
       const T* c = cs + t * B * H;
       const T* go = g_out + t * B * H;
       T* d = dG.data() + t * B * G;
-      for (std::int64_t b = 0; b < B; ++b)
-        for (std::int64_t j = 0; j < H; ++j) {
-          const std::int64_t r = b * G, x = b * H + j;
-          const A i = A(a[r + j]), f = A(a[r + H + j]), g = A(a[r + 2 * H + j]), o = A(a[r + 3 * H + j]);
-          const A tc = std::tanh(A(c[x]));
-          const A hgrad = A(pdh[x]) + A(go[x]);
-          const A cgrad = A(pdc[x]) + hgrad * o * (A(1) - tc * tc);
-          d[r + j] = T(cgrad * g * i * (A(1) - i));
-          d[r + H + j] = T(cgrad * A(cprev[x]) * f * (A(1) - f));
-          d[r + 2 * H + j] = T(cgrad * i * (A(1) - g * g));
-          d[r + 3 * H + j] = T(hgrad * tc * o * (A(1) - o));
-          pdc[x] = T(cgrad * f);
-        }
+      for (std::int64_t b = 0; b < B; ++b) {
+        const std::int64_t r = b * G, x = b * H;
+        lstm_row_backward(a + r, c + x, cprev + x, go + x, pdh + x, pdc + x, d + r, H);
+      }
       // dh_prev = dG[t] @ W_hh ([B, 4H] x [4H, H])
       backend::gemm(false, false, B, H, G, T(1), d, G, wh, H, T(0), pdh, H, dev);
     }
@@ -161,17 +200,7 @@ std::tuple<Tensor<T>, Tensor<T>, Tensor<T>> lstm_layer(const Tensor<T>& gx_in, c
     T* h = out.data() + t * B * H;
     for (std::int64_t b = 0; b < B; ++b) {
       T* r = a + b * G;
-      for (std::int64_t j = 0; j < H; ++j) {
-        const A i = detail::lstm_sigmoid(A(r[j])), f = detail::lstm_sigmoid(A(r[H + j]));
-        const A g = std::tanh(A(r[2 * H + j])), o = detail::lstm_sigmoid(A(r[3 * H + j]));
-        const A cn = f * A(cprev[b * H + j]) + i * g;
-        r[j] = T(i);
-        r[H + j] = T(f);
-        r[2 * H + j] = T(g);
-        r[3 * H + j] = T(o);
-        c[b * H + j] = T(cn);
-        h[b * H + j] = T(o * std::tanh(cn));
-      }
+      detail::lstm_row_forward(r, r + H, r + 2 * H, r + 3 * H, cprev + b * H, c + b * H, h + b * H, H);
     }
   }
   const std::int64_t last = reverse ? 0 : S - 1;

@@ -14,6 +14,7 @@
 #include "../../core/shape.hpp"
 #include "../functors.hpp"
 #include "parallel.hpp"
+#include "vmath.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace backend::cpu {
@@ -214,23 +215,54 @@ void expand_dim(const T* in, std::int64_t outer, std::int64_t n, std::int64_t in
     }
 }
 
-/// Softmax (or log-softmax) over the middle axis of [outer, n, inner].
+/// Softmax (or log-softmax) over the middle axis of [outer, n, inner]. `zero_dead`: a row whose
+/// every element is -inf gets zeros instead of NaN (the attention core's rows whose keys are all
+/// masked, Note [fully masked rows]); its backward, y * (g - sum(g * y)), is then 0 as well.
 template <class T>
-void softmax(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out, bool log_space) {
+void softmax(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out, bool log_space,
+             bool zero_dead = false) {
+  constexpr T ninf = -std::numeric_limits<T>::infinity();
+  if (inner == 1) {  // contiguous rows: exp into the output once (a loop that vectorizes), then scale
+    for (std::int64_t o = 0; o < outer; ++o) {
+      const T* x = in + o * n;
+      T* y = out + o * n;
+      T mx = ninf;
+      for (std::int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);
+      if (zero_dead && mx == ninf) {
+        std::fill(y, y + n, T(0));
+        continue;
+      }
+      for (std::int64_t i = 0; i < n; ++i) y[i] = vmath::exp(x[i] - mx);
+      acc_t<T> s = 0;
+      for (std::int64_t i = 0; i < n; ++i) s += y[i];
+      if (log_space) {
+        const T lse = mx + static_cast<T>(std::log(s));
+        for (std::int64_t i = 0; i < n; ++i) y[i] = x[i] - lse;
+      } else {
+        const T inv = static_cast<T>(1.0 / s);
+        for (std::int64_t i = 0; i < n; ++i) y[i] *= inv;
+      }
+    }
+    return;
+  }
   for (std::int64_t o = 0; o < outer; ++o)
     for (std::int64_t j = 0; j < inner; ++j) {
       const T* x = in + o * n * inner + j;
       T* y = out + o * n * inner + j;
-      T mx = -std::numeric_limits<T>::infinity();
+      T mx = ninf;
       for (std::int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i * inner]);
+      if (zero_dead && mx == ninf) {
+        for (std::int64_t i = 0; i < n; ++i) y[i * inner] = T(0);
+        continue;
+      }
       acc_t<T> s = 0;
-      for (std::int64_t i = 0; i < n; ++i) s += std::exp(x[i * inner] - mx);
+      for (std::int64_t i = 0; i < n; ++i) s += vmath::exp(x[i * inner] - mx);
       if (log_space) {
         T lse = mx + static_cast<T>(std::log(s));
         for (std::int64_t i = 0; i < n; ++i) y[i * inner] = x[i * inner] - lse;
       } else {
         T inv = static_cast<T>(1.0 / s);
-        for (std::int64_t i = 0; i < n; ++i) y[i * inner] = std::exp(x[i * inner] - mx) * inv;
+        for (std::int64_t i = 0; i < n; ++i) y[i * inner] = vmath::exp(x[i * inner] - mx) * inv;
       }
     }
 }

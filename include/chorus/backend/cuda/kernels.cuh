@@ -179,17 +179,20 @@ __device__ inline void row_max_sumexp(const T* x, std::int64_t n, std::int64_t s
 }
 
 /// Softmax / log-softmax along the middle axis of [outer, n, inner]: one block per row.
+/// `zero_dead`: a row of -inf gives zeros (cpu::softmax).
 template <class T>
-__global__ void softmax(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out, bool log_space) {
+__global__ void softmax(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out, bool log_space,
+                        bool zero_dead) {
   for (std::int64_t r = blockIdx.x; r < outer * inner; r += gridDim.x) {
     const std::int64_t base = (r / inner) * n * inner + r % inner;
     T mx;
     acc_t<T> s;
     row_max_sumexp(in + base, n, inner, mx, s);
+    const bool dead = zero_dead && mx == -INFINITY;  // the same for every thread of the block
     const T lse = mx + static_cast<T>(log(s));
     for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) {
       const T x = in[base + i * inner];
-      out[base + i * inner] = log_space ? x - lse : static_cast<T>(exp(x - mx) / s);
+      out[base + i * inner] = dead ? T(0) : log_space ? x - lse : static_cast<T>(exp(x - mx) / s);
     }
   }
 }
@@ -198,11 +201,15 @@ __global__ void softmax(const T* in, std::int64_t outer, std::int64_t n, std::in
 /// over j (a block per row would read elements `inner` apart).
 template <class T>
 __global__ void softmax_columns(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out,
-                                bool log_space) {
+                                bool log_space, bool zero_dead) {
   CHORUS_GRID_STRIDE(c, outer * inner) {
     const std::int64_t base = (c / inner) * n * inner + c % inner;
     T mx = -INFINITY;
     for (std::int64_t i = 0; i < n; ++i) mx = max(mx, in[base + i * inner]);
+    if (zero_dead && mx == -INFINITY) {
+      for (std::int64_t i = 0; i < n; ++i) out[base + i * inner] = T(0);
+      continue;
+    }
     acc_t<T> s = 0;
     for (std::int64_t i = 0; i < n; ++i) s += exp(in[base + i * inner] - mx);
     const T lse = mx + static_cast<T>(log(s));
@@ -592,16 +599,17 @@ void expand_dim(const T* in, std::int64_t outer, std::int64_t n, std::int64_t in
 }
 
 template <class T>
-void softmax(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out, bool log_space, Device d) {
+void softmax(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out, bool log_space,
+             bool zero_dead, Device d) {
   Launch launch(d);
   const std::int64_t rows = outer * inner;
   if (rows == 0 || n == 0) return;
   if (inner >= k::kColTile) {  // wide inner axis: coalesced column kernel
-    CHORUS_LAUNCH(k::softmax_columns<T>, rows, in, outer, n, inner, out, log_space);
+    CHORUS_LAUNCH(k::softmax_columns<T>, rows, in, outer, n, inner, out, log_space, zero_dead);
     return;
   }
   k::softmax<T><<<static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)), kThreads, 0, launch.stream>>>(
-      in, outer, n, inner, out, log_space);
+      in, outer, n, inner, out, log_space, zero_dead);
   ::chorus::cuda::check_launch("softmax");
 }
 
