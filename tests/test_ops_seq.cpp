@@ -77,6 +77,15 @@ TYPED_TEST(OpsSeq, MatmulBroadcastsBatchDimensions) {
   EXPECT_TRUE(chorus::testing::all_close(o3, o3_ref, 1e-5, 1e-6));
   auto e = expand(r<T>({1, 4, 5}, 6), {2, 3, 4, 5});  // broadcast batch dims with stride 0
   EXPECT_TRUE(chorus::testing::all_close(matmul(a, e), matmul(a, e.contiguous()), 1e-5, 1e-6));
+  // Batch dimensions with no one stride (attention's heads: [N, H, L, d] views of [L, N, 3, H, d]),
+  // read in place on the CPU, one GEMM per matrix; the transposed key as well.
+  auto qkv = r<T>({5, 2, 3, 4, 6}, 7);  // [L, N, 3, H, d]
+  auto q = qkv.select(2, 0).permute({1, 2, 0, 3}), k = qkv.select(2, 1).permute({1, 2, 0, 3});  // [N, H, L, d]
+  EXPECT_TRUE(chorus::testing::all_close(matmul(q, k.transpose(-2, -1)),
+                                         matmul(q.contiguous(), k.contiguous().transpose(-2, -1).contiguous()), 1e-5,
+                                         1e-6));
+  EXPECT_TRUE(chorus::testing::all_close(matmul(q.transpose(-2, -1), k),
+                                         matmul(q.transpose(-2, -1).contiguous(), k.contiguous()), 1e-5, 1e-6));
   // Empty inner dimension: zeros.
   EXPECT_TRUE(values_are(matmul(zeros<T>({2, 3, 0}), zeros<T>({2, 0, 2})), std::vector<T>(12, T(0))));
 }
@@ -368,6 +377,12 @@ TEST(OpsSeqGradcheck, MatmulBroadcastingAndBmm) {
   EXPECT_TRUE(gradcheck([](const TL& x) { return matmul(x[0].permute({1, 0, 2}), x[1]); },
                         {r({3, 2, 4}, 15), r({1, 4, 2}, 16)}));
   EXPECT_TRUE(gradcheck([](const TL& x) { return bmm(x[0], x[1].transpose(1, 2)); }, {r({2, 3, 4}, 17), r({2, 5, 4}, 18)}));
+  EXPECT_TRUE(gradcheck(  // heads of one [L, N, 2, H, d] projection: batch dimensions with no one stride
+      [](const TL& x) {
+        auto q = x[0].select(2, 0).permute({1, 2, 0, 3}), k = x[0].select(2, 1).permute({1, 2, 0, 3});
+        return matmul(q, k.transpose(-2, -1));
+      },
+      {r({3, 2, 2, 2, 4}, 19)}));
 }
 
 TEST(OpsSeqGradcheck, ViewsAndTriangles) {

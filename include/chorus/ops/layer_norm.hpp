@@ -21,24 +21,12 @@
 #include <cmath>
 #include <vector>
 
+#include "../backend/cpu/vmath.hpp"
 #include "elementwise.hpp"
 #include "reduce.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace ops::detail {
-
-/// Σ x[0, n) in O, with eight partial sums (a loop the compiler vectorizes without reordering
-/// the additions itself).
-template <class O, class T>
-inline O row_sum(const T* x, std::int64_t n) {
-  O s[8] = {};
-  std::int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    for (int u = 0; u < 8; ++u) s[u] += O(x[j + u]);
-  O r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-  for (; j < n; ++j) r += O(x[j]);
-  return r;
-}
 
 template <class T>
 class LayerNormBackward final : public autograd::Node<T> {
@@ -81,7 +69,7 @@ class LayerNormBackward final : public autograd::Node<T> {
         for (std::int64_t j = 0; j < D; ++j) db[j] += Acc(O(gr[j]));
       if (!want_x) continue;
       for (std::int64_t j = 0; j < D; ++j) xhat[j] *= dyw[j];  // now dŷ · x̂
-      const O c1 = row_sum<O>(xhat.data(), D) / O(D), c2 = row_sum<O>(dyw.data(), D) / O(D);
+      const O c1 = backend::cpu::vmath::sum<O>(xhat.data(), D) / O(D), c2 = backend::cpu::vmath::sum<O>(dyw.data(), D) / O(D);
       T* dxr = dx.data() + r * D;
       for (std::int64_t j = 0; j < D; ++j) {
         const O xh = ((O(xr[j]) - k) - mu) * rs;
@@ -125,12 +113,12 @@ Tensor<T> layer_norm_cpu(const Tensor<T>& x_in, const Shape& normalized_shape, c
     T* yr = y.data() + r * D;
     const O k = O(xr[0]);  // the shift (Note [fused layer norm])
     for (std::int64_t j = 0; j < D; ++j) xc[j] = O(xr[j]) - k;
-    const O mu = row_sum<O>(xc.data(), D) / O(D);
+    const O mu = backend::cpu::vmath::sum<O>(xc.data(), D) / O(D);
     for (std::int64_t j = 0; j < D; ++j) {
       xc[j] -= mu;
       sq[j] = xc[j] * xc[j];
     }
-    const O rs = O(1) / std::sqrt(row_sum<O>(sq.data(), D) / O(D) + O(eps));
+    const O rs = O(1) / std::sqrt(backend::cpu::vmath::sum<O>(sq.data(), D) / O(D) + O(eps));
     shift[r] = k;
     mean[r] = mu;
     rstd[r] = rs;

@@ -2,6 +2,7 @@
 // Matrix products: matmul (broadcasting batches, as torch.matmul), bmm and the fused linear
 // layer (x @ W^T + b).
 #include <span>
+#include <vector>
 
 #include "../backend/index.hpp"
 #include "common.hpp"
@@ -84,13 +85,17 @@ Tensor<T> as_matrix(const Tensor<T>& x) {
   return view_as_shape(contiguous_data(x), Shape{rows, x.shape().back()});
 }
 
-/// A batch of matrices as BLAS sees it: matrix b at ptr + b * stride (0: one shared matrix).
+/// A batch of matrices as BLAS sees it: matrix b at ptr + b * stride (0: one shared matrix), or
+/// at ptr + offsets[b] when `offsets` is not empty (CPU operands whose batch dimensions have no
+/// one stride, such as the heads of attention's [N, H, L, d] views of [L, N, 3E]: a GEMM per
+/// matrix reads them where they are, instead of a copy of the whole operand first).
 template <class T>
 struct BatchOperand {
   Tensor<T> keep;  // owns a contiguous copy when one was needed
   const T* ptr;
   std::int64_t ld, stride;
   bool trans;
+  std::vector<std::int64_t> offsets = {};
 };
 
 /// The one stride between consecutive matrices of batch dimensions [0, nb), when there is one
@@ -129,8 +134,18 @@ BatchOperand<T> batch_operand(const Tensor<T>& m, const Shape& batch) {
   st[nb + 1] = m.strides()[md - 1];
   std::int64_t stride = 0, ld = 0;
   bool trans = false;
-  if (collapse_batch(full, st, nb, stride) && matrix_layout(R, C, st[nb], st[nb + 1], ld, trans))
-    return {m, m.data(), ld, stride, trans};
+  const bool layout = matrix_layout(R, C, st[nb], st[nb + 1], ld, trans);
+  if (layout && collapse_batch(full, st, nb, stride)) return {m, m.data(), ld, stride, trans};
+  if (layout && m.device().is_cpu()) {  // each matrix in place, found by its batch index
+    std::vector<std::int64_t> offsets(static_cast<std::size_t>(numel_of(batch)));
+    std::vector<std::int64_t> idx(nb, 0);
+    for (auto& off : offsets) {
+      off = 0;
+      for (int i = 0; i < nb; ++i) off += idx[i] * st[i];
+      for (int i = nb - 1; i >= 0 && ++idx[i] == batch[i]; --i) idx[i] = 0;
+    }
+    return {m, m.data(), ld, 0, trans, std::move(offsets)};
+  }
   auto impl = std::make_shared<TensorImpl<T>>();
   impl->storage = m.impl()->storage;
   impl->offset = m.storage_offset();
@@ -175,6 +190,17 @@ Tensor<T> batched_mm(const Tensor<T>& x, const Tensor<T>& y) {
   }
   auto A = batch_operand(x, batch);
   auto B = batch_operand(y, batch);
+  if (!A.offsets.empty() || !B.offsets.empty()) {  // CPU: one GEMM per matrix, read in place
+    const std::int64_t nbatch = numel_of(batch);
+    for (std::int64_t b = 0; b < nbatch; ++b) {
+      const auto at = [b](const BatchOperand<T>& o) {
+        return o.ptr + (o.offsets.empty() ? b * o.stride : o.offsets[static_cast<std::size_t>(b)]);
+      };
+      backend::gemm(A.trans, B.trans, M, N, K, T(1), at(A), A.ld, at(B), B.ld, T(0), out.data() + b * M * N,
+                    std::max<std::int64_t>(N, 1), x.device());
+    }
+    return out;
+  }
   backend::gemm_batched(A.trans, B.trans, M, N, K, T(1), A.ptr, A.ld, A.stride, B.ptr, B.ld, B.stride, T(0),
                         out.data(), std::max<std::int64_t>(N, 1), M * N, numel_of(batch), x.device());
   return out;

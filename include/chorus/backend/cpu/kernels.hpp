@@ -226,15 +226,13 @@ void softmax(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner
     for (std::int64_t o = 0; o < outer; ++o) {
       const T* x = in + o * n;
       T* y = out + o * n;
-      T mx = ninf;
-      for (std::int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i]);
+      const T mx = vmath::max(x, n);
       if (zero_dead && mx == ninf) {
         std::fill(y, y + n, T(0));
         continue;
       }
       for (std::int64_t i = 0; i < n; ++i) y[i] = vmath::exp(x[i] - mx);
-      acc_t<T> s = 0;
-      for (std::int64_t i = 0; i < n; ++i) s += y[i];
+      const acc_t<T> s = vmath::sum<acc_t<T>>(y, n);
       if (log_space) {
         const T lse = mx + static_cast<T>(std::log(s));
         for (std::int64_t i = 0; i < n; ++i) y[i] = x[i] - lse;

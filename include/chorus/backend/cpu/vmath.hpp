@@ -1,5 +1,5 @@
 #pragma once
-// exp, sigmoid and tanh for the CPU loops, written so that a loop over them vectorizes.
+// exp, sigmoid and tanh, sums and maxima for the CPU loops, written so that they vectorize.
 //
 // Note [vectorizable math]
 // A call to std::exp/std::tanh is opaque to the compiler: a loop over the gates of an LSTM
@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "../../config.hpp"
@@ -81,6 +82,34 @@ inline float tanh(float x) {
   const float big = 1.0f - 2.0f / (vmath::exp(2.0f * a) + 1.0f);
   const float signed_big = std::copysign(big, x);
   return detail::select(std::isless(a, 0.625f), small, signed_big);  // NaN: isless is false, big is NaN
+}
+
+/// Σ x[0, n) in Acc, with eight partial sums: a loop the compiler vectorizes (it may not
+/// reorder one running sum's additions itself).
+template <class Acc, class T>
+inline Acc sum(const T* x, std::int64_t n) {
+  Acc s[8] = {};
+  std::int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int u = 0; u < 8; ++u) s[u] += Acc(x[j + u]);
+  Acc r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+  for (; j < n; ++j) r += Acc(x[j]);
+  return r;
+}
+
+/// max x[0, n) (-inf for n = 0; NaN elements are skipped, as std::max skips them), with eight
+/// partial maxima.
+template <class T>
+inline T max(const T* x, std::int64_t n) {
+  const T lowest = -std::numeric_limits<T>::infinity();
+  T m[8] = {lowest, lowest, lowest, lowest, lowest, lowest, lowest, lowest};
+  std::int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    for (int u = 0; u < 8; ++u) m[u] = m[u] < x[j + u] ? x[j + u] : m[u];
+  T r = lowest;
+  for (int u = 0; u < 8; ++u) r = r < m[u] ? m[u] : r;
+  for (; j < n; ++j) r = r < x[j] ? x[j] : r;
+  return r;
 }
 
 // Every other type: the standard functions.
