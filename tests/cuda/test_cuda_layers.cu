@@ -5,6 +5,8 @@
 #include <limits>
 #include <thread>
 
+#include <chorus/amp.hpp>
+
 #include "cuda_test_util.cuh"
 
 using namespace chorus;
@@ -270,6 +272,45 @@ TYPED_TEST(CudaLayers, ClipGradNormMatchesTheCpu) {
   std::vector<AnyTensor> ps{a};
   EXPECT_THROW(nn::utils::clip_grad_norm_(ps, 1.0, 2.0, true), Error);
   EXPECT_EQ(a.grad().to(Device::cpu()).to_vector()[0], T(1));  // unchanged by the refusal
+}
+
+// amp::GradScaler on the GPU (Note [loss scaling]): the multi-tensor unscale equals the CPU's,
+// its flag is set by an inf or NaN in any of more than one launch's worth of gradients, and a
+// flagged step is skipped.
+TYPED_TEST(CudaLayers, GradScalerUnscalesAndFindsNonFiniteGradients) {
+  REQUIRE_GPU();
+  using T = TypeParam;
+  for (int bad : {-1, 3, 77}) {  // no bad element; one in the first launch; one in the second
+    SCOPED_TRACE(bad);
+    std::vector<Tensor<T>> pc, pg;
+    std::vector<AnyTensor> ac, ag;
+    for (int i = 0; i < 100; ++i) {
+      const std::int64_t n = (i % 7 == 0) ? 5000 + i : 1 + i;
+      auto g = mul(r<T>({n}, 200 + i, -1, 1), 1024.0);
+      if (i == bad) {
+        auto v = g.to_vector();
+        v[static_cast<std::size_t>(n - 1)] = i % 2 ? std::numeric_limits<T>::quiet_NaN() : std::numeric_limits<T>::infinity();
+        g = from_vector<T>(v, {n});
+      }
+      pc.push_back(zeros<T>({n}).requires_grad_());
+      pg.push_back(zeros<T>({n}, kGpu).requires_grad_());
+      pc.back().set_grad(g);
+      pg.back().set_grad(g.to(kGpu));
+      ac.push_back(pc.back());
+      ag.push_back(pg.back());
+    }
+    optim::SGD oc(ac, {.lr = 1.0}), og(ag, {.lr = 1.0});
+    amp::GradScaler sc({.init_scale = 1024.0}), sg({.init_scale = 1024.0});
+    EXPECT_EQ(sg.step(og), bad < 0);
+    EXPECT_EQ(sc.step(oc), bad < 0);
+    for (std::size_t i = 0; i < pc.size(); ++i) {
+      if (static_cast<int>(i) != bad)  // (a NaN never compares equal)
+        ASSERT_TRUE(all_close(pg[i].grad().to(Device::cpu()), pc[i].grad(), 0, 0)) << i;  // 1/1024: exact
+      ASSERT_TRUE(all_close(pg[i].to(Device::cpu()), pc[i], 0, 0)) << i;
+    }
+    sg.update();
+    EXPECT_EQ(sg.get_scale(), bad < 0 ? 1024.0 : 512.0);
+  }
 }
 
 TEST(CudaIssue17, SyncBatchNormOnOneGpuEqualsBatchNormOverTheBatch) {

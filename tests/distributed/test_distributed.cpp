@@ -1,6 +1,7 @@
 // The distributed layer under a real MPI launcher: CTest runs this binary with mpirun -np 1 … 4.
 // Every rank runs every test; only rank 0 prints GoogleTest's report, and a failure on any
 // rank makes mpirun fail.
+#include <chorus/amp.hpp>
 #include <chorus/distributed.hpp>
 #include <chorus/distributed/watchdog.hpp>
 #include <gtest/gtest.h>
@@ -12,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -331,6 +333,45 @@ TYPED_TEST(Ddp, EqualsSingleProcessOnTheWholeBatch) { check_equals_single_proces
 TYPED_TEST(Ddp, EqualsSingleProcessWithSmallBuckets) {
   // Several buckets, rebuilt after the first step.
   check_equals_single_process<TypeParam>({.bucket_cap_bytes = 512, .first_bucket_bytes = 64}, 4);
+}
+
+// amp::GradScaler under DDP (Note [loss scaling]): an inf in the last rank's slice only reaches
+// every rank's gradients through the all-reduce, so every rank skips exactly those steps, and
+// the result equals one process that steps on the good batches only.
+TEST(Ddp, GradScalerSkipsTheSameStepsOnEveryRank) {
+  const int w = pg().world_size(), r = pg().rank();
+  const int batch = 24, per = batch / w;
+  const std::set<int> bad = {1, 4};
+  manual_seed(1);
+  Mlp<double> reference(5, 16, 3);
+  manual_seed(1);  // rank 0's weights (DDP broadcasts them) are the reference's
+  DistributedDataParallel<Mlp<double>> ddp(Mlp<double>(5, 16, 3));
+  optim::SGD opt(ddp.parameters(), {.lr = 0.05, .momentum = 0.9});
+  optim::SGD ref_opt(reference.parameters(), {.lr = 0.05, .momentum = 0.9});
+  amp::GradScaler scaler({.init_scale = 256.0, .growth_interval = 2});
+  for (int step = 0; step < 6; ++step) {
+    manual_seed(50 + step);
+    auto x = randn<double>({batch, 5});
+    auto y = randn<double>({batch, 3});
+    if (bad.count(step)) {  // one element of the last rank's slice
+      auto v = x.to_vector();
+      v[static_cast<std::size_t>((batch - 1) * 5)] = std::numeric_limits<double>::infinity();
+      x = from_vector<double>(v, {batch, 5});
+    }
+    opt.zero_grad();
+    scaler.scale(nn::functional::mse_loss(ddp(x.narrow(0, r * per, per)), y.narrow(0, r * per, per))).backward();
+    EXPECT_EQ(scaler.step(opt), !bad.count(step)) << "step " << step << " on rank " << r;
+    scaler.update();
+    if (!bad.count(step)) {
+      ref_opt.zero_grad();
+      nn::functional::mse_loss(reference.forward(x), y).backward();
+      ref_opt.step();
+    }
+  }
+  auto got = values<double>(ddp.parameters()), want = values<double>(reference.parameters());
+  for (std::size_t i = 0; i < got.size(); ++i)
+    for (std::size_t k = 0; k < got[i].size(); ++k)
+      ASSERT_NEAR(got[i][k], want[i][k], 1e-10) << "parameter " << i << " element " << k << " on rank " << r;
 }
 
 TEST(Ddp, BucketsFollowReverseOrderThenTheObservedOrder) {
