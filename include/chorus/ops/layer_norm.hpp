@@ -13,10 +13,9 @@
 // row shifted by its first element, x - x₀ (exact when the values are close), and the variance
 // that of the centred values: a row of mean 1000 and spread 0.01 keeps its digits in float
 // (a plain float mean is off by ulp(1000)/2 = 3e-5, 0.3% of that spread; E[x²] - E[x]² by
-// everything). Row arithmetic is in
-// opmath_t<T> (float for 16-bit types), the weight and bias sums in acc_t<T> (double for
-// float). On a GPU the composed form runs (its kernels are the elementwise and reduction ones);
-// a fused CUDA kernel is later work.
+// everything). Row arithmetic is in opmath_t<T> (float for 16-bit types), the weight and bias
+// sums in acc_t<T> (double for float). On a GPU the composed form runs (its kernels are the
+// elementwise and reduction ones); a fused CUDA kernel is later work.
 #include <algorithm>
 #include <cmath>
 #include <vector>
