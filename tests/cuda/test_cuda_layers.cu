@@ -239,22 +239,32 @@ TEST(CudaIssue17, DropoutUnderDataParallelOnOneGpuIsTheSingleDeviceMask) {
   EXPECT_TRUE(all_close(dp(x.to(kGpu)).to(Device::cpu()), ref, 0, 0));
 }
 
+/// Parameters with gradient g on the CPU and a copy on the GPU, pairwise: what the clipping
+/// and loss-scaling tests compare.
+template <class T>
+struct CpuGpuParams {
+  std::vector<Tensor<T>> pc, pg;
+  std::vector<AnyTensor> ac, ag;
+  void add(const Tensor<T>& g) {
+    pc.push_back(zeros<T>(g.shape()).requires_grad_());
+    pg.push_back(zeros<T>(g.shape(), kGpu).requires_grad_());
+    pc.back().set_grad(g);
+    pg.back().set_grad(g.to(kGpu));
+    ac.push_back(pc.back());
+    ag.push_back(pg.back());
+  }
+};
+
 TYPED_TEST(CudaLayers, ClipGradNormMatchesTheCpu) {
   REQUIRE_GPU();
   using T = TypeParam;
   for (double norm_type : {2.0, 1.0, 3.0, double(INFINITY)}) {
     SCOPED_TRACE(norm_type);
-    std::vector<Tensor<T>> pc, pg;
-    std::vector<AnyTensor> ac, ag;
+    CpuGpuParams<T> ps;
+    auto& [pc, pg, ac, ag] = ps;
     for (int i = 0; i < 100; ++i) {  // more than one launch's worth of tensors, some over a block
       const std::int64_t n = (i % 7 == 0) ? 5000 + i : 1 + i;
-      auto g = r<T>({n}, 100 + i, -1, 1);
-      pc.push_back(zeros<T>({n}).requires_grad_());
-      pg.push_back(zeros<T>({n}, kGpu).requires_grad_());
-      pc.back().set_grad(g);
-      pg.back().set_grad(g.to(kGpu));
-      ac.push_back(pc.back());
-      ag.push_back(pg.back());
+      ps.add(r<T>({n}, 100 + i, -1, 1));
     }
     const double nc = nn::utils::clip_grad_norm_(ac, 0.5, norm_type);
     auto ng = nn::utils::clip_grad_norm_(ag, 0.5, norm_type);
@@ -282,8 +292,8 @@ TYPED_TEST(CudaLayers, GradScalerUnscalesAndFindsNonFiniteGradients) {
   using T = TypeParam;
   for (int bad : {-1, 3, 77}) {  // no bad element; one in the first launch; one in the second
     SCOPED_TRACE(bad);
-    std::vector<Tensor<T>> pc, pg;
-    std::vector<AnyTensor> ac, ag;
+    CpuGpuParams<T> ps;
+    auto& [pc, pg, ac, ag] = ps;
     for (int i = 0; i < 100; ++i) {
       const std::int64_t n = (i % 7 == 0) ? 5000 + i : 1 + i;
       auto g = mul(r<T>({n}, 200 + i, -1, 1), 1024.0);
@@ -292,12 +302,7 @@ TYPED_TEST(CudaLayers, GradScalerUnscalesAndFindsNonFiniteGradients) {
         v[static_cast<std::size_t>(n - 1)] = i % 2 ? std::numeric_limits<T>::quiet_NaN() : std::numeric_limits<T>::infinity();
         g = from_vector<T>(v, {n});
       }
-      pc.push_back(zeros<T>({n}).requires_grad_());
-      pg.push_back(zeros<T>({n}, kGpu).requires_grad_());
-      pc.back().set_grad(g);
-      pg.back().set_grad(g.to(kGpu));
-      ac.push_back(pc.back());
-      ag.push_back(pg.back());
+      ps.add(g);
     }
     optim::SGD oc(ac, {.lr = 1.0}), og(ag, {.lr = 1.0});
     amp::GradScaler sc({.init_scale = 1024.0}), sg({.init_scale = 1024.0});
