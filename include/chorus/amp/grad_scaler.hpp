@@ -166,9 +166,8 @@ class GradScaler {
     if (st.stage == Stage::Ready) unscale_(opt);
     CHORUS_CHECK(!st.found_inf.empty(),
                  "GradScaler::step: no inf checks were recorded for this optimizer (no parameter has a gradient)");
-    bool found = false;
-    for (const auto& f : st.found_inf) found |= f.to(Device::cpu()).data()[0] != 0.0f;  // one wait per device
-    st.found = found;
+    st.found = any_found(st);
+    const bool found = st.found;
     if (!found) opt.step();
     st.stage = Stage::Stepped;
     return !found;
@@ -187,8 +186,7 @@ class GradScaler {
       for (auto& [opt, st] : per_opt_) {
         if (st.stage == Stage::Ready) continue;
         any = true;
-        if (st.stage == Stage::Unscaled)  // unscale_ without step: read its flags here
-          for (const auto& f : st.found_inf) st.found |= f.to(Device::cpu()).data()[0] != 0.0f;
+        if (st.stage == Stage::Unscaled) st.found = any_found(st);  // unscale_ without step: read its flags here
         found |= st.found;
       }
       CHORUS_CHECK(any, "GradScaler::update: no inf checks were recorded prior to update() (call unscale_ or step first)");
@@ -243,6 +241,13 @@ class GradScaler {
     std::vector<Tensor<float>> found_inf;  // one flag per device
     bool found = false;
   };
+  /// Whether any device's flag is set (one wait per device).
+  static bool any_found(const OptState& st) {
+    bool found = false;
+    for (const auto& f : st.found_inf) found |= f.to(Device::cpu()).data()[0] != 0.0f;
+    return found;
+  }
+
   GradScalerOptions o_;
   double scale_;
   std::int64_t growth_tracker_ = 0;

@@ -53,7 +53,7 @@ class LayerNormBackward final : public autograd::Node<T> {
     const bool want_x = e[0].valid(), want_w = e[1].valid(), want_b = e[2].valid();
     Tensor<T> dx = want_x ? Tensor<T>::empty(shape_, dev) : Tensor<T>();
     std::vector<Acc> dw(want_w ? D : 0), db(want_b ? D : 0);
-    std::vector<O> xhat(D), dyw(D);
+    std::vector<O> xhat(D), dyw(D), prod(D);
     for (std::int64_t r = 0; r < R; ++r) {
       const T* xr = x + r * D;
       const T* gr = dy + r * D;
@@ -67,13 +67,10 @@ class LayerNormBackward final : public autograd::Node<T> {
       if (want_b)
         for (std::int64_t j = 0; j < D; ++j) db[j] += Acc(O(gr[j]));
       if (!want_x) continue;
-      for (std::int64_t j = 0; j < D; ++j) xhat[j] *= dyw[j];  // now dŷ · x̂
-      const O c1 = backend::cpu::vmath::sum<O>(xhat.data(), D) / O(D), c2 = backend::cpu::vmath::sum<O>(dyw.data(), D) / O(D);
+      for (std::int64_t j = 0; j < D; ++j) prod[j] = dyw[j] * xhat[j];  // dŷ · x̂
+      const O c1 = backend::cpu::vmath::sum<O>(prod.data(), D) / O(D), c2 = backend::cpu::vmath::sum<O>(dyw.data(), D) / O(D);
       T* dxr = dx.data() + r * D;
-      for (std::int64_t j = 0; j < D; ++j) {
-        const O xh = ((O(xr[j]) - k) - mu) * rs;
-        dxr[j] = T(rs * (dyw[j] - c2 - xh * c1));
-      }
+      for (std::int64_t j = 0; j < D; ++j) dxr[j] = T(rs * (dyw[j] - c2 - xhat[j] * c1));
     }
     const auto to_tensor = [&](const std::vector<Acc>& v) {
       auto t = Tensor<T>::empty(norm_shape_, dev);
