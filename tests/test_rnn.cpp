@@ -320,8 +320,8 @@ namespace {
 /// How many nodes of each name the graph behind `t` holds.
 std::map<std::string, int> node_counts(const Tensor<double>& t) {
   std::map<std::string, int> counts;
-  std::set<const autograd::Node<double>*> seen;
-  std::vector<std::shared_ptr<autograd::Node<double>>> todo{t.grad_fn()};
+  std::set<const autograd::NodeBase*> seen;
+  std::vector<std::shared_ptr<autograd::NodeBase>> todo{t.grad_fn()};
   while (!todo.empty()) {
     auto n = todo.back();
     todo.pop_back();

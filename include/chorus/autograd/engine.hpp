@@ -122,20 +122,44 @@ typename Node<T>::TensorList AccumulateGrad<T>::apply(typename Node<T>::TensorLi
 namespace detail {
 
 template <class T>
+std::vector<Tensor<T>> gradients_in(const NodeBase& node, std::vector<std::vector<AnyTensor>>&& arrived) {
+  std::vector<Tensor<T>> inputs(node.num_inputs());
+  for (std::size_t i = 0; i < arrived.size() && i < inputs.size(); ++i) {
+    std::vector<Tensor<T>> parts;
+    parts.reserve(arrived[i].size());
+    for (auto& a : arrived[i]) parts.push_back(std::move(a.as<T>()));
+    inputs[i] = sum_into_unshared(parts);
+  }
+  for (std::uint32_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined()) {
+      const auto& meta = node.input_meta(i);
+      inputs[i] = Tensor<T>::empty(meta.shape, meta.device);
+      backend::fill(inputs[i], T(0));
+    } else if (!inputs[i].is_contiguous()) {
+      auto c = Tensor<T>::empty(inputs[i].shape(), inputs[i].device());
+      backend::copy(c, inputs[i]);
+      inputs[i] = std::move(c);
+    }
+  }
+  return inputs;
+}
+
+/// One backward pass over nodes of any dtype (Note [multi-device backward], Note [one graph
+/// over every dtype]).
 class GraphTask {
  public:
-  using NodePtr = std::shared_ptr<Node<T>>;
+  using NodePtr = std::shared_ptr<NodeBase>;
 
   GraphTask(bool retain_graph, Stream* home) : retain_(retain_graph), home_(home) {}
 
   /// Counts, for every node reachable from `roots`, the edges that lead to it.
-  void compute_dependencies(const std::vector<Edge<T>>& roots) {
-    std::vector<Node<T>*> stack;
+  void compute_dependencies(const std::vector<Edge>& roots) {
+    std::vector<NodeBase*> stack;
     for (const auto& e : roots) {
       if (e.valid() && seen_.insert({e.fn.get(), e.fn}).second) stack.push_back(e.fn.get());
     }
     while (!stack.empty()) {
-      Node<T>* n = stack.back();
+      NodeBase* n = stack.back();
       stack.pop_back();
       for (const auto& e : n->next_edges()) {
         if (!e.valid()) continue;
@@ -146,29 +170,29 @@ class GraphTask {
   }
 
   /// Adds the seed gradients to the root nodes' inputs and runs the graph.
-  void run(const std::vector<Edge<T>>& roots, std::vector<Tensor<T>> seeds) {
-    std::vector<Node<T>*> ready;
+  void run(const std::vector<Edge>& roots, std::vector<AnyTensor> seeds) {
+    std::vector<NodeBase*> ready;
     {
       std::lock_guard<std::mutex> lk(m_);
       for (std::size_t i = 0; i < roots.size(); ++i) add_input(roots[i], std::move(seeds[i]));
       for (const auto& e : roots) {
-        Node<T>* n = e.fn.get();
+        NodeBase* n = e.fn.get();
         if (deps_[n] == 0 && scheduled_.insert(n).second) ready.push_back(n);
       }
     }
-    for (Node<T>* n : ready) schedule(n);
+    for (NodeBase* n : ready) schedule(n);
     coordinate();
   }
 
  private:
   struct Arrival {
-    Tensor<T> grad;
+    AnyTensor grad;
     std::optional<Event> ready;  // CUDA, other stream: recorded where the gradient was produced
   };
 
   // Only records the gradient (m_ held); several gradients for one input are summed by
   // the thread that runs the node, outside the lock (Note [multi-device backward]).
-  void add_input(const Edge<T>& e, Tensor<T> g) {
+  void add_input(const Edge& e, AnyTensor g) {
     auto& buf = buffers_[e.fn.get()];
     if (buf.empty()) buf.resize(e.fn->num_inputs());
     Arrival a{std::move(g), std::nullopt};
@@ -184,20 +208,20 @@ class GraphTask {
 
   /// Orders the consumer's stream after each gradient's producer and notes the use of its
   /// memory there (CUDA; see Note [CUDA allocator]).
-  static std::vector<Tensor<T>> take_arrivals(std::vector<Arrival>& arrivals) {
-    std::vector<Tensor<T>> out;
+  static std::vector<AnyTensor> take_arrivals(std::vector<Arrival>& arrivals) {
+    std::vector<AnyTensor> out;
     for (auto& a : arrivals) {
       if (a.ready) {
         Stream& s = current_stream(a.grad.device());
         a.ready->block(s);
-        record_stream(a.grad.impl()->storage->data(), a.grad.device(), s);
+        a.grad.visit([&](const auto& t) { record_stream(t.impl()->storage->data(), t.device(), s); });
       }
       out.push_back(std::move(a.grad));
     }
     return out;
   }
 
-  void schedule(Node<T>* n) {
+  void schedule(NodeBase* n) {
     {
       std::lock_guard<std::mutex> lk(m_);
       ++outstanding_;
@@ -215,8 +239,8 @@ class GraphTask {
     });
   }
 
-  void execute(Node<T>* n) {
-    std::vector<Node<T>*> ready;
+  void execute(NodeBase* n) {
+    std::vector<NodeBase*> ready;
     std::exception_ptr failure;
     const BackwardScope in_backward(&failed_);
     try {
@@ -227,28 +251,18 @@ class GraphTask {
         arrived = std::move(buffers_[n]);
         buffers_.erase(n);
       }
-      typename Node<T>::TensorList inputs(arrived.size());
+      std::vector<std::vector<AnyTensor>> inputs(arrived.size());
       for (std::size_t i = 0; i < arrived.size(); ++i) {
-        auto grads = take_arrivals(arrived[i]);
-        inputs[i] = sum_into_unshared(grads);
+        inputs[i] = take_arrivals(arrived[i]);
+        for (const auto& in : inputs[i])  // a node of another dtype handed on a wrong gradient
+          CHORUS_CHECK(in.dtype() == n->dtype(), n->name(), " received a ", dtype_name(in.dtype()),
+                       " gradient for its input ", i, "; it takes ", dtype_name(n->dtype()));
       }
       CHORUS_CHECK(!n->released(), "backward through ", n->name(),
                    " a second time: its saved tensors were freed after the first backward "
                    "(pass retain_graph=true to the first call)");
-      inputs.resize(n->num_inputs());
-      for (std::uint32_t i = 0; i < inputs.size(); ++i) {
-        if (!inputs[i].defined()) {
-          const auto& meta = n->input_meta(i);
-          inputs[i] = Tensor<T>::empty(meta.shape, meta.device);
-          backend::fill(inputs[i], T(0));
-        } else if (!inputs[i].is_contiguous()) {  // nodes may assume contiguous gradients
-          auto c = Tensor<T>::empty(inputs[i].shape(), inputs[i].device());
-          backend::copy(c, inputs[i]);
-          inputs[i] = std::move(c);
-        }
-      }
       n->check_saved_versions();  // Note [version counter]
-      auto outputs = n->apply(std::move(inputs));
+      auto outputs = n->apply_any(std::move(inputs));
       if (!retain_ && n->releasable()) {
         n->release_saved();
         n->mark_released();
@@ -261,9 +275,11 @@ class GraphTask {
       for (std::size_t i = 0; i < outputs.size(); ++i) {
         if (!edges[i].valid() || !outputs[i].defined()) continue;
         const auto& meta = edges[i].fn->input_meta(edges[i].input_nr);
-        CHORUS_CHECK(outputs[i].shape() == meta.shape && outputs[i].device() == meta.device, n->name(),
-                     " returned a gradient of shape ", outputs[i].shape(), " on ", outputs[i].device(), " for input ",
-                     i, ", expected shape ", meta.shape, " on ", meta.device);
+        CHORUS_CHECK(outputs[i].shape() == meta.shape && outputs[i].device() == meta.device &&
+                         outputs[i].dtype() == edges[i].fn->dtype(),
+                     n->name(), " returned a ", dtype_name(outputs[i].dtype()), " gradient of shape ",
+                     outputs[i].shape(), " on ", outputs[i].device(), " for input ", i, ", expected ",
+                     dtype_name(edges[i].fn->dtype()), " of shape ", meta.shape, " on ", meta.device);
       }
       std::lock_guard<std::mutex> lk(m_);
       for (std::size_t i = 0; i < edges.size(); ++i) {
@@ -282,7 +298,7 @@ class GraphTask {
       failure = nested_error("in backward of " + n->name() + " " + n->where() + ": unknown exception");
     }
     if (failure) record_error(std::move(failure));  // after the handler let go (see Future)
-    for (Node<T>* r : ready) schedule(r);
+    for (NodeBase* r : ready) schedule(r);
     std::lock_guard<std::mutex> lk(m_);
     --outstanding_;
     cv_.notify_all();
@@ -296,7 +312,7 @@ class GraphTask {
 
   void coordinate() {
     for (;;) {
-      Node<T>* n = nullptr;
+      NodeBase* n = nullptr;
       {
         std::unique_lock<std::mutex> lk(m_);
         cv_.wait(lk, [this] { return !local_.empty() || outstanding_ == 0; });
@@ -315,11 +331,11 @@ class GraphTask {
   Stream* home_;
   std::mutex m_;
   std::condition_variable cv_;
-  std::unordered_map<Node<T>*, NodePtr> seen_;  // keeps every node alive during the run
-  std::unordered_map<Node<T>*, int> deps_;
-  std::unordered_map<Node<T>*, std::vector<std::vector<Arrival>>> buffers_;  // [node][input]
-  std::unordered_set<Node<T>*> scheduled_;
-  std::deque<Node<T>*> local_;
+  std::unordered_map<NodeBase*, NodePtr> seen_;  // keeps every node alive during the run
+  std::unordered_map<NodeBase*, int> deps_;
+  std::unordered_map<NodeBase*, std::vector<std::vector<Arrival>>> buffers_;  // [node][input]
+  std::unordered_set<NodeBase*> scheduled_;
+  std::deque<NodeBase*> local_;
   int outstanding_ = 0;
   std::exception_ptr error_;
   std::atomic<bool> failed_{false};  // error_ is set (Note [giving up in backward])
@@ -336,8 +352,8 @@ void backward(const std::vector<Tensor<T>>& roots, const std::vector<Tensor<T>>&
   CHORUS_CHECK(grads.empty() || grads.size() == roots.size(), "backward: ", roots.size(), " roots but ",
                grads.size(), " gradients");
   CHORUS_CHECK(!roots.empty(), "backward: no roots");
-  std::vector<Edge<T>> edges;
-  std::vector<Tensor<T>> seeds;
+  std::vector<Edge> edges;
+  std::vector<AnyTensor> seeds;
   for (std::size_t i = 0; i < roots.size(); ++i) {
     const auto& r = roots[i];
     CHORUS_CHECK(r.defined(), "backward: root ", i, " is an undefined tensor");
@@ -363,7 +379,7 @@ void backward(const std::vector<Tensor<T>>& roots, const std::vector<Tensor<T>>&
   Stream* home = ::chorus::detail::worker_stream_of_thread();
   if (!home) home = &current_stream(roots[0].device());
   NoGradGuard no_grad;  // backward itself is not recorded
-  detail::GraphTask<T> task(retain_graph, home);
+  detail::GraphTask task(retain_graph, home);
   task.compute_dependencies(edges);
   task.run(edges, std::move(seeds));
 }

@@ -10,20 +10,20 @@
 #include <utility>
 #include <vector>
 
-#include "../core/tensor.hpp"
+#include "../core/any_tensor.hpp"
 #include "../core/runtime.hpp"
 #include "grad_mode.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace autograd {
 
-template <class T>
-class Node;
+class NodeBase;
 
-/// Where a gradient goes: input `input_nr` of node `fn` (an empty edge means nowhere).
-template <class T>
+/// Where a gradient goes: input `input_nr` of node `fn` (an empty edge means nowhere). The
+/// node may take gradients of another dtype than the one the edge leaves from (Note [one
+/// graph over every dtype]).
 struct Edge {
-  std::shared_ptr<Node<T>> fn;
+  std::shared_ptr<NodeBase> fn;
   std::uint32_t input_nr = 0;
   bool valid() const { return fn != nullptr; }
 };
@@ -74,28 +74,39 @@ inline bool backward_failed() {
   return f && f->load(std::memory_order_acquire);
 }
 
-template <class T>
-class Node {
+// Note [one graph over every dtype]
+// One backward pass walks nodes of every dtype: a conversion (x.to<bfloat16>()) records a
+// node that takes the gradient in one dtype and hands it on in another, so a float32 loss
+// over a bfloat16 model's output, or a bfloat16 layer inside a float32 model, is one graph.
+// The engine sees only NodeBase: edges lead to any node, gradients travel as AnyTensor, and
+// each node's dtype() says what it takes (the engine checks every gradient it hands over).
+// Node<T> is the typed base that almost every operation derives from: its apply() maps
+// Tensor<T> gradients to Tensor<T> gradients. A node between two dtypes (ConvertBackward)
+// derives from Node<To> for its inputs and overrides apply_any() for its outputs.
+
+/// What the engine knows of a node, whatever its dtype.
+class NodeBase {
  public:
-  using TensorList = std::vector<Tensor<T>>;
+  NodeBase() : seq_(detail::next_sequence_nr()) {}
+  virtual ~NodeBase() = default;
+  NodeBase(const NodeBase&) = delete;
+  NodeBase& operator=(const NodeBase&) = delete;
 
-  Node() : seq_(detail::next_sequence_nr()) {}
-  virtual ~Node() = default;
-  Node(const Node&) = delete;
-  Node& operator=(const Node&) = delete;
-
-  /// Maps output gradients (one per forward output, never undefined: the engine fills zeros)
-  /// to input gradients (one per next edge; undefined where an input needs none).
-  virtual TensorList apply(TensorList&& grads) = 0;
   virtual std::string name() const = 0;
+  /// The dtype of the gradients this node takes (one per forward output).
+  virtual DType dtype() const = 0;
+  /// Maps the gradients that arrived for each input (several are summed; none means zeros)
+  /// to one gradient per next edge, each of its edge's node's dtype (undefined where an
+  /// input needs none, or an empty list for none at all).
+  virtual std::vector<AnyTensor> apply_any(std::vector<std::vector<AnyTensor>>&& arrived) = 0;
   /// Frees saved tensors once backward has run through this node (unless retain_graph).
   virtual void release_saved() {}
   /// False for nodes that outlive one graph (AccumulateGrad is shared by every backward).
   virtual bool releasable() const { return true; }
 
   std::uint32_t num_inputs() const { return static_cast<std::uint32_t>(input_meta_.size()); }
-  const std::vector<Edge<T>>& next_edges() const { return next_; }
-  std::vector<Edge<T>>& mutable_next_edges() { return next_; }
+  const std::vector<Edge>& next_edges() const { return next_; }
+  std::vector<Edge>& mutable_next_edges() { return next_; }
   std::uint64_t sequence_nr() const { return seq_; }
 
   /// The stream this node's backward runs on (where its forward ran; see Note [streams]).
@@ -114,8 +125,7 @@ class Node {
   }
   const InputMeta& input_meta(std::uint32_t i) const { return input_meta_[i]; }
 
-  void add_next_edge(Edge<T> e) { next_.push_back(std::move(e)); }
-
+  void add_next_edge(Edge e) { next_.push_back(std::move(e)); }
   /// The DataParallel replica whose forward recorded this node (-1: none), for error messages.
   int replica() const { return replica_; }
   void set_replica(int r) { replica_ = r; }
@@ -167,12 +177,37 @@ class Node {
   std::array<SavedVersion, kMaxSaved> saved_{};
   int num_saved_ = 0;
 
-  std::vector<Edge<T>> next_;
+  std::vector<Edge> next_;
   std::vector<InputMeta> input_meta_;
   Stream* stream_ = nullptr;
   int replica_ = -1;
   std::uint64_t seq_;
   bool released_ = false;
+};
+
+
+namespace detail {
+/// The gradients that arrived for each input of `node`, one per input: summed where several
+/// arrived, zeros where none did, contiguous (nodes may assume contiguous gradients).
+template <class T>
+std::vector<Tensor<T>> gradients_in(const NodeBase& node, std::vector<std::vector<AnyTensor>>&& arrived);
+}  // namespace detail
+
+/// A node whose gradients, in and out, are Tensor<T>: every operation within one dtype.
+template <class T>
+class Node : public NodeBase {
+ public:
+  using TensorList = std::vector<Tensor<T>>;
+
+  DType dtype() const override { return dtype_of<T>(); }
+  /// Maps output gradients (one per forward output, never undefined: the engine fills zeros)
+  /// to input gradients (one per next edge; undefined where an input needs none).
+  virtual TensorList apply(TensorList&& grads) = 0;
+
+  std::vector<AnyTensor> apply_any(std::vector<std::vector<AnyTensor>>&& arrived) override {
+    auto outs = apply(detail::gradients_in<T>(*this, std::move(arrived)));
+    return std::vector<AnyTensor>(std::make_move_iterator(outs.begin()), std::make_move_iterator(outs.end()));
+  }
 };
 
 /// The sink of a leaf: adds incoming gradients into the leaf's grad().
@@ -218,7 +253,7 @@ std::shared_ptr<Node<T>> grad_accumulator(const Tensor<T>& leaf) {
 
 /// Where the gradient of `t` must go: its grad_fn, its accumulator, or nowhere.
 template <class T>
-Edge<T> gradient_edge(const Tensor<T>& t) {
+Edge gradient_edge(const Tensor<T>& t) {
   if (!t.defined()) return {};
   if (t.grad_fn()) return {t.grad_fn(), t.output_nr()};
   if (t.requires_grad()) return {grad_accumulator(t), 0};
@@ -235,7 +270,7 @@ bool needs_grad(const Ts&... ts) {
 template <class NodeT, class T, class... Args>
 std::shared_ptr<NodeT> make_node(std::initializer_list<const Tensor<T>*> inputs, Args&&... args) {
   auto node = std::make_shared<NodeT>(std::forward<Args>(args)...);
-  for (const auto* in : inputs) node->add_next_edge(in ? gradient_edge(*in) : Edge<T>{});
+  for (const auto* in : inputs) node->add_next_edge(in ? gradient_edge(*in) : Edge{});
   return node;
 }
 
@@ -254,8 +289,10 @@ class ReplicaGuard {
 
 /// Records `node` as the producer of `out` (its next forward output).
 template <class T>
-void set_history(Tensor<T>& out, const std::shared_ptr<Node<T>>& node) {
+void set_history(Tensor<T>& out, const std::shared_ptr<NodeBase>& node) {
   auto& impl = *out.impl();
+  CHORUS_CHECK(node->dtype() == dtype_of<T>(), node->name(), " takes ", dtype_name(node->dtype()),
+               " gradients and cannot record a ", dtype_name(dtype_of<T>()), " output");
   if (!node->stream()) node->set_stream(&current_stream(out.device()));
   if (node->replica() < 0) node->set_replica(detail::current_replica());
   impl.output_nr = node->add_input(impl.shape, out.device());

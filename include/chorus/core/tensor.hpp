@@ -27,6 +27,7 @@
 CHORUS_NAMESPACE_BEGIN
 
 namespace autograd {
+class NodeBase;
 template <class T>
 class Node;
 }
@@ -42,7 +43,7 @@ struct TensorImpl {
   // requires_grad and no grad_fn is a leaf whose gradient accumulates into `grad`.
   bool requires_grad = false;
   std::uint32_t output_nr = 0;
-  std::shared_ptr<autograd::Node<T>> grad_fn;
+  std::shared_ptr<autograd::NodeBase> grad_fn;  // of any dtype: Note [one graph over every dtype]
   std::shared_ptr<TensorImpl<T>> grad;
   std::weak_ptr<autograd::Node<T>> grad_accumulator;
 
@@ -116,7 +117,7 @@ class Tensor {
   // ---- autograd ----
   bool requires_grad() const { return impl_ && impl_->requires_grad; }
   bool is_leaf() const { return !impl_ || impl_->grad_fn == nullptr; }
-  const std::shared_ptr<autograd::Node<T>>& grad_fn() const { return checked().grad_fn; }
+  const std::shared_ptr<autograd::NodeBase>& grad_fn() const { return checked().grad_fn; }
   std::uint32_t output_nr() const { return checked().output_nr; }
 
   /// Sets requires_grad on a leaf (like torch's requires_grad_). Returns *this.

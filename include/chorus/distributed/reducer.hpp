@@ -382,9 +382,9 @@ class Finalize final : public autograd::Node<T> {
 };
 
 /// Collects the nodes reachable from `roots` (find_unused_parameters).
-template <class T>
-void reachable(const std::vector<std::shared_ptr<autograd::Node<T>>>& roots, std::unordered_set<const void*>& seen) {
-  std::vector<autograd::Node<T>*> stack;
+inline void reachable(const std::vector<std::shared_ptr<autograd::NodeBase>>& roots,
+                      std::unordered_set<const void*>& seen) {
+  std::vector<autograd::NodeBase*> stack;
   for (auto& r : roots)
     if (r && seen.insert(r.get()).second) stack.push_back(r.get());
   while (!stack.empty()) {

@@ -89,6 +89,23 @@ class ToDeviceBackward final : public autograd::Node<T> {
   Device src_;
 };
 
+/// The gradient of x.to<To>() for a From tensor x: converted back to From, each value rounded
+/// once (a node between two dtypes: Note [one graph over every dtype]).
+template <class From, class To>
+class ConvertBackward final : public autograd::Node<To> {
+ public:
+  std::string name() const override { return "ToCopyBackward"; }
+  typename autograd::Node<To>::TensorList apply(typename autograd::Node<To>::TensorList&& g) override {
+    return {std::move(g[0])};  // the incoming gradient, which apply_any converts
+  }
+  std::vector<AnyTensor> apply_any(std::vector<std::vector<AnyTensor>>&& arrived) override {
+    auto g = apply(autograd::detail::gradients_in<To>(*this, std::move(arrived)));
+    auto out = Tensor<From>::empty(g[0].shape(), g[0].device());
+    backend::convert(out, g[0]);
+    return {AnyTensor(std::move(out))};
+  }
+};
+
 template <class T>
 class IndexSelectBackward final : public autograd::Node<T> {
  public:
@@ -326,21 +343,18 @@ Tensor<U> Tensor<T>::to() const {
     return *this;
   } else {
     // Note [conversions and autograd]
-    // The graph is typed per dtype (Node<T> has Edge<T>s, the engine's GraphTask<T> walks one
-    // dtype), so a gradient cannot yet flow from a Tensor<U> back into a Tensor<T>'s graph.
-    // Running T's graph from inside U's backward (a nested backward) would be wrong where the
-    // two graphs meet again at an interior node: it would run before all of its gradients
-    // arrived. The way on is one engine over a type-erased node base (edges to any dtype, the
-    // gradients held as AnyTensor, each node's input dtype checked), with a ToDtypeBackward
-    // node whose one edge leads into the other dtype's graph. Until then a conversion that
-    // autograd would record is refused rather than silently cut off from the graph.
-    CHORUS_CHECK(!(is_floating_v<U> && autograd::needs_grad(*this)), "to<", dtype_name(dtype_of<U>()),
-                 ">(): the ", dtype_name(dtype_of<T>()),
-                 " tensor requires grad, and conversions between dtypes are not differentiable yet "
-                 "(mixed precision, issue 19); convert detach() or under NoGradGuard");
+    // A conversion between floating dtypes is differentiable, as in PyTorch: its node takes the
+    // Tensor<U> gradient and hands a Tensor<T> one into T's part of the graph (one engine walks
+    // both: Note [one graph over every dtype]). To an integer dtype nothing is recorded.
     auto src = ops::detail::contiguous_data(*this);
     auto out = Tensor<U>::empty(shape(), device());
     backend::convert(out, src);
+    if constexpr (is_floating_v<T> && is_floating_v<U>) {
+      if (autograd::needs_grad(*this)) {
+        auto node = autograd::make_node<ops::detail::ConvertBackward<T, U>, T>({this});
+        autograd::set_history(out, node);
+      }
+    }
     return out;
   }
 }
