@@ -47,11 +47,33 @@ namespace backend {
 // instantiates the float kernel with a 16-bit T: nothing runs with silent extra roundings.
 // CHORUS_DISPATCH_T(T, name, dev, cpu, cuda) is CHORUS_DISPATCH for kernels that have a CPU
 // 16-bit path: for a 16-bit T it runs the CPU call and refuses a CUDA device.
+//
+// Note [16-bit through float]
+// Kernels whose arithmetic is a whole-row affair (softmax, the losses, cumsum) take 16-bit CPU
+// tensors by widening their inputs into float scratch tensors, running the float kernel and
+// rounding each result once on the way back: exactly "compute in float, round once", at the
+// price of one float copy of the operands (allocated on the tensor's device, so memory_stats
+// sees it). A kernel that is memory-bound in 16 bits gets its own 16-bit loop instead.
 namespace detail {
 template <class T>
 [[noreturn]] void no_reduced_kernel(const char* kernel, Device d = Device::cpu()) {
   CHORUS_FAIL(kernel, ": no ", dtype_name(dtype_of<T>()), " kernel", d.is_cuda() ? " for CUDA devices" : "",
               " yet (mixed precision, issue 19); convert with .to<float>() first");
+}
+
+/// A float copy of a contiguous 16-bit CPU tensor (`copy` false: uninitialised scratch of its
+/// shape), for the float kernel (Note [16-bit through float]). A CUDA tensor is refused.
+template <class T>
+Tensor<float> widened(const char* kernel, const Tensor<T>& t, bool copy = true) {
+  if (!t.device().is_cpu()) no_reduced_kernel<T>(kernel, t.device());
+  auto f = Tensor<float>::empty(t.shape(), t.device());
+  if (copy) cpu::convert(t.data(), f.data(), t.numel());
+  return f;
+}
+/// Writes the float kernel's result into the 16-bit tensor, each value rounded once.
+template <class T>
+void round_into(const Tensor<float>& f, const Tensor<T>& out) {
+  cpu::convert(f.data(), out.data(), f.numel());
 }
 }  // namespace detail
 
@@ -174,8 +196,10 @@ void expand_dim(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::in
 template <class T>
 void softmax(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, const Tensor<T>& out,
              bool log_space, bool zero_dead = false) {
-  if constexpr (is_reduced_floating_v<T>) {
-    detail::no_reduced_kernel<T>("softmax");
+  if constexpr (is_reduced_floating_v<T>) {  // Note [16-bit through float]
+    auto fo = detail::widened("softmax", out, false);
+    softmax(detail::widened("softmax", in), outer, n, inner, fo, log_space, zero_dead);
+    detail::round_into(fo, out);
   } else {
     CHORUS_DISPATCH(in.device(), cpu::softmax(in.data(), outer, n, inner, out.data(), log_space, zero_dead),
                     cuda::softmax(in.data(), outer, n, inner, out.data(), log_space, zero_dead, in.device()));
@@ -186,7 +210,10 @@ template <class T>
 void softmax_backward(const Tensor<T>& g, const Tensor<T>& y, std::int64_t outer, std::int64_t n,
                       std::int64_t inner, const Tensor<T>& gx, bool log_space) {
   if constexpr (is_reduced_floating_v<T>) {
-    detail::no_reduced_kernel<T>("softmax_backward");
+    auto fgx = detail::widened("softmax_backward", gx, false);
+    softmax_backward(detail::widened("softmax_backward", g), detail::widened("softmax_backward", y), outer, n, inner,
+                     fgx, log_space);
+    detail::round_into(fgx, gx);
   } else {
     CHORUS_DISPATCH(g.device(), cpu::softmax_backward(g.data(), y.data(), outer, n, inner, gx.data(), log_space),
                     cuda::softmax_backward(g.data(), y.data(), outer, n, inner, gx.data(), log_space, g.device()));
@@ -260,7 +287,9 @@ void broadcast_rows(const Tensor<T>& bias, std::int64_t rows, std::int64_t cols,
 template <class T>
 void squared_error_sum(const Tensor<T>& a, const Tensor<T>& b, const Tensor<T>& out, double scale) {
   if constexpr (is_reduced_floating_v<T>) {
-    detail::no_reduced_kernel<T>("squared_error_sum");
+    auto fo = detail::widened("mse_loss", out, false);
+    squared_error_sum(detail::widened("mse_loss", a), detail::widened("mse_loss", b), fo, scale);
+    detail::round_into(fo, out);
   } else {
     CHORUS_DISPATCH(a.device(),
                     *out.data() = static_cast<T>(cpu::squared_error_sum(a.data(), b.data(), a.numel()) * scale),
@@ -270,11 +299,19 @@ void squared_error_sum(const Tensor<T>& a, const Tensor<T>& b, const Tensor<T>& 
 
 /// ga = scale * g * (a - b), gb = -ga. `g` is a one-element tensor (broadcast) or has a's size.
 template <class T>
-void squared_error_backward(const Tensor<T>& a, const Tensor<T>& b, const Tensor<T>& g, T scale,
+void squared_error_backward(const Tensor<T>& a, const Tensor<T>& b, const Tensor<T>& g, double scale_d,
                             const Tensor<T>* ga, const Tensor<T>* gb) {
   if constexpr (is_reduced_floating_v<T>) {
-    detail::no_reduced_kernel<T>("squared_error_backward");
+    const char* k = "mse_loss backward";
+    Tensor<float> fga, fgb;
+    if (ga) fga = detail::widened(k, *ga, false);
+    if (gb) fgb = detail::widened(k, *gb, false);
+    squared_error_backward(detail::widened(k, a), detail::widened(k, b), detail::widened(k, g),
+                           scale_d, ga ? &fga : nullptr, gb ? &fgb : nullptr);
+    if (ga) detail::round_into(fga, *ga);
+    if (gb) detail::round_into(fgb, *gb);
   } else {
+    const T scale = static_cast<T>(scale_d);
     const bool per_elem = g.numel() == a.numel() && a.numel() != 1;
     T* pga = ga ? ga->data() : nullptr;
     T* pgb = gb ? gb->data() : nullptr;
@@ -284,7 +321,7 @@ void squared_error_backward(const Tensor<T>& a, const Tensor<T>& b, const Tensor
           if (per_elem) {
             cpu::squared_error_backward(a.data(), b.data(), a.numel(), scale, g.data(), pga, pgb);
           } else {
-            cpu::squared_error_backward<T>(a.data(), b.data(), a.numel(), T(scale * *g.data()), nullptr, pga, pgb);
+            cpu::squared_error_backward<T>(a.data(), b.data(), a.numel(), T(scale_d * *g.data()), nullptr, pga, pgb);
           }
         },
         cuda::squared_error_backward(a.data(), b.data(), a.numel(), scale, g.data(), per_elem, pga, pgb, a.device()));
@@ -310,7 +347,9 @@ template <class T>
 void cross_entropy_forward(const Tensor<T>& logits, const Tensor<std::int64_t>& target, std::int64_t ignore_index,
                            const Tensor<T>& loss) {
   if constexpr (is_reduced_floating_v<T>) {
-    detail::no_reduced_kernel<T>("cross_entropy_forward");
+    auto fl = detail::widened("cross_entropy", loss, false);
+    cross_entropy_forward(detail::widened("cross_entropy", logits), target, ignore_index, fl);
+    detail::round_into(fl, loss);
   } else {
     const auto N = logits.size(0), C = logits.size(1);
     CHORUS_DISPATCH(logits.device(),
@@ -324,7 +363,10 @@ template <class T>
 void cross_entropy_backward(const Tensor<T>& logits, const Tensor<std::int64_t>& target, std::int64_t ignore_index,
                             const Tensor<T>& g, std::int64_t g_stride, const Tensor<T>& grad) {
   if constexpr (is_reduced_floating_v<T>) {
-    detail::no_reduced_kernel<T>("cross_entropy_backward");
+    const char* k = "cross_entropy backward";
+    auto fg = detail::widened(k, grad, false);
+    cross_entropy_backward(detail::widened(k, logits), target, ignore_index, detail::widened(k, g), g_stride, fg);
+    detail::round_into(fg, grad);
   } else {
     const auto N = logits.size(0), C = logits.size(1);
     CHORUS_DISPATCH(
@@ -339,7 +381,9 @@ template <class T>
 void nll_forward(const Tensor<T>& logp, const Tensor<std::int64_t>& target, std::int64_t ignore_index,
                  const Tensor<T>& loss) {
   if constexpr (is_reduced_floating_v<T>) {
-    detail::no_reduced_kernel<T>("nll_forward");
+    auto fl = detail::widened("nll_loss", loss, false);
+    nll_forward(detail::widened("nll_loss", logp), target, ignore_index, fl);
+    detail::round_into(fl, loss);
   } else {
     const auto N = logp.size(0), C = logp.size(1);
     CHORUS_DISPATCH(logp.device(), cpu::nll_forward(logp.data(), N, C, target.data(), ignore_index, loss.data()),
@@ -351,7 +395,10 @@ template <class T>
 void nll_backward(const Tensor<std::int64_t>& target, std::int64_t C, std::int64_t ignore_index, const Tensor<T>& g,
                   std::int64_t g_stride, const Tensor<T>& grad) {
   if constexpr (is_reduced_floating_v<T>) {
-    detail::no_reduced_kernel<T>("nll_backward");
+    const char* k = "nll_loss backward";
+    auto fg = detail::widened(k, grad, false);
+    nll_backward(target, C, ignore_index, detail::widened(k, g), g_stride, fg);
+    detail::round_into(fg, grad);
   } else {
     const auto N = target.numel();
     CHORUS_DISPATCH(grad.device(),

@@ -80,8 +80,10 @@ void topk(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t 
 template <class T>
 void cumsum(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, const Tensor<T>& out,
             bool reverse) {
-  if constexpr (is_reduced_floating_v<T>) {
-    detail::no_reduced_kernel<T>("cumsum");
+  if constexpr (is_reduced_floating_v<T>) {  // Note [16-bit through float]
+    auto fo = detail::widened("cumsum", out, false);
+    cumsum(detail::widened("cumsum", in), outer, n, inner, fo, reverse);
+    detail::round_into(fo, out);
   } else {
     CHORUS_DISPATCH(in.device(), cpu::cumsum(in.data(), outer, n, inner, out.data(), reverse),
                     cuda::cumsum(in.data(), outer, n, inner, out.data(), reverse, in.device()));
@@ -102,19 +104,17 @@ template <class T>
 void gemm_batched(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T alpha, const T* A,
                   std::int64_t lda, std::int64_t sa, const T* B, std::int64_t ldb, std::int64_t sb, T beta, T* C,
                   std::int64_t ldc, std::int64_t sc, std::int64_t batch, Device dev) {
-  if constexpr (is_reduced_floating_v<T>) {
-    detail::no_reduced_kernel<T>("gemm_batched");
-  } else {
-    if (dev.is_cpu()) {
-      // CBLAS takes int sizes (Note [checked sizes]); cuBLAS's _64 API takes them as they are.
-      constexpr std::int64_t kMax = INT32_MAX;
-      CHORUS_CHECK(M <= kMax && N <= kMax && K <= kMax && lda <= kMax && ldb <= kMax && ldc <= kMax,
-                   "gemm_batched: sizes M=", M, " N=", N, " K=", K, " (lda ", lda, ", ldb ", ldb, ", ldc ", ldc,
-                   ") exceed the 32-bit BLAS interface (at most ", kMax, ")");
-    }
-    CHORUS_DISPATCH(dev, cpu::gemm_batched(ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch),
-                    cuda::gemm_batched(ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch, dev));
+  if (dev.is_cpu()) {
+    // CBLAS takes int sizes (Note [checked sizes]); cuBLAS's _64 API takes them as they are.
+    constexpr std::int64_t kMax = INT32_MAX;
+    CHORUS_CHECK(M <= kMax && N <= kMax && K <= kMax && lda <= kMax && ldb <= kMax && ldc <= kMax,
+                 "gemm_batched: sizes M=", M, " N=", N, " K=", K, " (lda ", lda, ", ldb ", ldb, ", ldc ", ldc,
+                 ") exceed the 32-bit BLAS interface (at most ", kMax, ")");
   }
+  // 16-bit on the CPU: each product through float blocks (cpu::gemm), rounded once.
+  CHORUS_DISPATCH_T(T, "gemm_batched", dev,
+                    cpu::gemm_batched(ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch),
+                    cuda::gemm_batched(ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch, dev));
 }
 
 }  // namespace backend

@@ -21,7 +21,7 @@ class MseBackward final : public autograd::Node<T> {
     Tensor<T> ga, gb;
     if (e[0].valid()) ga = Tensor<T>::empty(a_.shape(), a_.device());
     if (e[1].valid()) gb = Tensor<T>::empty(b_.shape(), b_.device());
-    const T scale = r_ == Reduction::Mean ? T(2.0 / static_cast<double>(std::max<std::int64_t>(a_.numel(), 1))) : T(2);
+    const double scale = r_ == Reduction::Mean ? 2.0 / static_cast<double>(std::max<std::int64_t>(a_.numel(), 1)) : 2.0;
     backend::squared_error_backward(a_, b_, g[0], scale, ga.defined() ? &ga : nullptr, gb.defined() ? &gb : nullptr);
     return {ga, gb};
   }

@@ -1,0 +1,152 @@
+#pragma once
+// Float32 master weights for a 16-bit model (mixed-precision training).
+//
+// Note [the form of mixed precision]
+// PyTorch's autocast changes, inside a scope, the dtype an operator returns: a float model's
+// linear layers hand back float16 tensors. chorus's types are static (a layer's forward returns
+// Tensor<T>, and LinearT<float> holds Tensor<float> members), so an autocast over a float model
+// could only compute in 16 bits and store the result in float again: twice the activation
+// memory of PyTorch's, a second rounding, and no 16-bit tensor for the next product to read.
+// The form that fits is the one DeepSpeed's and Megatron's bf16 optimizers use: the model is
+// a 16-bit model (the layers are templates over the scalar type: nn::LinearT<bfloat16>), so its
+// matrix products, convolutions and activations are in 16 bits (products accumulate in float:
+// the GEMMs run with a float compute type), its norms and softmaxes compute in float and round
+// once (Note [16-bit through float]), and the loss is taken in float32 from logits converted
+// with .to<float>() (differentiable: Note [one graph over every dtype]). The optimizer steps
+// float32 copies of the parameters (the master weights, with the optimizer state beside them):
+// a 16-bit parameter would lose every update smaller than half its ulp (2^-9 of its value in
+// bfloat16), which a learning rate of 1e-4 does all the time. Under DataParallel the replicas
+// receive the 16-bit parameters: half the broadcast bytes of float32.
+//
+//   nn::TransformerEncoderLayerT<bfloat16> layer(...);     // the 16-bit model
+//   amp::MasterWeights master(layer->parameters());       // float32 copies
+//   optim::AdamW opt(master.parameters(), {.lr = 1e-4});  // steps the copies
+//   auto loss = F::cross_entropy(layer(x).to<float>(), y);
+//   opt.zero_grad(); loss.backward(); master.step(opt);   // grads in, step, weights out
+//
+// float16 adds a GradScaler (its range ends at 65504): master.step(scaler, opt), then
+// scaler.update().
+#include <utility>
+#include <vector>
+
+#include "../core/any_tensor.hpp"
+#include "../optim/optimizer.hpp"
+#include "grad_scaler.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace amp {
+
+class MasterWeights {
+ public:
+  /// Float32 master copies of the 16-bit parameters among `model_params` (a float32 or
+  /// float64 parameter is its own master: stepped as it is, never copied).
+  explicit MasterWeights(const std::vector<AnyTensor>& model_params) {
+    NoGradGuard no_grad;
+    for (std::size_t i = 0; i < model_params.size(); ++i) {
+      const auto& p = model_params[i];
+      CHORUS_CHECK(p.defined(), "MasterWeights: parameter ", i, " is an undefined tensor");
+      CHORUS_CHECK(p.dtype() != DType::Int64, "MasterWeights: parameter ", i, " is an integer tensor");
+      p.visit([&](const auto& t) {
+        using T = typename std::decay_t<decltype(t)>::value_type;
+        CHORUS_CHECK(t.is_leaf(), "MasterWeights: parameter ", i, " is not a leaf tensor (it was computed by an op)");
+        if constexpr (is_reduced_floating_v<T>) {
+          auto m = t.template to<float>();
+          m.requires_grad_(t.requires_grad());
+          pairs_.push_back({p, AnyTensor(std::move(m))});
+        } else {
+          pairs_.push_back({p, p});
+        }
+      });
+    }
+  }
+
+  /// What the optimizer steps: the masters, in the order of the model's parameters.
+  std::vector<AnyTensor> parameters() const {
+    std::vector<AnyTensor> out;
+    out.reserve(pairs_.size());
+    for (const auto& pr : pairs_) out.push_back(pr.master);
+    return out;
+  }
+  /// The masters of some of the model's parameters (for an optimizer's parameter groups).
+  std::vector<AnyTensor> of(const std::vector<AnyTensor>& model_params) const {
+    std::vector<AnyTensor> out;
+    for (std::size_t i = 0; i < model_params.size(); ++i) {
+      const void* key = model_params[i].impl_key();
+      std::size_t k = 0;
+      while (k < pairs_.size() && pairs_[k].model.impl_key() != key) ++k;
+      CHORUS_CHECK(k < pairs_.size(), "MasterWeights::of: parameter ", i, " (", dtype_name(model_params[i].dtype()),
+                   " ", model_params[i].shape(), ") is not one of the model parameters it was made from");
+      out.push_back(pairs_[k].master);
+    }
+    return out;
+  }
+
+  /// Adds each 16-bit parameter's gradient into its master's (converted exactly to float32;
+  /// accumulating when the master already has one) and clears it on the model.
+  void grads_to_master() {
+    NoGradGuard no_grad;
+    for (auto& pr : pairs_) {
+      if (pr.model.impl_key() == pr.master.impl_key()) continue;
+      pr.model.visit([&](const auto& t) {
+        using T = typename std::decay_t<decltype(t)>::value_type;
+        if constexpr (is_reduced_floating_v<T>) {
+          auto g = t.grad();
+          if (!g.defined()) return;
+          const auto& m = pr.master.as<float>();
+          auto gf = g.template to<float>();
+          if (m.grad().defined()) {
+            auto acc = m.grad();
+            backend::binary_same(acc, gf, acc, backend::fn::Add{});
+            acc.bump_version();
+          } else {
+            m.set_grad(gf);
+          }
+          t.set_grad({});
+        }
+      });
+    }
+  }
+
+  /// Writes each master into its 16-bit parameter, rounded once.
+  void master_to_model() {
+    NoGradGuard no_grad;
+    for (auto& pr : pairs_) {
+      if (pr.model.impl_key() == pr.master.impl_key()) continue;
+      pr.model.visit([&](const auto& t) {
+        using T = typename std::decay_t<decltype(t)>::value_type;
+        if constexpr (is_reduced_floating_v<T>) {
+          backend::convert(t, pr.master.as<float>());
+          t.bump_version();
+        }
+      });
+    }
+  }
+
+  /// grads_to_master(), opt.step(), master_to_model(): `opt` must step parameters() (or of()).
+  void step(optim::Optimizer& opt) {
+    grads_to_master();
+    opt.step();
+    master_to_model();
+  }
+  /// The same with loss scaling (float16): the masters' gradients are unscaled and checked,
+  /// and the step and the write-back are skipped when one was inf or NaN. Returns whether
+  /// the optimizer stepped; call scaler.update() after it, as with scaler.step(opt).
+  bool step(GradScaler& scaler, optim::Optimizer& opt) {
+    grads_to_master();
+    const bool stepped = scaler.step(opt);
+    if (stepped) master_to_model();
+    return stepped;
+  }
+
+  std::size_t size() const { return pairs_.size(); }
+
+ private:
+  struct Pair {
+    AnyTensor model;
+    AnyTensor master;
+  };
+  std::vector<Pair> pairs_;
+};
+
+}  // namespace amp
+CHORUS_NAMESPACE_END
