@@ -235,7 +235,7 @@ int train(const Config& c, const Corpus& corpus, M model, const std::string& des
     optim::CosineAnnealingLR sched(opt, steps * c.epochs, c.lr / 10);
     int start_epoch = 1;
     if (c.resume) {
-      load(opt, optim_path, &sched);
+      load(opt, optim_path, {.scheduler = &sched});
       start_epoch = std::stoi(meta.at("epoch")) + 1;
       default_generator().set_offset(std::stoull(meta.at("generator_offset")));  // dropout continues as it would have
       if (world.reports())
@@ -285,7 +285,7 @@ int train(const Config& c, const Corpus& corpus, M model, const std::string& des
         save(net, model_path,
              {{"epoch", std::to_string(epoch)}, {"model", c.model}, {"vocab", vocab_ids(corpus.vocab)},
               {"val_loss", std::to_string(v)}, {"generator_offset", std::to_string(default_generator().get_offset())}});
-        save(opt, optim_path, &sched);
+        save(opt, optim_path, {.scheduler = &sched});
       }
     }
     if (world.reports() && c.sample > 0 && last_epoch == c.epochs)

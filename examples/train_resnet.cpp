@@ -190,7 +190,7 @@ int main(int argc, char** argv) try {
   int start_epoch = 1;
   if (resume) {
     load(dp, model_path);
-    load(opt, optim_path, &sched);
+    load(opt, optim_path, {.scheduler = &sched});
     const auto meta = io::read(model_path).metadata;
     CHORUS_CHECK(meta.count("epoch"), "--resume: '", model_path, "' records no epoch");
     start_epoch = std::stoi(meta.at("epoch")) + 1;
@@ -235,7 +235,7 @@ int main(int argc, char** argv) try {
     }
     std::printf("epoch %d: test accuracy %.2f%% (%zu images)\n", epoch, accuracy, test_loader.dataset().size());
     save(dp, model_path, {{"epoch", std::to_string(epoch)}, {"test_accuracy", std::to_string(accuracy)}});
-    save(opt, optim_path, &sched);
+    save(opt, optim_path, {.scheduler = &sched});
   }
   if (expect_accuracy >= 0 && accuracy < expect_accuracy) {
     std::cerr << "test accuracy " << accuracy << "% is below the expected " << expect_accuracy << "%\n";

@@ -2,8 +2,12 @@
 // float32 master weights stepped by the optimizer; on one device and through DataParallel.
 #include <chorus/amp.hpp>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "data_parallel_util.hpp"
@@ -246,4 +250,91 @@ TEST(MixedPrecision, Fp16WithGradScalerSkipsTheOverflowingStep) {
     EXPECT_EQ(scaler.get_scale(), s == 2 ? scale * 0.5 : scale);
     for (auto v : master.parameters()[0].as<float>().to_vector()) ASSERT_TRUE(std::isfinite(v));
   }
+}
+
+namespace {
+struct TempDir {
+  std::filesystem::path path;
+  TempDir() {
+    path = std::filesystem::temp_directory_path() / ("chorus_mp_" + std::to_string(::getpid()));
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+/// One float16 training run of `steps` steps from `first`, with an overflowing input at step 3.
+struct Fp16Run {
+  Mlp<half> model;
+  std::unique_ptr<amp::MasterWeights> masters;
+  std::unique_ptr<optim::AdamW> optimizer;
+  std::unique_ptr<optim::CosineAnnealingLR> schedule;
+  amp::GradScaler scaler{{.init_scale = 1024, .growth_interval = 2}};
+  explicit Fp16Run(const Mlp<float>& init) {
+    copy_rounded(model, init);
+    masters = std::make_unique<amp::MasterWeights>(model.parameters());
+    optimizer = std::make_unique<optim::AdamW>(masters->parameters(), optim::AdamWOptions{.lr = 1e-2});
+    schedule = std::make_unique<optim::CosineAnnealingLR>(*optimizer, 8);
+  }
+  amp::MasterWeights& master() { return *masters; }
+  optim::AdamW& opt() { return *optimizer; }
+  optim::CosineAnnealingLR& sched() { return *schedule; }
+  void run(int first, int last) {
+    auto [x, y] = problem();
+    for (int s = first; s < last; ++s) {
+      auto xs = x.to<half>();
+      if (s == 3) {
+        auto v = xs.to_vector();
+        v[0] = half(std::numeric_limits<float>::infinity());
+        xs = from_vector<half>(v, xs.shape());
+      }
+      opt().zero_grad();
+      scaler.scale(F::mse_loss(model.forward(xs).to<float>(), y)).backward();
+      master().step(scaler, opt());
+      scaler.update();
+      sched().step();
+    }
+  }
+};
+}  // namespace
+
+// The optimizer file holds the scaler, the schedule and the float32 masters: a run resumed
+// from it ends bitwise where the uninterrupted run ends (the masters are not recoverable from
+// the 16-bit model file: they carry the bits the model's rounding dropped).
+TEST(MixedPrecision, CheckpointWithScalerAndMastersResumesBitwise) {
+  TempDir dir;
+  manual_seed(17);
+  Mlp<float> init;
+  Fp16Run straight(init), first(init), resumed(init);
+  straight.run(0, 8);
+  first.run(0, 5);
+  save(first.model, dir.file("model.safetensors"));
+  save(first.opt(), dir.file("optim.safetensors"),
+       {.scheduler = &first.sched(), .scaler = &first.scaler, .master = &first.master()});
+  load(resumed.model, dir.file("model.safetensors"));
+  load(resumed.opt(), dir.file("optim.safetensors"),
+       {.scheduler = &resumed.sched(), .scaler = &resumed.scaler, .master = &resumed.master()});
+  EXPECT_EQ(resumed.scaler.get_scale(), first.scaler.get_scale());
+  EXPECT_EQ(resumed.scaler.state_dict(), first.scaler.state_dict());
+  EXPECT_EQ(resumed.sched().last_epoch(), 5);
+  resumed.run(5, 8);
+  const auto a = straight.model.named_parameters(), b = resumed.model.named_parameters();
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const auto va = a[i].tensor.as<half>().to_vector(), vb = b[i].tensor.as<half>().to_vector();
+    for (std::size_t k = 0; k < va.size(); ++k) ASSERT_EQ(va[k].bits(), vb[k].bits()) << a[i].name << "[" << k << "]";
+  }
+  const auto ma = straight.master().parameters(), mb = resumed.master().parameters();
+  for (std::size_t i = 0; i < ma.size(); ++i)
+    EXPECT_EQ(ma[i].as<float>().to_vector(), mb[i].as<float>().to_vector()) << i;
+
+  // A file without a scaler's state or masters is refused for them, and nothing changes.
+  save(first.opt(), dir.file("plain.safetensors"));
+  const double scale = resumed.scaler.get_scale();
+  const auto before = resumed.master().parameters()[0].as<float>().to_vector();
+  EXPECT_TRUE(throws_with([&] { load(resumed.opt(), dir.file("plain.safetensors"), {.scaler = &resumed.scaler}); },
+                          {"no GradScaler state"}));
+  EXPECT_TRUE(throws_with([&] { load(resumed.opt(), dir.file("plain.safetensors"), {.master = &resumed.master()}); },
+                          {"no master copy of parameter 0"}));
+  EXPECT_EQ(resumed.scaler.get_scale(), scale);
+  EXPECT_EQ(resumed.master().parameters()[0].as<float>().to_vector(), before);
 }

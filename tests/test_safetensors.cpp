@@ -300,14 +300,14 @@ TEST(Safetensors, GroupsAndSchedulerResumeExactly) {
   optim::OneCycleLR sched_f(*opt_f, {.max_lr = 0.2, .total_steps = 10});
   run(first, *opt_f, sched_f, 0, 6);
   save(first, dir.file("model.safetensors"));
-  save(*opt_f, dir.file("optim.safetensors"), &sched_f);
+  save(*opt_f, dir.file("optim.safetensors"), {.scheduler = &sched_f});
 
   manual_seed(99);
   Mlp resumed;
   auto opt_r = make(resumed);
   optim::OneCycleLR sched_r(*opt_r, {.max_lr = 0.2, .total_steps = 10});
   load(resumed, dir.file("model.safetensors"));
-  load(*opt_r, dir.file("optim.safetensors"), &sched_r);
+  load(*opt_r, dir.file("optim.safetensors"), {.scheduler = &sched_r});
   EXPECT_EQ(sched_r.last_epoch(), 6);
   EXPECT_EQ(sched_r.get_last_lr(), sched_f.get_last_lr());
   EXPECT_EQ(opt_r->momentum(1), opt_f->momentum(1));

@@ -1,6 +1,5 @@
 #pragma once
 // chorus's mixed precision (torch.amp): amp::GradScaler and amp::MasterWeights (Note [the form
-// of mixed precision]). Included on its own (it is not part of <chorus/chorus.hpp>, as torch.amp
-// is a module of its own).
+// of mixed precision]). Part of <chorus/chorus.hpp> (optimizer checkpoints hold their state).
 #include "amp/grad_scaler.hpp"
 #include "amp/master_weights.hpp"

@@ -22,4 +22,7 @@
 
 #include "parallel/parallel.hpp"
 
+#include "amp.hpp"
+
+#include "io/optimizer.hpp"
 #include "io/safetensors.hpp"

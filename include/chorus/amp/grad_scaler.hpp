@@ -27,7 +27,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../chorus.hpp"
+#include "../ops/ops.hpp"
+#include "../optim/optimizer.hpp"
 #if CHORUS_CUDA
 #include "../backend/cuda/amp.cuh"
 #endif
@@ -76,6 +77,7 @@ class GradScaler {
   }
 
   bool is_enabled() const { return o_.enabled; }
+  const GradScalerOptions& options() const { return o_; }
   /// The current scale (1 when disabled, as PyTorch's get_scale()).
   double get_scale() const { return o_.enabled ? scale_ : 1.0; }
   double get_growth_factor() const { return o_.growth_factor; }

@@ -52,31 +52,28 @@ class MasterWeights {
         if constexpr (is_reduced_floating_v<T>) {
           auto m = t.template to<float>();
           m.requires_grad_(t.requires_grad());
-          pairs_.push_back({p, AnyTensor(std::move(m))});
+          model_.push_back(p);
+          master_.push_back(AnyTensor(std::move(m)));
         } else {
-          pairs_.push_back({p, p});
+          model_.push_back(p);
+          master_.push_back(p);
         }
       });
     }
   }
 
   /// What the optimizer steps: the masters, in the order of the model's parameters.
-  std::vector<AnyTensor> parameters() const {
-    std::vector<AnyTensor> out;
-    out.reserve(pairs_.size());
-    for (const auto& pr : pairs_) out.push_back(pr.master);
-    return out;
-  }
+  const std::vector<AnyTensor>& parameters() const { return master_; }
   /// The masters of some of the model's parameters (for an optimizer's parameter groups).
   std::vector<AnyTensor> of(const std::vector<AnyTensor>& model_params) const {
     std::vector<AnyTensor> out;
     for (std::size_t i = 0; i < model_params.size(); ++i) {
       const void* key = model_params[i].impl_key();
       std::size_t k = 0;
-      while (k < pairs_.size() && pairs_[k].model.impl_key() != key) ++k;
-      CHORUS_CHECK(k < pairs_.size(), "MasterWeights::of: parameter ", i, " (", dtype_name(model_params[i].dtype()),
+      while (k < model_.size() && model_[k].impl_key() != key) ++k;
+      CHORUS_CHECK(k < model_.size(), "MasterWeights::of: parameter ", i, " (", dtype_name(model_params[i].dtype()),
                    " ", model_params[i].shape(), ") is not one of the model parameters it was made from");
-      out.push_back(pairs_[k].master);
+      out.push_back(master_[k]);
     }
     return out;
   }
@@ -85,14 +82,14 @@ class MasterWeights {
   /// accumulating when the master already has one) and clears it on the model.
   void grads_to_master() {
     NoGradGuard no_grad;
-    for (auto& pr : pairs_) {
-      if (pr.model.impl_key() == pr.master.impl_key()) continue;
-      pr.model.visit([&](const auto& t) {
+    for (std::size_t i = 0; i < model_.size(); ++i) {
+      if (!is_copy(i)) continue;
+      model_[i].visit([&](const auto& t) {
         using T = typename std::decay_t<decltype(t)>::value_type;
         if constexpr (is_reduced_floating_v<T>) {
           auto g = t.grad();
           if (!g.defined()) return;
-          const auto& m = pr.master.as<float>();
+          const auto& m = master_[i].as<float>();
           auto gf = g.template to<float>();
           if (m.grad().defined()) {
             auto acc = m.grad();
@@ -110,12 +107,12 @@ class MasterWeights {
   /// Writes each master into its 16-bit parameter, rounded once.
   void master_to_model() {
     NoGradGuard no_grad;
-    for (auto& pr : pairs_) {
-      if (pr.model.impl_key() == pr.master.impl_key()) continue;
-      pr.model.visit([&](const auto& t) {
+    for (std::size_t i = 0; i < model_.size(); ++i) {
+      if (!is_copy(i)) continue;
+      model_[i].visit([&](const auto& t) {
         using T = typename std::decay_t<decltype(t)>::value_type;
         if constexpr (is_reduced_floating_v<T>) {
-          backend::convert(t, pr.master.as<float>());
+          backend::convert(t, master_[i].as<float>());
           t.bump_version();
         }
       });
@@ -138,14 +135,13 @@ class MasterWeights {
     return stepped;
   }
 
-  std::size_t size() const { return pairs_.size(); }
+  std::size_t size() const { return model_.size(); }
+  /// Whether parameter i has a master copy (false: a float32/float64 parameter, its own master).
+  bool is_copy(std::size_t i) const { return model_.at(i).impl_key() != master_.at(i).impl_key(); }
 
  private:
-  struct Pair {
-    AnyTensor model;
-    AnyTensor master;
-  };
-  std::vector<Pair> pairs_;
+  std::vector<AnyTensor> model_;   // the model's parameters
+  std::vector<AnyTensor> master_;  // their masters (the parameter itself where it is not 16-bit)
 };
 
 }  // namespace amp
