@@ -323,9 +323,9 @@ TEST(Safetensors, GroupsAndSchedulerResumeExactly) {
   load(*opt_lr, dir.file("optim.safetensors"));
   EXPECT_EQ(opt_lr->lr(0), opt_f->lr(0));
   optim::StepLR other(*opt_lr, 2);
-  EXPECT_TRUE(throws_with([&] { load(*opt_lr, dir.file("optim.safetensors"), &other); }, {"OneCycleLR", "not StepLR"}));
+  EXPECT_TRUE(throws_with([&] { load(*opt_lr, dir.file("optim.safetensors"), {.scheduler = &other}); }, {"OneCycleLR", "not StepLR"}));
   save(*opt_f, dir.file("nosched.safetensors"));
-  EXPECT_TRUE(throws_with([&] { load(*opt_lr, dir.file("nosched.safetensors"), &other); }, {"no learning-rate scheduler"}));
+  EXPECT_TRUE(throws_with([&] { load(*opt_lr, dir.file("nosched.safetensors"), {.scheduler = &other}); }, {"no learning-rate scheduler"}));
   EXPECT_TRUE(throws_with([&] { load(plain, dir.file("optim.safetensors")); }, {"2 parameter groups", "has 1"}));
 }
 

@@ -462,7 +462,31 @@ TEST(GradShape, ANodeReturningAGradientOfAnotherShapeIsRefused) {
   auto node = autograd::make_node<WrongShapeBackward<float>, float>({&a});
   autograd::set_history(out, std::shared_ptr<autograd::Node<float>>(node));
   EXPECT_TRUE(throws_with([&] { (out.sum() + a.sum()).backward(); },
-                          {"WrongShapeBackward returned a gradient of shape [1]", "expected shape [1000]"}));
+                          {"WrongShapeBackward returned a float32 gradient of shape [1]", "expected float32 of shape [1000]"}));
+}
+
+namespace {
+/// A node between dtypes (Note [one graph over every dtype]) that hands on the wrong one.
+struct WrongDtypeBackward final : autograd::Node<float> {
+  std::string name() const override { return "WrongDtypeBackward"; }
+  TensorList apply(TensorList&& g) override { return {std::move(g[0])}; }
+  std::vector<AnyTensor> apply_any(std::vector<std::vector<AnyTensor>>&& arrived) override {
+    (void)arrived;
+    return {AnyTensor(ones<bfloat16>({4}))};  // its input is float64
+  }
+};
+}  // namespace
+
+TEST(GradShape, ANodeReturningAGradientOfAnotherDtypeIsRefused) {
+  auto x = ones<double>({4}).requires_grad_();
+  auto out = zeros<float>({4});
+  auto node = autograd::make_node<WrongDtypeBackward, double>({&x});
+  autograd::set_history(out, node);
+  EXPECT_TRUE(throws_with([&] { out.sum().backward(); },
+                          {"WrongDtypeBackward returned a bfloat16 gradient", "expected float64 of shape [4]"}));
+  // set_history refuses a node of another dtype than the output's.
+  auto other = zeros<double>({4});
+  EXPECT_TRUE(throws_with([&] { autograd::set_history(other, node); }, {"takes float32 gradients", "float64 output"}));
 }
 
 namespace {

@@ -1,10 +1,9 @@
 // The distributed layer under a real MPI launcher: CTest runs this binary with mpirun -np 1 … 4.
 // Every rank runs every test; only rank 0 prints GoogleTest's report, and a failure on any
 // rank makes mpirun fail.
-#include <chorus/amp.hpp>
-#include <chorus/distributed.hpp>
 #include <chorus/distributed/watchdog.hpp>
-#include <gtest/gtest.h>
+
+#include "dist_test_util.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -19,56 +18,9 @@
 #include <thread>
 
 using namespace chorus;
+using namespace dist_test;
 
 namespace {
-
-dist::ProcessGroup& pg() { return dist::group(); }
-
-template <class T>
-struct Mlp : nn::Module {
-  nn::LinearT<T> fc1, fc2, fc3;
-  Mlp(int in, int hidden, int out)
-      : fc1(register_module("fc1", nn::LinearT<T>(in, hidden))),
-        fc2(register_module("fc2", nn::LinearT<T>(hidden, hidden))),
-        fc3(register_module("fc3", nn::LinearT<T>(hidden, out))) {}
-  Tensor<T> forward(const Tensor<T>& x) { return fc3(relu(fc2(relu(fc1(x))))); }
-};
-
-/// An Mlp with a layer forward never uses.
-template <class T>
-struct WithUnused : nn::Module {
-  nn::LinearT<T> fc1, unused, fc2;
-  WithUnused()
-      : fc1(register_module("fc1", nn::LinearT<T>(4, 8))),
-        unused(register_module("unused", nn::LinearT<T>(8, 8))),
-        fc2(register_module("fc2", nn::LinearT<T>(8, 2))) {}
-  Tensor<T> forward(const Tensor<T>& x) { return fc2(relu(fc1(x))); }
-};
-
-template <class T>
-std::vector<std::vector<T>> values(const std::vector<AnyTensor>& ts) {
-  std::vector<std::vector<T>> out;
-  for (const auto& t : ts) out.push_back(t.as<T>().to_vector());
-  return out;
-}
-
-/// Every rank's copy of `v`, gathered (as raw bits, for bitwise comparison).
-template <class T>
-std::vector<std::vector<T>> gather_all(const std::vector<T>& v) {
-  auto t = from_vector(v);
-  auto all = pg().all_gather(t);
-  auto flat = all.to_vector();
-  std::vector<std::vector<T>> out(static_cast<std::size_t>(pg().world_size()));
-  for (std::size_t r = 0; r < out.size(); ++r) out[r].assign(flat.begin() + r * v.size(), flat.begin() + (r + 1) * v.size());
-  return out;
-}
-
-template <class T>
-std::vector<T> concat(const std::vector<std::vector<T>>& parts) {
-  std::vector<T> out;
-  for (auto& p : parts) out.insert(out.end(), p.begin(), p.end());
-  return out;
-}
 
 // ---- process group ----
 

@@ -121,6 +121,10 @@ class DistributedDataParallel {
   Device device() const { return device_; }
   dist::ProcessGroup& process_group() const { return group_; }
 
+  /// PyTorch's register_comm_hook with one of its built-in hooks (Note [DDP communication
+  /// hooks]): once, before the first forward that reduces gradients.
+  void register_comm_hook(dist::CommHook hook) { reducer_->set_comm_hook(hook); }
+
   /// The current buckets, as lists of parameter names (first reduced first).
   std::vector<std::vector<std::string>> bucket_names() const {
     std::vector<std::vector<std::string>> out;
@@ -205,7 +209,7 @@ class DistributedDataParallel {
     auto visit_tensor = [&](const auto& t) {
       using T = typename std::decay_t<decltype(t)>::value_type;
       if constexpr (is_floating_v<T>)
-        if (t.defined() && t.grad_fn()) dist::detail::reachable({t.grad_fn()}, seen);
+        if (t.defined() && t.grad_fn()) dist::detail::reachable(std::vector<std::shared_ptr<autograd::NodeBase>>{t.grad_fn()}, seen);
     };
     if constexpr (parallel::detail::is_tensor_v<R>) visit_tensor(out);
     else std::apply([&](const auto&... t) { (visit_tensor(t), ...); }, out);

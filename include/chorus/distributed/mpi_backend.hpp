@@ -45,20 +45,29 @@ inline std::string mpi_error_string(int code) {
                                     " in ", #expr);                                                    \
   } while (0)
 
-/// The MPI type of `d`'s elements; `sum`: for MPI_SUM, which has no 16-bit floating type
-/// (moving 16-bit elements, as uint16, is exact).
-inline MPI_Datatype mpi_type(DType d, bool sum = false) {
+/// The MPI type of `d`'s elements: 16-bit floating elements move as uint16 (exact), and are
+/// summed by the backend's own operations (Note [16-bit sums over MPI]).
+inline MPI_Datatype mpi_type(DType d) {
   switch (d) {
     case DType::Float32: return MPI_FLOAT;
     case DType::Float64: return MPI_DOUBLE;
     case DType::Int64: return MPI_INT64_T;
     case DType::BFloat16:
-    case DType::Float16:
-      if (!sum) return MPI_UINT16_T;
-      break;  // a sum over the raw bits would be wrong
+    case DType::Float16: return MPI_UINT16_T;
   }
-  CHORUS_FAIL("MPI process group: allreduce of ", dtype_name(d),
-              " tensors is not supported yet (mixed precision, issue 19); reduce them as float32");
+  CHORUS_FAIL("MPI process group: unknown dtype");
+}
+
+// Note [16-bit sums over MPI]
+// MPI has no 16-bit floating types, and MPI_SUM over the raw uint16 bits would be wrong. The
+// backend creates one user operation per 16-bit type: it adds each pair in float and rounds
+// once, so a reduction over w ranks rounds w - 1 times, as NCCL's 16-bit sums do (to sum in
+// float throughout, reduce a float32 copy). Commutative, so MPI may reduce in any order.
+template <class T>
+void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = T(static_cast<float>(a[i]) + static_cast<float>(b[i]));
 }
 
 /// The communication thread (Note [communication thread]).
@@ -191,6 +200,8 @@ class MpiBackend final : public Backend {
     CHORUS_MPI_CHECK(MPI_Comm_rank(local, &state_.local_rank));
     CHORUS_MPI_CHECK(MPI_Comm_size(local, &state_.local_world));
     CHORUS_MPI_CHECK(MPI_Comm_free(&local));
+    CHORUS_MPI_CHECK(MPI_Op_create(&sum_16bit<bfloat16>, 1, &bf16_sum_));  // Note [16-bit sums over MPI]
+    CHORUS_MPI_CHECK(MPI_Op_create(&sum_16bit<half>, 1, &half_sum_));
     state_.launcher = state_.world > 1 || mpi_launcher_present() ? Launcher::Mpi : Launcher::None;
     comm_thread_ = std::make_unique<CommThread>();
   }
@@ -204,10 +215,13 @@ class MpiBackend final : public Backend {
     t.visit([&](const auto& x) {
       using T = typename std::decay_t<decltype(x)>::value_type;
       const int world = state_.world, n = checked_int_count(x.numel(), work->what());
-      const MPI_Datatype type = mpi_type(dtype_of<T>(), true);  // throws here, not on the comm thread
+      const MPI_Datatype type = mpi_type(dtype_of<T>());
+      MPI_Op sum = MPI_SUM;
+      if constexpr (std::is_same_v<T, bfloat16>) sum = bf16_sum_;
+      if constexpr (std::is_same_v<T, half>) sum = half_sum_;
       if (op == ReduceOp::Avg) work->on_done = [x, world] { divide_in_place(x, world); };
-      submit(work, [x, n, type, comm = comm_](MPI_Request* r) {
-        return MPI_Iallreduce(MPI_IN_PLACE, x.data(), n, type, MPI_SUM, comm, r);
+      submit(work, [x, n, type, sum, comm = comm_](MPI_Request* r) {
+        return MPI_Iallreduce(MPI_IN_PLACE, x.data(), n, type, sum, comm, r);
       });
     });
   }
@@ -263,6 +277,8 @@ class MpiBackend final : public Backend {
   /// The second half: frees the communicators and finalises MPI if chorus initialised it.
   void finalize(bool clean) {
     if (finalized_by_program_ || !clean) return;  // no MPI_Finalize: the launcher ends the job (Note [watchdog])
+    (void)MPI_Op_free(&bf16_sum_);
+    (void)MPI_Op_free(&half_sum_);
     (void)MPI_Comm_free(&comm_);
     (void)MPI_Comm_free(&exit_comm_);
     if (owns_mpi_) MPI_Finalize();
@@ -282,6 +298,7 @@ class MpiBackend final : public Backend {
   GroupState& state_;
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Comm exit_comm_ = MPI_COMM_NULL;
+  MPI_Op bf16_sum_ = MPI_OP_NULL, half_sum_ = MPI_OP_NULL;
   bool owns_mpi_ = false;
   bool finalized_by_program_ = false;
   std::unique_ptr<CommThread> comm_thread_;

@@ -38,6 +38,16 @@
 
 CHORUS_NAMESPACE_BEGIN
 
+namespace dist {
+// Note [DDP communication hooks]
+// PyTorch's built-in hooks (torch.distributed.algorithms.ddp_comm_hooks.default_hooks), chosen
+// by DistributedDataParallel::register_comm_hook: `allreduce` averages each bucket as it is
+// (the default); `fp16_compress` and `bf16_compress` convert a wider bucket to 16 bits, divide
+// it by the world size in 16 bits, sum it across the ranks in 16 bits and convert the result
+// back into the bucket: half the bytes on the wire, at 16-bit precision of the average.
+enum class CommHook { allreduce, fp16_compress, bf16_compress };
+}  // namespace dist
+
 struct DistributedDataParallelOptions {
   std::size_t bucket_cap_bytes = std::size_t{25} << 20;  ///< Note [DDP buckets]
   std::size_t first_bucket_bytes = std::size_t{1} << 20;
@@ -64,6 +74,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     AnyTensor flat;
     std::size_t pending = 0;
     std::shared_ptr<Work> work;
+    AnyTensor wire;  // the 16-bit copy a compression hook reduces (undefined otherwise)
   };
 
   Reducer(ProcessGroup& group, std::vector<Param> params, DistributedDataParallelOptions options, Device device)
@@ -75,6 +86,21 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   }
 
   const std::vector<Bucket>& buckets() const { return buckets_; }
+
+  /// Note [DDP communication hooks]: once, before the first reducing step.
+  void set_comm_hook(dist::CommHook hook) {
+    std::lock_guard<std::mutex> lk(m_);
+    CHORUS_CHECK(!hook_set_, "DistributedDataParallel::register_comm_hook can only be called once");
+    CHORUS_CHECK(steps_ == 0 && !armed_, "DistributedDataParallel::register_comm_hook must be called before the first "
+                                         "forward that reduces gradients");
+    if (hook != dist::CommHook::allreduce)
+      CHORUS_CHECK(device_.is_cpu(), "DistributedDataParallel::register_comm_hook: the ",
+                   hook == dist::CommHook::fp16_compress ? "fp16" : "bf16",
+                   "_compress hook needs 16-bit kernels on ", device_, ", which are not written yet (mixed precision, "
+                   "issue 19)");
+    hook_ = hook;
+    hook_set_ = true;
+  }
   const std::vector<Param>& params() const { return params_; }
   bool rebuilt() const { return rebuilt_; }
 
@@ -147,6 +173,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     finalized_ = true;
     armed_ = false;
     if (failure) std::rethrow_exception(failure);
+    for (auto& b : buckets_)
+      if (b.wire.defined()) decompress(b);
     if (!missing.empty()) {
       std::ostringstream os;
       for (std::size_t k = 0; k < missing.size(); ++k) os << (k ? ", '" : "'") << missing[k] << "'";
@@ -254,10 +282,52 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
         if (!used_[b.members[k]]) zero_slot(b, k);
       if (ready_count_ < params_.size()) ++early_launches_;  // overlaps the rest of backward
       const std::string what = "all_reduce of gradient bucket " + std::to_string(next_bucket_);
-      b.flat.visit([&](const auto& f) { b.work = group_.all_reduce_async(f, ReduceOp::Avg, what); });
+      const DType wire = hook_ == dist::CommHook::fp16_compress   ? DType::Float16
+                         : hook_ == dist::CommHook::bf16_compress ? DType::BFloat16
+                                                                  : b.dtype;
+      if (wire != b.dtype && (b.dtype == DType::Float32 || b.dtype == DType::Float64)) {
+        b.wire = compress(b.flat, wire);
+        b.wire.visit([&](const auto& c) {
+          b.work = group_.all_reduce_async(c, ReduceOp::Sum, what + " (" + std::string(dtype_name(wire)) + "-compressed)");
+        });
+      } else {
+        b.flat.visit([&](const auto& f) { b.work = group_.all_reduce_async(f, ReduceOp::Avg, what); });
+      }
       ++next_bucket_;
     }
   }
+  // The bucket in 16 bits, divided by the world size there (PyTorch's order: convert, then
+  // divide, so that the sum across ranks cannot overflow float16's range).
+  AnyTensor compress(const AnyTensor& flat, DType wire) const {
+    NoGradGuard ng;
+    AnyTensor out = empty_any(wire, flat.shape(), device_);
+    const auto world = static_cast<std::int64_t>(group_.world_size());
+    out.visit([&](const auto& c) {
+      using W = typename std::decay_t<decltype(c)>::value_type;
+      if constexpr (is_reduced_floating_v<W>) {
+        flat.visit([&](const auto& f) {
+          using T = typename std::decay_t<decltype(f)>::value_type;
+          if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) backend::convert(c, f);
+        });
+        divide_in_place(c, world);
+      }
+    });
+    return out;
+  }
+  // The reduced 16-bit bucket back into the bucket's dtype.
+  static void decompress(Bucket& b) {
+    NoGradGuard ng;
+    b.flat.visit([&](const auto& f) {
+      b.wire.visit([&](const auto& c) {
+        using T = typename std::decay_t<decltype(f)>::value_type;
+        using W = typename std::decay_t<decltype(c)>::value_type;
+        if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, double>) && is_reduced_floating_v<W>)
+          backend::convert(f, c);
+      });
+    });
+    b.wire = AnyTensor();
+  }
+
   // An unused parameter counts as zeros; its grad() (if it is the slot) keeps its values.
   void zero_slot(Bucket& b, std::size_t k) {
     params_[b.members[k]].tensor.visit([&](auto& p) {
@@ -324,7 +394,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
         closed_dtypes.push_back(o.dtype);
       }
     for (std::size_t b = 0; b < closed.size(); ++b) {
-      Bucket bucket{closed_dtypes[b], closed[b], {}, {}, 0, nullptr};
+      Bucket bucket{closed_dtypes[b], closed[b], {}, {}, 0, nullptr, {}};
       std::int64_t n = 0;
       for (auto i : bucket.members) {
         bucket.offsets.push_back(n);
@@ -348,6 +418,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::size_t next_bucket_ = 0, ready_count_ = 0, early_launches_ = 0;
   std::size_t steps_ = 0;
   bool rebuilt_ = false, started_ = false, finalized_ = false, armed_ = false;
+  dist::CommHook hook_ = dist::CommHook::allreduce;
+  bool hook_set_ = false;
 };
 
 /// The grad_fn of a trained parameter during forward (Note [DDP graph nodes]).
