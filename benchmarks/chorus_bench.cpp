@@ -5,6 +5,7 @@
 //
 //   chorus_bench [--threads 1,2] [--devices 1,2] [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar,lstm-lm,transformer-lm]
 //                [--rounds R (7)] [--repeats N (timed steps per round)] [--json FILE] [--peer LIBTORCH_BENCH]
+//                [--bf16]  (mlp-medium and transformer-lm also in bfloat16 with float32 master weights)
 //
 // Workloads (see benchmarks/README.md): tutorial = Linear(5, 2) forward over 100 samples in
 // batches of 30, data on the host, time per epoch; mlp-small = 784-512-512-10 ReLU MLP,
@@ -52,6 +53,17 @@ struct MlpMedium : nn::Module {
   Tensor<float> forward(const Tensor<float>& x) { return net(x); }
 };
 
+/// mlp-medium in bfloat16 (--bf16): the same four Linear(1024, 1024) layers.
+struct MlpMediumBf16 : nn::Module {
+  nn::LinearT<bfloat16> fc1, fc2, fc3, fc4;
+  MlpMediumBf16()
+      : fc1(register_module("fc1", nn::LinearT<bfloat16>(1024, 1024))),
+        fc2(register_module("fc2", nn::LinearT<bfloat16>(1024, 1024))),
+        fc3(register_module("fc3", nn::LinearT<bfloat16>(1024, 1024))),
+        fc4(register_module("fc4", nn::LinearT<bfloat16>(1024, 1024))) {}
+  Tensor<bfloat16> forward(const Tensor<bfloat16>& x) { return fc4(relu(fc3(relu(fc2(relu(fc1(x))))))); }
+};
+
 struct Tutorial : nn::Module {
   nn::Linear fc;
   Tutorial() : fc(register_module("fc", nn::Linear(5, 2))) {}
@@ -68,11 +80,44 @@ struct Runner {
     else dp = std::make_unique<DataParallel<M>>(M(), devices);
   }
   template <class X>
-  Tensor<float> operator()(const X& x) {
+  auto operator()(const X& x) {
     return plain ? plain->forward(x) : (*dp)(x);
   }
   std::vector<AnyTensor> parameters() const { return plain ? plain->parameters() : dp->parameters(); }
 };
+
+/// One mixed-precision step (Note [the form of mixed precision]) of mlp-medium or transformer-lm:
+/// a bfloat16 model, the loss in float32, Adam/SGD over float32 master weights.
+std::function<void()> make_bf16_workload(const std::string& workload, const std::vector<Device>& devices) {
+  if (workload == "mlp-medium") {
+    auto model = std::make_shared<Runner<MlpMediumBf16>>(devices);
+    auto master = std::make_shared<amp::MasterWeights>(model->parameters());
+    auto opt = std::make_shared<optim::SGD>(master->parameters(), optim::SGDOptions{.lr = 0.01});
+    auto x = randn<float>({512, 1024}).to<bfloat16>();
+    auto y = randn<float>({512, 1024});
+    return [model, master, opt, x, y] {
+      auto loss = F::mse_loss((*model)(x).to<float>(), y);
+      opt->zero_grad();
+      loss.backward();
+      master->step(*opt);
+    };
+  }
+  if (workload == "transformer-lm") {
+    using Lm = bench::TransformerLmT<bfloat16>;
+    auto x = randint(0, bench::kLmVocab, {32, Lm::kSeq});
+    auto y = randint(0, bench::kLmVocab, {32 * Lm::kSeq});
+    auto model = std::make_shared<Runner<Lm>>(devices);
+    auto master = std::make_shared<amp::MasterWeights>(model->parameters());
+    auto opt = std::make_shared<optim::Adam>(master->parameters(), optim::AdamOptions{.lr = 1e-3});
+    return [model, master, opt, x, y] {
+      auto loss = F::cross_entropy((*model)(x).to<float>().reshape({y.shape()[0], bench::kLmVocab}), y);
+      opt->zero_grad();
+      loss.backward();
+      master->step(*opt);
+    };
+  }
+  CHORUS_FAIL("--bf16: no bfloat16 form of workload '", workload, "' (mlp-medium, transformer-lm)");
+}
 
 /// One step (or epoch, for the tutorial) of `workload`; the returned function runs it once.
 std::function<void()> make_workload(const std::string& workload, const std::vector<Device>& devices) {
@@ -172,6 +217,7 @@ int main(int argc, char** argv) try {
   std::vector<int> threads = {1, 2}, devices = {1, 2};
   std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar", "lstm-lm", "transformer-lm"};
   int repeats = 0, rounds = 7;
+  bool bf16 = false;
   std::string json_path = "chorus_bench.json", peer;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -195,10 +241,12 @@ int main(int argc, char** argv) try {
       json_path = next();
     } else if (a == "--peer") {
       peer = next();
+    } else if (a == "--bf16") {
+      bf16 = true;
     } else {
       std::cerr << "usage: chorus_bench [--threads 1,2] [--devices 1,2]"
                    " [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar,lstm-lm,transformer-lm]"
-                   " [--rounds R] [--repeats N] [--json FILE] [--peer LIBTORCH_BENCH]\n";
+                   " [--rounds R] [--repeats N] [--json FILE] [--peer LIBTORCH_BENCH] [--bf16]\n";
       return 2;
     }
   }
@@ -224,23 +272,25 @@ int main(int argc, char** argv) try {
       }
 
   using nlohmann::json;
-  json records = json::array(), ratios = json::array(), scaling = json::array();
+  json records = json::array(), ratios = json::array(), scaling = json::array(), mixed = json::array();
   auto write_json = [&] {  // after every workload: an interrupted run keeps what it measured
     json doc = {{"machine", {{"cores", std::thread::hardware_concurrency()}}},
                 {"rounds", rounds},
                 {"interleaved", !peers.empty()},
                 {"records", records},
                 {"ratios", ratios},
-                {"scaling", scaling}};
+                {"scaling", scaling},
+                {"bf16_over_float32", mixed}};
     std::ofstream(json_path) << doc.dump(2) << "\n";
   };
   std::vector<std::string> table;
   for (const auto& w : workloads) {
     const int reps = repeats_for(w, repeats);
     std::vector<bench::Entry> mine, theirs;
-    auto add = [&](std::string config, int ndev, int nthreads, int blas, const std::vector<Device>& devs) {
+    auto add = [&](std::string config, int ndev, int nthreads, int blas, const std::vector<Device>& devs,
+                   bool in_bf16 = false) {
       backend::cpu::set_blas_threads(blas);
-      auto timed = std::make_shared<bench::Timed>(make_workload(w, devs), 2);
+      auto timed = std::make_shared<bench::Timed>(in_bf16 ? make_bf16_workload(w, devs) : make_workload(w, devs), 2);
       json meta = {{"impl", "chorus"}, {"workload", w},         {"config", config},
                    {"devices", ndev},  {"threads", nthreads}, {"flops", workload_flops(w)}};
       mine.push_back({meta, [timed, blas](int n) {
@@ -249,6 +299,9 @@ int main(int argc, char** argv) try {
                       }});
     };
     for (int t : threads) add(std::to_string(t) + " thread(s)", 1, t, t, {});  // one device, no wrapper
+    const bool with_bf16 = bf16 && (w == "mlp-medium" || w == "transformer-lm");
+    if (with_bf16)  // the same, mixed precision (bfloat16 model, float32 masters), in the same rounds
+      for (int t : threads) add(std::to_string(t) + " thread(s) bf16", 1, t, t, {}, true);
     for (int k : devices) {  // DataParallel: one BLAS thread per device
       std::vector<Device> devs;
       for (int d = 0; d < k; ++d) devs.push_back(Device::cpu(d));
@@ -322,6 +375,19 @@ int main(int argc, char** argv) try {
                         " devices, speed-up over 1 device: " + fmt_spread(q["speedup"]));
         scaling.push_back(q);
       }
+    // bf16 against float32 at the same thread count, round by round (the honest CPU overhead:
+    // this machine has no bf16 instructions, so each product widens its operands to float).
+    for (const auto& r : ours) {
+      const std::string c = r["config"];
+      if (c.size() < 5 || c.substr(c.size() - 5) != " bf16") continue;
+      for (const auto& f : ours)
+        if (f["config"] == c.substr(0, c.size() - 5)) {
+          json q = {{"workload", w}, {"threads", r["threads"]}, {"bf16_ms", r["median_ms"]},
+                    {"float32_ms", f["median_ms"]}, {"ratio", bench::paired_json(r, f)}};
+          table.push_back("bf16 " + w + ": " + c + " / float32 step time: " + fmt_spread(q["ratio"]));
+          mixed.push_back(q);
+        }
+    }
     for (auto& r : ours) records.push_back(r);
     for (auto& r : peer_records) records.push_back(r);
     write_json();

@@ -28,26 +28,29 @@ struct LstmLm : nn::Module {
 /// transformer-lm: token Embedding + a learned position embedding (Embedding(128, 256), positions
 /// 0..L-1) -> 4 x TransformerEncoderLayer(256, 4 heads, dim_feedforward 1024, dropout 0, ReLU,
 /// post-norm; sequence-first inside) under the causal mask -> Linear; batch 32, sequence 128.
-struct TransformerLm : nn::Module {
+/// T = bfloat16: the same model in 16 bits (chorus_bench --bf16: mixed precision, master weights).
+template <class T = float>
+struct TransformerLmT : nn::Module {
   static constexpr std::int64_t kSeq = 128;
-  nn::Embedding embed, pos;
-  nn::TransformerEncoder encoder;
-  nn::Linear head;
-  TransformerLm()
-      : embed(register_module("embed", nn::Embedding(kLmVocab, kLmWidth))),
-        pos(register_module("pos", nn::Embedding(kSeq, kLmWidth))),
+  nn::EmbeddingT<T> embed, pos;
+  nn::TransformerEncoderT<T> encoder;
+  nn::LinearT<T> head;
+  TransformerLmT()
+      : embed(register_module("embed", nn::EmbeddingT<T>(kLmVocab, kLmWidth))),
+        pos(register_module("pos", nn::EmbeddingT<T>(kSeq, kLmWidth))),
         encoder(register_module(
-            "encoder", nn::TransformerEncoder(nn::TransformerEncoderLayer(kLmWidth, 4, {.dim_feedforward = 1024,
-                                                                                        .dropout = 0.0}),
-                                              4))),
-        head(register_module("head", nn::Linear(kLmWidth, kLmVocab))) {}
-  Tensor<float> forward(const Tensor<std::int64_t>& tokens) {
+            "encoder", nn::TransformerEncoderT<T>(nn::TransformerEncoderLayerT<T>(kLmWidth, 4, {.dim_feedforward = 1024,
+                                                                                                .dropout = 0.0}),
+                                                  4))),
+        head(register_module("head", nn::LinearT<T>(kLmWidth, kLmVocab))) {}
+  Tensor<T> forward(const Tensor<std::int64_t>& tokens) {
     const std::int64_t len = tokens.shape()[1];
     const Device dev = tokens.device();
     auto x = chorus::add(embed(tokens), pos(chorus::arange<std::int64_t>(0, len, 1, dev)));  // [B, L, E]
-    auto mask = nn::generate_square_subsequent_mask<float>(len, dev);
+    auto mask = nn::generate_square_subsequent_mask<T>(len, dev);
     return head(encoder(x.transpose(0, 1), mask).transpose(0, 1));
   }
 };
+using TransformerLm = TransformerLmT<float>;
 
 }  // namespace bench

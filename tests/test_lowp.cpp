@@ -547,6 +547,37 @@ TYPED_TEST(LowpTypes, RowKernelsComputeInFloatAndRoundOnce) {
     EXPECT_NEAR(static_cast<float>(got[i]), want[i], eps * std::abs(want[i]) + 1e-6f) << i;
 }
 
+// The layers a 16-bit Transformer runs (layer norm, GELU, attention, embedding lookups) against
+// the float32 operators on the same values: within the type's tolerance (a few roundings of T:
+// each 16-bit operator rounds its result once, the float chain does not).
+TYPED_TEST(LowpTypes, TransformerOperatorsTrackFloat32) {
+  using T = TypeParam;
+  manual_seed(23);
+  const float eps = std::ldexp(1.0f, 1 - std::numeric_limits<T>::digits);
+  auto near = [&](const Tensor<T>& got, const Tensor<float>& want, float rounds, const char* what) {
+    const auto g = got.to_vector();
+    const auto w = want.to_vector();
+    ASSERT_EQ(g.size(), w.size()) << what;
+    float scale = 0;
+    for (float v : w) scale = std::max(scale, std::abs(v));
+    for (std::size_t i = 0; i < g.size(); ++i)
+      ASSERT_NEAR(static_cast<float>(g[i]), w[i], rounds * eps * (std::abs(w[i]) + 0.1f * scale)) << what << " " << i;
+  };
+  auto x = randn<T>({2, 5, 16});
+  auto w = randn<T>({16}), b = randn<T>({16});
+  const auto xf = x.template to<float>(), wf = w.template to<float>(), bf = b.template to<float>();
+  near(layer_norm(x, {16}, w, b), layer_norm(xf, {16}, wf, bf), 3, "layer_norm");
+  near(gelu(x), gelu(xf), 1, "gelu");
+  auto q = randn<T>({2, 4, 5, 8}), k = randn<T>({2, 4, 5, 8}), v = randn<T>({2, 4, 5, 8});
+  near(scaled_dot_product_attention(q, k, v), scaled_dot_product_attention(q.template to<float>(), k.template to<float>(),
+                                                                           v.template to<float>()),
+       6, "scaled_dot_product_attention");
+  auto table = randn<T>({10, 16});
+  auto idx = from_vector<std::int64_t>({3, 0, 9, 3});
+  near(table.index_select(0, idx), table.template to<float>().index_select(0, idx), 0, "index_select");
+  near(x.permute({2, 0, 1}).contiguous(), xf.permute({2, 0, 1}).contiguous(), 0, "permute");
+}
+
 TYPED_TEST(LowpTypes, OperatorsWithout16BitKernelsSayWhich) {
   using T = TypeParam;
   auto x = ones<T>({1, 1, 4, 4});

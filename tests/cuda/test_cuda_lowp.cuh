@@ -1,7 +1,8 @@
 // The 16-bit types under nvcc (issue 19): the device conversions give the host's bits and
 // CUDA's own (__float2bfloat16_rn, __float2half_rn) for every pattern; 16-bit tensors move
-// to a GPU and back bit for bit, and a CUDA kernel without a 16-bit instantiation refuses
-// clearly (Note [16-bit kernels]). Included by test_cuda_ops.cu.
+// to a GPU and back bit for bit; the operators with CUDA 16-bit paths match the CPU's within one
+// rounding, and a CUDA kernel without one refuses clearly (Note [16-bit kernels]). A
+// mixed-precision training run on the GPU tracks the CPU's. Included by test_cuda_ops.cu.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -64,13 +65,117 @@ TEST(CudaLowp, DeviceConversionsMatchTheHostAndCuda) {
   check_device_conversions<chorus::half>();  // cuda_fp16.h declares a global `half` too
 }
 
-TEST(CudaLowp, TensorsMoveBitForBitAndKernelsRefuse) {
+TEST(CudaLowp, TensorsMoveBitForBitAndKernelsWithoutA16BitPathRefuse) {
   REQUIRE_GPU();
   auto x = from_vector(std::vector<bfloat16>{bfloat16(0.1f), bfloat16(-3.0f), std::numeric_limits<bfloat16>::infinity()});
   auto g = x.to(kGpu);
   EXPECT_EQ(g.device(), kGpu);
   const auto back = g.to(Device::cpu()).to_vector();
   for (std::size_t i = 0; i < back.size(); ++i) EXPECT_EQ(back[i].bits(), x.to_vector()[i].bits());
-  EXPECT_TRUE(throws_with([&] { (void)(g + g); }, {"bfloat16", "CUDA"}));
-  EXPECT_TRUE(throws_with([&] { (void)g.to<float>(); }, {"convert", "bfloat16", "CUDA"}));
+  EXPECT_TRUE(throws_with([&] { (void)chorus::max(g, 0); }, {"bfloat16", "CUDA"}));
+  EXPECT_TRUE(throws_with([&] { (void)chorus::topk(g, 2); }, {"topk", "bfloat16", "CUDA"}));
+}
+
+namespace {
+/// Within one rounding of T of each other (the two backends may sum or take exp in another order).
+template <class T>
+::testing::AssertionResult near_in(const Tensor<T>& got_gpu, const Tensor<T>& want_cpu, const char* what) {
+  const auto g = got_gpu.to(Device::cpu()).to_vector();
+  const auto w = want_cpu.to_vector();
+  if (g.size() != w.size()) return ::testing::AssertionFailure() << what << ": sizes " << g.size() << " and " << w.size();
+  const float eps = std::ldexp(1.0f, 1 - std::numeric_limits<T>::digits);
+  float scale = 0;
+  for (auto v : w) scale = std::max(scale, std::abs(static_cast<float>(v)));
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    const float a = static_cast<float>(g[i]), b = static_cast<float>(w[i]);
+    if (!(std::abs(a - b) <= 2 * eps * std::abs(b) + eps * 1e-2f * scale + 1e-6f))
+      return ::testing::AssertionFailure() << what << "[" << i << "]: GPU " << a << ", CPU " << b;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+template <class T>
+void check_ops_against_cpu() {
+  manual_seed(31);
+  auto x = randn<T>({8, 33}), y = randn<T>({8, 33}), v = randn<T>({33});
+  auto gx = x.to(kGpu), gy = y.to(kGpu), gv = v.to(kGpu);
+  EXPECT_TRUE(near_in(gx + gy, x + y, "add"));
+  EXPECT_TRUE(near_in(gx * gy, x * y, "mul"));
+  EXPECT_TRUE(near_in(gx / (gy * gy + 1.0), x / (y * y + 1.0), "div"));
+  EXPECT_TRUE(near_in(gx + gv, x + v, "broadcast add"));
+  EXPECT_TRUE(near_in(exp(gx * 0.5), exp(x * 0.5), "exp"));
+  EXPECT_TRUE(near_in(gelu(gx), gelu(x), "gelu"));
+  EXPECT_TRUE(near_in(relu(gx), relu(x), "relu"));
+  EXPECT_TRUE(near_in(gx.sum(), x.sum(), "sum"));
+  EXPECT_TRUE(near_in(gx.sum(1), x.sum(1), "sum(1)"));
+  EXPECT_TRUE(near_in(gx.sum(0), x.sum(0), "sum(0)"));
+  EXPECT_TRUE(near_in(gx.mean(), x.mean(), "mean"));
+  EXPECT_TRUE(near_in(gx.t().contiguous(), x.t().contiguous(), "strided copy"));
+  EXPECT_TRUE(near_in(softmax(gx, 1), softmax(x, 1), "softmax"));
+  EXPECT_TRUE(near_in(log_softmax(gx, 0), log_softmax(x, 0), "log_softmax"));
+  EXPECT_TRUE(near_in(gx.cumsum(1), x.cumsum(1), "cumsum"));
+  auto w = randn<T>({33, 5});
+  EXPECT_TRUE(near_in(gx.matmul(w.to(kGpu)), x.matmul(w), "matmul (cublasGemmEx)"));
+  auto a = randn<T>({3, 4, 6}), b = randn<T>({3, 6, 2});
+  EXPECT_TRUE(near_in(a.to(kGpu).matmul(b.to(kGpu)), a.matmul(b), "batched matmul"));
+  // Conversions: 16 bits <-> float/double on the GPU give the CPU's bits.
+  const auto f = gx.template to<float>().to(Device::cpu()).to_vector(), fc = x.template to<float>().to_vector();
+  EXPECT_EQ(f, fc);
+  auto d = randn<double>({257});
+  const auto r = d.to(kGpu).template to<T>().to(Device::cpu()).to_vector(), rc = d.template to<T>().to_vector();
+  for (std::size_t i = 0; i < r.size(); ++i) EXPECT_EQ(r[i].bits(), rc[i].bits()) << i;
+  // Backward through a broadcast (the bias gradient: atomics in float) and an embedding-like
+  // index_select (index_add in float).
+  auto bias = v.to(kGpu).detach().requires_grad_();
+  auto cb = v.detach().requires_grad_();
+  (gx + bias).sum().backward();
+  (x + cb).sum().backward();
+  EXPECT_TRUE(near_in(bias.grad(), cb.grad(), "broadcast backward"));
+  auto idx = from_vector<std::int64_t>({0, 2, 2, 5});
+  auto table = x.detach().requires_grad_();
+  auto gtable = gx.detach().requires_grad_();
+  table.index_select(0, idx).sum().backward();
+  gtable.index_select(0, idx.to(kGpu)).sum().backward();
+  EXPECT_TRUE(near_in(gtable.grad(), table.grad(), "index_select backward"));
+}
+}  // namespace
+
+TEST(CudaLowp, OperatorsMatchTheCpuWithinOneRounding) {
+  REQUIRE_GPU();
+  check_ops_against_cpu<bfloat16>();
+  check_ops_against_cpu<chorus::half>();
+}
+
+// Note [the form of mixed precision] on a GPU: a bfloat16 MLP, float32 loss, float32 masters
+// under AdamW; ten steps track the same run on the CPU.
+TEST(CudaLowp, MixedPrecisionStepsTrackTheCpu) {
+  REQUIRE_GPU();
+  struct Mlp : nn::Module {
+    nn::LinearT<bfloat16> fc1, fc2;
+    Mlp() : fc1(register_module("fc1", nn::LinearT<bfloat16>(16, 64))), fc2(register_module("fc2", nn::LinearT<bfloat16>(64, 4))) {}
+    Tensor<bfloat16> forward(const Tensor<bfloat16>& x) { return fc2(relu(fc1(x))); }
+  };
+  manual_seed(5);
+  Mlp cpu_model;
+  manual_seed(5);
+  Mlp gpu_model;
+  gpu_model.to(kGpu);
+  amp::MasterWeights mc(cpu_model.parameters()), mg(gpu_model.parameters());
+  optim::AdamW oc(mc.parameters(), {.lr = 1e-2}), og(mg.parameters(), {.lr = 1e-2});
+  manual_seed(6);
+  auto x = randn<bfloat16>({32, 16});
+  auto y = randn<float>({32, 4});
+  auto gxx = x.to(kGpu);
+  auto gyy = y.to(kGpu);
+  for (int s = 0; s < 10; ++s) {
+    oc.zero_grad();
+    og.zero_grad();
+    auto lc = nn::functional::mse_loss(cpu_model.forward(x).to<float>(), y);
+    auto lg = nn::functional::mse_loss(gpu_model.forward(gxx).to<float>(), gyy);
+    lc.backward();
+    lg.backward();
+    mc.step(oc);
+    mg.step(og);
+    EXPECT_NEAR(lg.item(), lc.item(), 2e-2 * lc.item()) << "step " << s;
+  }
 }

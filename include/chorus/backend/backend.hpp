@@ -39,21 +39,26 @@ namespace backend {
 #endif
 
 // Note [16-bit kernels]
-// bfloat16 and half tensors run on the CPU kernels that compute in float (the opmath loads of
-// cpu::unary/binary, double accumulators, the GEMM through float blocks); the CUDA kernels
-// have no 16-bit instantiation yet. A backend function without a 16-bit path still compiles
-// for them (generic code visits every dtype of an AnyTensor: optimizers, DataParallel,
-// checkpoints) but throws a chorus::Error naming the kernel and the dtype, and never
-// instantiates the float kernel with a 16-bit T: nothing runs with silent extra roundings.
-// CHORUS_DISPATCH_T(T, name, dev, cpu, cuda) is CHORUS_DISPATCH for kernels that have a CPU
-// 16-bit path: for a 16-bit T it runs the CPU call and refuses a CUDA device.
+// bfloat16 and half tensors run on kernels that compute in float and round once: on both
+// backends the elementwise kernels (opmath loads of the functors), fills, copies, conversions,
+// gathers and the sums (double accumulators); the matrix products (CPU: float blocks around
+// sgemm; CUDA: cublasGemmEx with 16-bit operands and CUBLAS_COMPUTE_32F); the rest through a
+// float copy (Note [16-bit through float]). A backend function without a 16-bit path still
+// compiles for them (generic code visits every dtype of an AnyTensor: optimizers,
+// DataParallel, checkpoints) but throws a chorus::Error naming the kernel and the dtype, and
+// never instantiates the float kernel with a 16-bit T: nothing runs with silent extra
+// roundings. CHORUS_DISPATCH(dev, cpu, cuda) is for kernels with 16-bit paths on both
+// backends (or none needed); CHORUS_DISPATCH_T(T, name, dev, cpu, cuda) for those with a CPU
+// 16-bit path only: for a 16-bit T it runs the CPU call and refuses a CUDA device.
 //
 // Note [16-bit through float]
-// Kernels whose arithmetic is a whole-row affair (softmax, the losses, cumsum) take 16-bit CPU
+// Kernels whose arithmetic is a whole-row affair (softmax, the losses, cumsum) take 16-bit
 // tensors by widening their inputs into float scratch tensors, running the float kernel and
 // rounding each result once on the way back: exactly "compute in float, round once", at the
 // price of one float copy of the operands (allocated on the tensor's device, so memory_stats
-// sees it). A kernel that is memory-bound in 16 bits gets its own 16-bit loop instead.
+// sees it). On CUDA the kernels that add with atomics (reduce_add_broadcast, index_add) do the
+// same: there is no atomic add of chorus's 16-bit types. A kernel that is memory-bound in 16
+// bits (the elementwise ones) has its own 16-bit loop instead.
 namespace detail {
 template <class T>
 [[noreturn]] void no_reduced_kernel(const char* kernel, Device d = Device::cpu()) {
@@ -61,20 +66,6 @@ template <class T>
               " yet (mixed precision, issue 19); convert with .to<float>() first");
 }
 
-/// A float copy of a contiguous 16-bit CPU tensor (`copy` false: uninitialised scratch of its
-/// shape), for the float kernel (Note [16-bit through float]). A CUDA tensor is refused.
-template <class T>
-Tensor<float> widened(const char* kernel, const Tensor<T>& t, bool copy = true) {
-  if (!t.device().is_cpu()) no_reduced_kernel<T>(kernel, t.device());
-  auto f = Tensor<float>::empty(t.shape(), t.device());
-  if (copy) cpu::convert(t.data(), f.data(), t.numel());
-  return f;
-}
-/// Writes the float kernel's result into the 16-bit tensor, each value rounded once.
-template <class T>
-void round_into(const Tensor<float>& f, const Tensor<T>& out) {
-  cpu::convert(f.data(), out.data(), f.numel());
-}
 }  // namespace detail
 
 #define CHORUS_DISPATCH_T(T, name, dev, cpu_call, cuda_call)                   \
@@ -92,14 +83,14 @@ void round_into(const Tensor<float>& f, const Tensor<T>& out) {
 
 template <class T>
 void fill(const Tensor<T>& out, T value) {  // out contiguous
-  CHORUS_DISPATCH_T(T, "fill", out.device(), cpu::fill(out.data(), out.numel(), value),
-                    cuda::fill(out.data(), out.numel(), value, out.device()));
+  CHORUS_DISPATCH(out.device(), cpu::fill(out.data(), out.numel(), value),
+                  cuda::fill(out.data(), out.numel(), value, out.device()));
 }
 
 template <class T>
 void arange(const Tensor<T>& out, double start, double step) {
-  CHORUS_DISPATCH_T(T, "arange", out.device(), cpu::arange(out.data(), out.numel(), start, step),
-                    cuda::arange(out.data(), out.numel(), start, step, out.device()));
+  CHORUS_DISPATCH(out.device(), cpu::arange(out.data(), out.numel(), start, step),
+                  cuda::arange(out.data(), out.numel(), start, step, out.device()));
 }
 
 /// dst = src elementwise for two tensors of one shape, any strides, any devices.
@@ -111,9 +102,9 @@ void copy(const Tensor<T>& dst, const Tensor<T>& src) {
       copy_bytes(dst.data(), dd, src.data(), sd, static_cast<std::size_t>(src.numel()) * sizeof(T));
       return;
     }
-    CHORUS_DISPATCH_T(T, "copy", dd,
-                      cpu::copy_strided(src.data(), src.strides(), dst.data(), dst.strides(), src.shape()),
-                      cuda::copy_strided(src.data(), src.strides(), dst.data(), dst.strides(), src.shape(), dd));
+    CHORUS_DISPATCH(dd,
+                    cpu::copy_strided(src.data(), src.strides(), dst.data(), dst.strides(), src.shape()),
+                    cuda::copy_strided(src.data(), src.strides(), dst.data(), dst.strides(), src.shape(), dd));
     return;
   }
   // Across devices: make the source contiguous on its device, move the bytes, then scatter
@@ -135,36 +126,60 @@ void copy(const Tensor<T>& dst, const Tensor<T>& src) {
 /// dst = static_cast<U>(src), both contiguous on one device.
 template <class U, class T>
 void convert(const Tensor<U>& dst, const Tensor<T>& src) {
-  // A 16-bit type on either side has no CUDA kernel yet (the macro tests its first argument).
-  using Narrow = std::conditional_t<is_reduced_floating_v<U>, U, T>;
-  CHORUS_DISPATCH_T(Narrow, "convert", src.device(), cpu::convert(src.data(), dst.data(), src.numel()),
-                    cuda::convert(src.data(), dst.data(), src.numel(), src.device()));
+  CHORUS_DISPATCH(src.device(), cpu::convert(src.data(), dst.data(), src.numel()),
+                cuda::convert(src.data(), dst.data(), src.numel(), src.device()));
 }
+
+namespace detail {
+/// A float copy of a contiguous 16-bit tensor (`copy` false: uninitialised scratch of its
+/// shape) on its device, for the float kernel (Note [16-bit through float]).
+template <class T>
+Tensor<float> widened(const char* kernel, const Tensor<T>& t, bool copy = true) {
+  (void)kernel;
+  auto f = Tensor<float>::empty(t.shape(), t.device());
+  if (copy) convert(f, t);
+  return f;
+}
+/// Writes the float kernel's result into the 16-bit tensor, each value rounded once.
+template <class T>
+void round_into(const Tensor<float>& f, const Tensor<T>& out) {
+  convert(out, f);
+}
+}  // namespace detail
 
 template <class T, class Op>
 void unary(const Tensor<T>& in, const Tensor<T>& out, Op op) {  // contiguous
-  CHORUS_DISPATCH_T(T, "unary", in.device(), cpu::unary(in.data(), out.data(), in.numel(), op),
-                    cuda::unary(in.data(), out.data(), in.numel(), op, in.device()));
+  CHORUS_DISPATCH(in.device(), cpu::unary(in.data(), out.data(), in.numel(), op),
+                  cuda::unary(in.data(), out.data(), in.numel(), op, in.device()));
 }
 
 template <class T, class Op>
 void binary_same(const Tensor<T>& a, const Tensor<T>& b, const Tensor<T>& out, Op op) {  // contiguous
-  CHORUS_DISPATCH_T(T, "binary_same", a.device(), cpu::binary_same(a.data(), b.data(), out.data(), a.numel(), op),
-                    cuda::binary_same(a.data(), b.data(), out.data(), a.numel(), op, a.device()));
+  CHORUS_DISPATCH(a.device(), cpu::binary_same(a.data(), b.data(), out.data(), a.numel(), op),
+                  cuda::binary_same(a.data(), b.data(), out.data(), a.numel(), op, a.device()));
 }
 
 /// out (contiguous) = op(a, b) with a, b read through strides expanded to out's shape.
 template <class T, class Op>
 void binary_broadcast(const Tensor<T>& a, const Strides& as, const Tensor<T>& b, const Strides& bs,
                       const Tensor<T>& out, Op op) {
-  CHORUS_DISPATCH_T(T, "binary_broadcast", a.device(),
-                    cpu::binary_broadcast(a.data(), as, b.data(), bs, out.data(), out.shape(), op),
-                    cuda::binary_broadcast(a.data(), as, b.data(), bs, out.data(), out.shape(), op, a.device()));
+  CHORUS_DISPATCH(a.device(),
+                  cpu::binary_broadcast(a.data(), as, b.data(), bs, out.data(), out.shape(), op),
+                  cuda::binary_broadcast(a.data(), as, b.data(), bs, out.data(), out.shape(), op, a.device()));
 }
 
 /// dst += src summed onto dst's broadcast strides (src contiguous).
 template <class T>
 void reduce_add_broadcast(const Tensor<T>& src, const Tensor<T>& dst, const Strides& dst_strides) {
+  if constexpr (is_reduced_floating_v<T>) {
+    if (src.device().is_cuda()) {  // atomics in float (Note [16-bit through float]); dst is contiguous
+      CHORUS_CHECK(dst.is_contiguous(), "reduce_add_broadcast: a 16-bit CUDA destination must be contiguous");
+      auto fd = detail::widened("reduce_add_broadcast", dst);
+      reduce_add_broadcast(detail::widened("reduce_add_broadcast", src), fd, dst_strides);
+      detail::round_into(fd, dst);
+      return;
+    }
+  }
   CHORUS_DISPATCH_T(T, "reduce_add_broadcast", src.device(),
                     cpu::reduce_add_broadcast(src.data(), src.shape(), dst.data(), dst_strides),
                     cuda::reduce_add_broadcast(src.data(), src.shape(), dst.data(), dst_strides, src.device()));
@@ -173,23 +188,23 @@ void reduce_add_broadcast(const Tensor<T>& src, const Tensor<T>& dst, const Stri
 /// out (one element) = scale * sum(in), in contiguous.
 template <class T>
 void sum_all(const Tensor<T>& in, const Tensor<T>& out, double scale) {
-  CHORUS_DISPATCH_T(T, "sum_all", in.device(),
-                    *out.data() = static_cast<T>(cpu::sum_all(in.data(), in.numel()) * scale),
-                    cuda::sum_dim(in.data(), 1, in.numel(), 1, out.data(), scale, in.device()));
+  CHORUS_DISPATCH(in.device(),
+                  *out.data() = static_cast<T>(cpu::sum_all(in.data(), in.numel()) * scale),
+                  cuda::sum_dim(in.data(), 1, in.numel(), 1, out.data(), scale, in.device()));
 }
 
 template <class T>
 void sum_dim(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, const Tensor<T>& out,
              double scale) {
-  CHORUS_DISPATCH_T(T, "sum_dim", in.device(), cpu::sum_dim(in.data(), outer, n, inner, out.data(), scale),
-                    cuda::sum_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
+  CHORUS_DISPATCH(in.device(), cpu::sum_dim(in.data(), outer, n, inner, out.data(), scale),
+                  cuda::sum_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
 }
 
 template <class T>
 void expand_dim(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner, const Tensor<T>& out,
                 double scale) {
-  CHORUS_DISPATCH_T(T, "expand_dim", in.device(), cpu::expand_dim(in.data(), outer, n, inner, out.data(), scale),
-                    cuda::expand_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
+  CHORUS_DISPATCH(in.device(), cpu::expand_dim(in.data(), outer, n, inner, out.data(), scale),
+                  cuda::expand_dim(in.data(), outer, n, inner, out.data(), scale, in.device()));
 }
 
 /// `zero_dead`: rows of -inf give zeros, not NaN (cpu::softmax).
@@ -226,15 +241,23 @@ template <class T>
 void index_select(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner,
                   const Tensor<std::int64_t>& idx, const Tensor<T>& out, int dim = 0) {
   (void)dim;
-  CHORUS_DISPATCH_T(T, "index_select", in.device(),
-                    cpu::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data()),
-                    cuda::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), dim,
-                                     in.device()));
+  CHORUS_DISPATCH(in.device(),
+                  cpu::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data()),
+                  cuda::index_select(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), dim,
+                                   in.device()));
 }
 
 template <class T>
 void index_add(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_t inner,
                const Tensor<std::int64_t>& idx, const Tensor<T>& out) {
+  if constexpr (is_reduced_floating_v<T>) {
+    if (in.device().is_cuda()) {  // atomics in float (Note [16-bit through float])
+      auto fo = detail::widened("index_add", out);
+      index_add(detail::widened("index_add", in), outer, n, inner, idx, fo);
+      detail::round_into(fo, out);
+      return;
+    }
+  }
   CHORUS_DISPATCH_T(T, "index_add", in.device(),
                     cpu::index_add(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data()),
                     cuda::index_add(in.data(), outer, n, inner, idx.data(), idx.numel(), out.data(), in.device()));
@@ -250,8 +273,8 @@ void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T al
   CHORUS_CHECK(M <= kMax && N <= kMax && K <= kMax && lda <= kMax && ldb <= kMax && ldc <= kMax, "gemm: sizes M=", M,
                " N=", N, " K=", K, " (lda ", lda, ", ldb ", ldb, ", ldc ", ldc,
                ") exceed the 32-bit BLAS interface (at most ", kMax, ")");
-  CHORUS_DISPATCH_T(T, "gemm", dev, cpu::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc),
-                    cuda::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, dev));
+  CHORUS_DISPATCH(dev, cpu::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc),
+                  cuda::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, dev));
 }
 
 /// out[M,N] = x[M,K] @ w[N,K]^T (+ bias[N]) for contiguous row-major x and w. On CUDA a
@@ -269,8 +292,8 @@ void linear_forward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>* bia
 #endif
   T beta = T(0);
   if (bias && M > 0) {
-    CHORUS_DISPATCH_T(T, "linear", d, cpu::broadcast_rows(bias->data(), M, N, out.data()),
-                      cuda::broadcast_rows(bias->data(), M, N, out.data(), d));
+    CHORUS_DISPATCH(d, cpu::broadcast_rows(bias->data(), M, N, out.data()),
+                    cuda::broadcast_rows(bias->data(), M, N, out.data(), d));
     beta = T(1);
   }
   gemm(false, true, M, N, K, T(1), x.data(), std::max<std::int64_t>(K, 1), w.data(), std::max<std::int64_t>(K, 1),
@@ -279,8 +302,8 @@ void linear_forward(const Tensor<T>& x, const Tensor<T>& w, const Tensor<T>* bia
 
 template <class T>
 void broadcast_rows(const Tensor<T>& bias, std::int64_t rows, std::int64_t cols, const Tensor<T>& out) {
-  CHORUS_DISPATCH_T(T, "broadcast_rows", bias.device(), cpu::broadcast_rows(bias.data(), rows, cols, out.data()),
-                    cuda::broadcast_rows(bias.data(), rows, cols, out.data(), bias.device()));
+  CHORUS_DISPATCH(bias.device(), cpu::broadcast_rows(bias.data(), rows, cols, out.data()),
+                  cuda::broadcast_rows(bias.data(), rows, cols, out.data(), bias.device()));
 }
 
 /// out (one element) = scale * sum((a - b)^2).

@@ -20,26 +20,26 @@ namespace backend {
 template <class M, class T>
 void where(const Tensor<M>& cond, const Strides& cs, const Tensor<T>& a, const Strides& as, const Tensor<T>& b,
            const Strides& bs, const Tensor<T>& out) {
-  CHORUS_DISPATCH_T(T, "where", out.device(),
-                    cpu::where(cond.data(), cs, a.data(), as, b.data(), bs, out.data(), out.shape()),
-                    cuda::where(cond.data(), cs, a.data(), as, b.data(), bs, out.data(), out.shape(), out.device()));
+  CHORUS_DISPATCH(out.device(),
+                  cpu::where(cond.data(), cs, a.data(), as, b.data(), bs, out.data(), out.shape()),
+                  cuda::where(cond.data(), cs, a.data(), as, b.data(), bs, out.data(), out.shape(), out.device()));
 }
 
 /// out (a contiguous 0/1 mask) = op(a, b) with broadcast strides.
 template <class M, class T, class Op>
 void compare(const Tensor<T>& a, const Strides& as, const Tensor<T>& b, const Strides& bs, const Tensor<M>& out,
              Op op) {
-  CHORUS_DISPATCH_T(T, "compare", out.device(), cpu::compare(a.data(), as, b.data(), bs, out.data(), out.shape(), op),
-                    cuda::compare(a.data(), as, b.data(), bs, out.data(), out.shape(), op, out.device()));
+  CHORUS_DISPATCH(out.device(), cpu::compare(a.data(), as, b.data(), bs, out.data(), out.shape(), op),
+                  cuda::compare(a.data(), as, b.data(), bs, out.data(), out.shape(), op, out.device()));
 }
 
 /// out (contiguous, idx's shape) = in gathered along `dim` (idx contiguous).
 template <class T>
 void gather(const Tensor<T>& in, int dim, const Tensor<std::int64_t>& idx, const Tensor<T>& out) {
-  CHORUS_DISPATCH_T(T, "gather", in.device(),
-                    cpu::gather(in.data(), in.strides(), dim, idx.data(), out.data(), idx.shape()),
-                    cuda::gather(in.data(), in.strides(), in.shape()[dim], dim, idx.data(), out.data(), idx.shape(),
-                               in.device()));
+  CHORUS_DISPATCH(in.device(),
+                  cpu::gather(in.data(), in.strides(), dim, idx.data(), out.data(), idx.shape()),
+                  cuda::gather(in.data(), in.strides(), in.shape()[dim], dim, idx.data(), out.data(), idx.shape(),
+                             in.device()));
 }
 
 /// out[.., idx[p], ..] += src[p] over idx's shape; src read through `src_strides` (idx contiguous,
@@ -94,9 +94,9 @@ void cumsum(const Tensor<T>& in, std::int64_t outer, std::int64_t n, std::int64_
 template <class T>
 void triangle(const Tensor<T>& in, const Tensor<T>& out, std::int64_t batch, std::int64_t rows, std::int64_t cols,
               std::int64_t diagonal, bool lower) {
-  CHORUS_DISPATCH_T(T, "triangle", in.device(),
-                    cpu::triangle(in.data(), out.data(), batch, rows, cols, diagonal, lower),
-                    cuda::triangle(in.data(), out.data(), batch, rows, cols, diagonal, lower, in.device()));
+  CHORUS_DISPATCH(in.device(),
+                  cpu::triangle(in.data(), out.data(), batch, rows, cols, diagonal, lower),
+                  cuda::triangle(in.data(), out.data(), batch, rows, cols, diagonal, lower, in.device()));
 }
 
 /// `batch` row-major GEMMs, matrix b of each operand at b * stride (0: one shared matrix).
@@ -111,10 +111,11 @@ void gemm_batched(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t
                  "gemm_batched: sizes M=", M, " N=", N, " K=", K, " (lda ", lda, ", ldb ", ldb, ", ldc ", ldc,
                  ") exceed the 32-bit BLAS interface (at most ", kMax, ")");
   }
-  // 16-bit on the CPU: each product through float blocks (cpu::gemm), rounded once.
-  CHORUS_DISPATCH_T(T, "gemm_batched", dev,
-                    cpu::gemm_batched(ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch),
-                    cuda::gemm_batched(ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch, dev));
+  // 16-bit: on the CPU each product through float blocks (cpu::gemm), on CUDA one
+  // cublasGemmStridedBatchedEx with float32 accumulation; each result rounded once.
+  CHORUS_DISPATCH(dev,
+                  cpu::gemm_batched(ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch),
+                  cuda::gemm_batched(ta, tb, M, N, K, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc, sc, batch, dev));
 }
 
 }  // namespace backend

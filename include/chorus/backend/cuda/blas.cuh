@@ -80,6 +80,13 @@ inline BlasHandles& handles_for(Device d, cudaStream_t stream) {
   });
 }
 
+/// The cudaDataType of a 16-bit element type.
+template <class T>
+constexpr cudaDataType_t cuda_type() {
+  static_assert(is_reduced_floating_v<T>, "cuda_type: bfloat16 or half");
+  return std::is_same_v<T, bfloat16> ? CUDA_R_16BF : CUDA_R_16F;
+}
+
 /// Row-major C[M,N] = alpha op(A) op(B) + beta C, as column-major C^T = op(B)^T op(A)^T.
 /// The 64-bit cuBLAS API takes the sizes as they are: nothing is narrowed to int.
 template <class T>
@@ -89,7 +96,14 @@ void gemm(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t K, T al
   Launch launch(d);
   auto& h = handles_for(d, launch.stream);
   const auto opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (is_reduced_floating_v<T>) {
+    // 16-bit operands and result, float32 accumulation (PyTorch's numerics for autocast's
+    // products); chorus's 16-bit types have CUDA's bit layouts.
+    const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
+    CHORUS_CUBLAS_CHECK(cublasSetMathMode(h.blas, CUBLAS_DEFAULT_MATH));
+    CHORUS_CUBLAS_CHECK(cublasGemmEx_64(h.blas, opb, opa, N, M, K, &fa, B, cuda_type<T>(), ldb, A, cuda_type<T>(), lda,
+                                        &fb, C, cuda_type<T>(), ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  } else if constexpr (std::is_same_v<T, float>) {
     CHORUS_CUBLAS_CHECK(cublasSetMathMode(
         h.blas, ::chorus::cuda::allow_tf32() ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
     CHORUS_CUBLAS_CHECK(cublasSgemm_64(h.blas, opb, opa, N, M, K, &alpha, B, ldb, A, lda, &beta, C, ldc));

@@ -19,7 +19,13 @@ void gemm_batched(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t
   Launch launch(d);
   auto& h = handles_for(d, launch.stream);
   const auto opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (is_reduced_floating_v<T>) {  // as gemm: 16-bit operands, float32 accumulation
+    const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
+    CHORUS_CUBLAS_CHECK(cublasSetMathMode(h.blas, CUBLAS_DEFAULT_MATH));
+    CHORUS_CUBLAS_CHECK(cublasGemmStridedBatchedEx_64(h.blas, opb, opa, N, M, K, &fa, B, cuda_type<T>(), ldb, sb, A,
+                                                      cuda_type<T>(), lda, sa, &fb, C, cuda_type<T>(), ldc, sc, batch,
+                                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  } else if constexpr (std::is_same_v<T, float>) {
     CHORUS_CUBLAS_CHECK(cublasSetMathMode(
         h.blas, ::chorus::cuda::allow_tf32() ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH));
     CHORUS_CUBLAS_CHECK(cublasSgemmStridedBatched_64(h.blas, opb, opa, N, M, K, &alpha, B, ldb, sb, A, lda, sa, &beta,

@@ -40,7 +40,7 @@ __global__ void compare(const T* a, const T* b, M* out, NdDesc d, std::int64_t n
   CHORUS_GRID_STRIDE(i, n) {
     std::int64_t off[3];
     nd_offsets(d, i, off);
-    out[i] = op(a[off[0]], b[off[1]]) ? M(1) : M(0);
+    out[i] = op(opload(a[off[0]]), opload(b[off[1]])) ? M(1) : M(0);
   }
 }
 

@@ -15,8 +15,17 @@
 CHORUS_NAMESPACE_BEGIN
 namespace backend::cuda {
 
+/// Sums of float and of the 16-bit types accumulate in double (as on the CPU: a 16-bit sum is
+/// then rounded once, and equals the CPU's bit for bit where the order does not matter).
 template <class T>
-using acc_t = std::conditional_t<std::is_same_v<T, float>, double, T>;
+using acc_t = std::conditional_t<std::is_same_v<T, float> || is_reduced_floating_v<T>, double, T>;
+
+/// An element in the functors' arithmetic type (float for the 16-bit types, as the CPU kernels'
+/// loads: Note [16-bit kernels]); the result is rounded once when stored.
+template <class T>
+__device__ inline fn::opmath_t<T> opload(T v) {
+  return static_cast<fn::opmath_t<T>>(v);
+}
 
 namespace k {  // the kernels
 
@@ -41,17 +50,24 @@ __global__ void copy_strided(const T* src, T* dst, NdDesc d, std::int64_t n) {
 
 template <class U, class T>
 __global__ void convert(const T* src, U* dst, std::int64_t n) {
-  CHORUS_GRID_STRIDE(i, n) dst[i] = static_cast<U>(src[i]);
+  if constexpr (is_reduced_floating_v<T> || is_reduced_floating_v<U>) {
+    // Through the wider side's arithmetic type (double when one side is double), so that each
+    // value rounds once (a 16-bit type converts to and from float and double only).
+    using W = std::conditional_t<std::is_same_v<T, double> || std::is_same_v<U, double>, double, float>;
+    CHORUS_GRID_STRIDE(i, n) dst[i] = static_cast<U>(static_cast<W>(src[i]));
+  } else {
+    CHORUS_GRID_STRIDE(i, n) dst[i] = static_cast<U>(src[i]);
+  }
 }
 
 template <class T, class Op>
 __global__ void unary(const T* in, T* out, std::int64_t n, Op op) {
-  CHORUS_GRID_STRIDE(i, n) out[i] = op(in[i]);
+  CHORUS_GRID_STRIDE(i, n) out[i] = static_cast<T>(op(opload(in[i])));
 }
 
 template <class T, class Op>
 __global__ void binary_same(const T* a, const T* b, T* out, std::int64_t n, Op op) {
-  CHORUS_GRID_STRIDE(i, n) out[i] = op(a[i], b[i]);
+  CHORUS_GRID_STRIDE(i, n) out[i] = static_cast<T>(op(opload(a[i]), opload(b[i])));
 }
 
 template <class T, class Op>
@@ -59,7 +75,7 @@ __global__ void binary_broadcast(const T* a, const T* b, T* out, NdDesc d, std::
   CHORUS_GRID_STRIDE(i, n) {
     std::int64_t off[3];
     nd_offsets(d, i, off);
-    out[i] = op(a[off[0]], b[off[1]]);
+    out[i] = static_cast<T>(op(opload(a[off[0]]), opload(b[off[1]])));
   }
 }
 
@@ -163,7 +179,7 @@ __global__ void expand_dim(const T* in, std::int64_t outer, std::int64_t n, std:
                            double scale) {
   CHORUS_GRID_STRIDE(t, outer * n * inner) {
     const std::int64_t j = t % inner, o = t / (n * inner);
-    out[t] = static_cast<T>(in[o * inner + j] * scale);
+    out[t] = static_cast<T>(static_cast<acc_t<T>>(in[o * inner + j]) * scale);
   }
 }
 
