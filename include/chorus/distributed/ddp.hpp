@@ -209,7 +209,8 @@ class DistributedDataParallel {
     auto visit_tensor = [&](const auto& t) {
       using T = typename std::decay_t<decltype(t)>::value_type;
       if constexpr (is_floating_v<T>)
-        if (t.defined() && t.grad_fn()) dist::detail::reachable(std::vector<std::shared_ptr<autograd::NodeBase>>{t.grad_fn()}, seen);
+        if (t.defined() && t.grad_fn())
+          dist::detail::reachable(std::vector<std::shared_ptr<autograd::NodeBase>>{t.grad_fn()}, seen);
     };
     if constexpr (parallel::detail::is_tensor_v<R>) visit_tensor(out);
     else std::apply([&](const auto&... t) { (visit_tensor(t), ...); }, out);
