@@ -287,9 +287,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
                                                                   : b.dtype;
       if (wire != b.dtype && (b.dtype == DType::Float32 || b.dtype == DType::Float64)) {
         b.wire = compress(b.flat, wire);
-        b.wire.visit([&](const auto& c) {
-          b.work = group_.all_reduce_async(c, ReduceOp::Sum, what + " (" + std::string(dtype_name(wire)) + "-compressed)");
-        });
+        const std::string compressed = what + " (" + std::string(dtype_name(wire)) + "-compressed)";
+        b.wire.visit([&](const auto& c) { b.work = group_.all_reduce_async(c, ReduceOp::Sum, compressed); });
       } else {
         b.flat.visit([&](const auto& f) { b.work = group_.all_reduce_async(f, ReduceOp::Avg, what); });
       }
