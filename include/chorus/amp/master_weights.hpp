@@ -81,42 +81,27 @@ class MasterWeights {
   /// Adds each 16-bit parameter's gradient into its master's (converted exactly to float32;
   /// accumulating when the master already has one) and clears it on the model.
   void grads_to_master() {
-    NoGradGuard no_grad;
-    for (std::size_t i = 0; i < model_.size(); ++i) {
-      if (!is_copy(i)) continue;
-      model_[i].visit([&](const auto& t) {
-        using T = typename std::decay_t<decltype(t)>::value_type;
-        if constexpr (is_reduced_floating_v<T>) {
-          auto g = t.grad();
-          if (!g.defined()) return;
-          const auto& m = master_[i].as<float>();
-          auto gf = g.template to<float>();
-          if (m.grad().defined()) {
-            auto acc = m.grad();
-            backend::binary_same(acc, gf, acc, backend::fn::Add{});
-            acc.bump_version();
-          } else {
-            m.set_grad(gf);
-          }
-          t.set_grad({});
-        }
-      });
-    }
+    for_each_copy([](const auto& t, const Tensor<float>& m) {
+      auto g = t.grad();
+      if (!g.defined()) return;
+      auto gf = g.template to<float>();
+      if (m.grad().defined()) {
+        auto acc = m.grad();
+        backend::binary_same(acc, gf, acc, backend::fn::Add{});
+        acc.bump_version();
+      } else {
+        m.set_grad(gf);
+      }
+      t.set_grad({});
+    });
   }
 
   /// Writes each master into its 16-bit parameter, rounded once.
   void master_to_model() {
-    NoGradGuard no_grad;
-    for (std::size_t i = 0; i < model_.size(); ++i) {
-      if (!is_copy(i)) continue;
-      model_[i].visit([&](const auto& t) {
-        using T = typename std::decay_t<decltype(t)>::value_type;
-        if constexpr (is_reduced_floating_v<T>) {
-          backend::convert(t, master_[i].as<float>());
-          t.bump_version();
-        }
-      });
-    }
+    for_each_copy([](const auto& t, const Tensor<float>& m) {
+      backend::convert(t, m);
+      t.bump_version();
+    });
   }
 
   /// grads_to_master(), opt.step(), master_to_model(): `opt` must step parameters() (or of()).
@@ -140,6 +125,19 @@ class MasterWeights {
   bool is_copy(std::size_t i) const { return model_.at(i).impl_key() != master_.at(i).impl_key(); }
 
  private:
+  /// f(16-bit parameter, its float32 master) for each parameter that has a copy, no grad mode.
+  template <class F>
+  void for_each_copy(F&& f) {
+    NoGradGuard no_grad;
+    for (std::size_t i = 0; i < model_.size(); ++i) {
+      if (!is_copy(i)) continue;
+      model_[i].visit([&](const auto& t) {
+        using T = typename std::decay_t<decltype(t)>::value_type;
+        if constexpr (is_reduced_floating_v<T>) f(t, master_[i].as<float>());
+      });
+    }
+  }
+
   std::vector<AnyTensor> model_;   // the model's parameters
   std::vector<AnyTensor> master_;  // their masters (the parameter itself where it is not 16-bit)
 };
