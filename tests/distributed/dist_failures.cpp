@@ -5,6 +5,8 @@
 //   dist_failures kill      the last rank SIGKILLs itself during DDP training; the job must end
 //   dist_failures throw     the last rank throws inside backward; the job must end (well before
 //                           the watchdog's timeout)
+//   dist_failures shutdown  the last rank never reaches the exit barrier; the others'
+//                           dist::shutdown() must throw a chorus::Error saying so within the timeout
 //
 // The expectations on the job as a whole (a non-zero exit status, in time) are checked by
 // expect_job_failure.sh; this program prints "watchdog ok" where a rank saw what it should.
@@ -112,9 +114,35 @@ int main(int argc, char** argv) try {
       return 4;  // the collective failed, as it should have: a failed job either way
     }
   }
+  if (mode == "shutdown") {
+    if (rank == last) {  // busy elsewhere: never meets the others at the exit barrier in time
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+      return 0;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      dist::shutdown();
+      std::printf("rank %d: shutdown reported success without the last rank\n", rank);
+      return 1;
+    } catch (const Error& e) {
+      const double s = seconds_since(start);
+      const std::string msg = e.what();
+      std::printf("rank %d: after %.1f s: %s\n", rank, s, msg.c_str());
+      const bool named = msg.find("shutdown on rank") != std::string::npos && msg.find("barrier") != std::string::npos;
+      bool idempotent = true;  // a second call neither throws nor waits again
+      try {
+        dist::shutdown();
+      } catch (const Error&) {
+        idempotent = false;
+      }
+      if (named && idempotent && s < 3 + 5) std::printf("shutdown ok\n");
+      std::fflush(stdout);
+      return 4;
+    }
+  }
   if (mode == "kill") return train(last, true);
   if (mode == "throw") return train(last, false);
-  std::printf("usage: dist_failures watchdog|kill|throw\n");
+  std::printf("usage: dist_failures watchdog|kill|throw|shutdown\n");
   return 2;
 } catch (const std::exception& e) {
   std::printf("rank %d: error: %s\n", chorus::dist::is_initialized() ? chorus::dist::rank() : -1, e.what());

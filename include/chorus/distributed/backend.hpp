@@ -19,6 +19,7 @@
 // At exit, shutdown() first meets the other ranks in a barrier on a second private
 // communicator; a rank that gets no answer within the timeout (the others are stuck in a
 // collective that this rank left, say after an exception) also exits without MPI_Finalize.
+// An explicit dist::shutdown() that leaves this way throws a chorus::Error saying why.
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>

@@ -249,17 +249,21 @@ class MpiBackend final : public Backend {
   }
 
   /// The first half of leaving (Note [watchdog]): meets the other ranks within the timeout and
-  /// stops the communication thread. Returns false when MPI must not be finalised.
-  bool leave() {
+  /// stops the communication thread. Returns why MPI must not be finalised (empty: a clean leave).
+  std::string leave() {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) {  // the program finalised MPI itself (it should have called dist::shutdown() first)
       comm_thread_->stop();
       finalized_by_program_ = true;
-      return false;
+      return "MPI was finalised before dist::shutdown()";
     }
-    bool clean = !state_.broken() && comm_thread_->pending() == 0;
-    if (clean && state_.world > 1) {
+    std::string why;
+    if (state_.broken()) {
+      why = "the process group is broken (" + state_.broken_reason() + ")";
+    } else if (const auto pending = comm_thread_->pending(); pending != 0) {
+      why = std::to_string(pending) + " collective(s) still in flight";
+    } else if (state_.world > 1) {
       // Note [watchdog]: a barrier on a communicator nothing else uses, so that it cannot be
       // confused with a collective some other rank is still stuck in.
       auto work = std::make_shared<Work>("shutdown barrier");
@@ -267,12 +271,12 @@ class MpiBackend final : public Backend {
       comm_thread_->submit([comm = exit_comm_](MPI_Request* r) { return MPI_Ibarrier(comm, r); }, work);
       try {
         work->wait(state_.timeout);
-      } catch (const Error&) {
-        clean = false;
+      } catch (const Error& e) {
+        why = e.what();
       }
     }
     comm_thread_->stop();
-    return clean;
+    return why;
   }
   /// The second half: frees the communicators and finalises MPI if chorus initialised it.
   void finalize(bool clean) {

@@ -48,7 +48,7 @@ class ProcessGroup {
     // World of 1, nothing to talk to.
   }
 
-  ~ProcessGroup() { shutdown(); }
+  ~ProcessGroup() { (void)leave(); }  // at exit: a failed leave has already skipped MPI_Finalize
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
 
@@ -144,18 +144,15 @@ class ProcessGroup {
   bool broken() const { return state_.broken(); }
 
   /// Leaves the group: meets the other ranks (within the timeout), stops the communication
-  /// thread, frees the communicators and finalises MPI if chorus initialised it. Called at exit.
+  /// thread, frees the communicators and finalises MPI if chorus initialised it (also done at
+  /// exit). Throws a chorus::Error when the leave was not clean (the group broken, a collective
+  /// still in flight, or another rank not reaching the exit barrier within the timeout): MPI is
+  /// then left unfinalised, so that the launcher ends the job with a failure (Note [watchdog]).
+  /// A second call does nothing.
   void shutdown() {
-    if (shut_down_) return;
-    shut_down_ = true;
-#if CHORUS_DIST_MPI
-    if (!mpi_) return;
-    const bool clean = mpi_->leave();
-#if CHORUS_CUDA
-    nccl_.reset();
-#endif
-    mpi_->finalize(clean);
-#endif
+    const auto why = leave();
+    CHORUS_CHECK(why.empty(), "dist: shutdown on rank ", state_.rank, " failed: ", why,
+                 "; MPI was not finalised, so that the launcher ends the job");
   }
 
 #if CHORUS_DIST_MPI
@@ -177,6 +174,29 @@ class ProcessGroup {
   }
 
  private:
+  /// shutdown() without the exception: why the leave was not clean (empty when it was, or when
+  /// the group was left before).
+  std::string leave() noexcept {
+    if (shut_down_) return {};
+    shut_down_ = true;
+#if CHORUS_DIST_MPI
+    if (!mpi_) return {};
+    std::string why;
+    try {
+      why = mpi_->leave();
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
+#if CHORUS_CUDA
+    nccl_.reset();
+#endif
+    mpi_->finalize(why.empty());
+    return why;
+#else
+    return {};
+#endif
+  }
+
   template <class T>
   void check_tensor(const Tensor<T>& t, const std::string& what) const {
     check_usable(what);
