@@ -6,3 +6,4 @@
 #include "distributed/ddp.hpp"
 #include "distributed/process_group.hpp"
 #include "distributed/sampler.hpp"
+#include "distributed/zero_redundancy_optimizer.hpp"

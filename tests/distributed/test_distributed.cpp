@@ -437,33 +437,6 @@ TEST(Ddp, MismatchedModelsAreRefused) {
   pg().barrier();  // the group is still usable
 }
 
-// Without a process-group StatsReducer, SyncBatchNorm under DDP would normalise each rank's
-// batch alone: refused in training, while eval (running statistics) works.
-TEST(Ddp, SyncBatchNormIsRefusedAcrossProcesses) {
-  struct WithSyncBn : nn::Module {
-    nn::LinearT<double> fc;
-    nn::SyncBatchNormT<double> bn;
-    WithSyncBn() : fc(register_module("fc", nn::LinearT<double>(4, 3))), bn(register_module("bn", nn::SyncBatchNormT<double>(3))) {}
-    Tensor<double> forward(const Tensor<double>& x) { return bn(fc(x)); }
-  };
-  DistributedDataParallel<WithSyncBn> ddp(WithSyncBn{});
-  auto x = randn<double>({4, 4});
-  if (pg().world_size() == 1) {
-    EXPECT_EQ(ddp(x).shape(), (Shape{4, 3}));  // one process: a SyncBatchNorm is a BatchNorm
-  } else {
-    try {
-      ddp(x);
-      FAIL() << "expected an error";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("SyncBatchNorm"), std::string::npos) << e.what();
-    }
-  }
-  ddp.module().eval();
-  NoGradGuard g;
-  EXPECT_EQ(ddp(x).shape(), (Shape{4, 3}));
-  pg().barrier();  // the group is still usable
-}
-
 TEST(Ddp, RankZeroSavesThePlainModuleFile) {
   manual_seed(4);
   DistributedDataParallel<Mlp<float>> ddp(Mlp<float>(5, 8, 3));

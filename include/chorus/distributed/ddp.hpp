@@ -5,6 +5,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <unordered_set>
@@ -14,6 +15,7 @@
 #include "../parallel/data_parallel.hpp"
 #include "process_group.hpp"
 #include "reducer.hpp"
+#include "stats_reducer.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 
@@ -66,14 +68,12 @@ class DistributedDataParallel {
   template <class... Args>
   auto forward(Args&&... args) {
     group_.check_usable("DistributedDataParallel::forward");
-    // SyncBatchNorm's statistics are reduced across DataParallel replicas through a StatsReducer
-    // (Note [statistics reducer]); no process-group reducer exists yet, and without one each
-    // rank would silently normalise by its own batch only. Refuse rather than train wrongly.
-    CHORUS_CHECK(group_.world_size() == 1 || !nn::module_of(module_).is_training() ||
-                     !nn::module_of(module_).any_meets_other_replicas(),
-                 "DistributedDataParallel: the module holds a SyncBatchNorm, whose statistics are not yet reduced "
-                 "across processes (each of the ", group_.world_size(),
-                 " ranks would normalise by its own batch only); use BatchNorm, or DataParallel within one process");
+    // A SyncBatchNorm normalises by the statistics of every rank's batch (Note [process
+    // statistics reducer]).
+    std::optional<StatsReducerScope> sync_bn;
+    if (group_.world_size() > 1 && nn::module_of(module_).is_training() &&
+        nn::module_of(module_).any_meets_other_replicas())
+      sync_bn.emplace(std::make_shared<dist::detail::ProcessStatsReducer>(group_));
     if (options_.broadcast_buffers && group_.world_size() > 1) {
       auto& root = nn::module_of(module_);
       sync_from_rank0({}, root.named_buffers(), /*buffers_only=*/true);

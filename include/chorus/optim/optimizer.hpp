@@ -86,12 +86,13 @@ class Optimizer {
 
   /// Per-parameter state: for parameter i, named tensors (momentum_buffer, exp_avg, …).
   /// Scalars such as Adam's step are one-element float64 tensors, so all state is tensors.
+  /// (Virtual: a sharded optimizer holds only its shard and gathers the rest on request.)
   using State = std::map<std::string, AnyTensor>;
-  const std::vector<State>& state() const { return state_; }
+  virtual const std::vector<State>& state() const { return state_; }
 
   /// Replaces the state (for checkpoints): one entry per parameter, each tensor matching
   /// what step() would create. Throws without changing anything when it does not fit.
-  void load_state(std::vector<State> state) {
+  virtual void load_state(std::vector<State> state) {
     CHORUS_CHECK(state.size() == params_.size(), "optimizer state has ", state.size(), " entries for ",
                  params_.size(), " parameters");
     for (std::size_t i = 0; i < state.size(); ++i) validate_state(i, state[i]);
@@ -194,6 +195,7 @@ namespace detail {
 template <class Options>
 class GroupedOptimizer : public Optimizer {
  public:
+  using options_type = Options;
   /// The options of a group (group 0 is the only one of an optimizer built from one list).
   Options& options(std::size_t group = 0) { return options_.at(group); }
   const Options& options(std::size_t group = 0) const { return options_.at(group); }
