@@ -323,3 +323,104 @@ TEST(DataParallel, ATensorThatChangedShapeIsRefused) {
   EXPECT_TRUE(throws_with([&] { dp(randn<float>({4, 6})); },
                           {"parameter 'fc1.weight' has shape [32, 6] but had shape [16, 6]", "build a new DataParallel"}));
 }
+
+// Issue 20 item 2: losses computed on the replicas (forward_loss, the "DataParallelCriterion"
+// PyTorch users write by hand) equal the loss of the gathered outputs, with the same gradients,
+// threaded and inline (Note [inline small steps]), for a mean and a sum reduction and for an
+// integer target (cross_entropy).
+namespace {
+struct Classifier : nn::Module {
+  nn::LinearT<double> fc1, fc2;
+  Classifier(int in, int hidden, int classes)
+      : fc1(register_module("fc1", nn::LinearT<double>(in, hidden))),
+        fc2(register_module("fc2", nn::LinearT<double>(hidden, classes))) {}
+  Tensor<double> forward(const Tensor<double>& x) { return fc2(relu(fc1(x))); }
+};
+}  // namespace
+
+TEST(DataParallel, ForwardLossEqualsTheLossOfTheGatheredOutputs) {
+  const auto mse = [](const Tensor<double>& out, const Tensor<double>& y) { return nn::functional::mse_loss(out, y); };
+  const auto mse_sum = [](const Tensor<double>& out, const Tensor<double>& y) {
+    return nn::functional::mse_loss(out, y, Reduction::Sum);
+  };
+  const auto ce = [](const Tensor<double>& out, const Tensor<std::int64_t>& y) {
+    return nn::functional::cross_entropy(out, y);
+  };
+  for (int k : {1, 2, 3, 8})
+    for (std::int64_t inline_work : {std::int64_t{0}, std::int64_t{1} << 30}) {
+      const std::string what = std::to_string(k) + " device(s), " + (inline_work ? "inline" : "threaded");
+      manual_seed(31);
+      Net<double> reference;
+      DataParallel<Net<double>> dp(nn::clone(reference, Device::cpu(0)), cpus(k));
+      dp.set_inline_work(inline_work);
+      auto x = randn<double>({10, 6}), y = randn<double>({10, 3});  // 3 devices: 4, 4, 2 rows
+      for (bool sum : {false, true}) {
+        reference.zero_grad();
+        auto want = nn::functional::mse_loss(reference.forward(x), y, sum ? Reduction::Sum : Reduction::Mean);
+        want.backward();
+        dp.zero_grad();
+        auto got = sum ? dp.forward_loss(mse_sum, x, y, Reduction::Sum) : dp.forward_loss(mse, x, y);
+        EXPECT_EQ(got.dim(), 0) << what;
+        EXPECT_EQ(got.device(), Device::cpu(0)) << what;
+        EXPECT_NEAR(got.item(), want.item(), 1e-12 * std::abs(want.item())) << what << (sum ? ", sum" : ", mean");
+        got.backward();
+        expect_grads_equal<double>(dp.module(), reference, 1e-12, what);
+      }
+      manual_seed(32);
+      Classifier cref(6, 8, 5);
+      DataParallel<Classifier> cdp(nn::clone(cref, Device::cpu(0)), cpus(k));
+      cdp.set_inline_work(inline_work);
+      auto labels = from_vector<std::int64_t>({0, 4, 2, 1, 3, 3, 0, 1, 2, 4});
+      auto want = nn::functional::cross_entropy(cref.forward(x), labels);
+      want.backward();
+      auto got = cdp.forward_loss(ce, x, labels);
+      EXPECT_NEAR(got.item(), want.item(), 1e-12 * std::abs(want.item())) << what << ", cross_entropy";
+      got.backward();
+      expect_grads_equal<double>(cdp.module(), cref, 1e-12, what + ", cross_entropy");
+    }
+}
+
+TEST(DataParallel, ForwardLossRefusesWhatCannotCombine) {
+  DataParallel<Net<double>> dp(Net<double>(), cpus(2));
+  auto x = randn<double>({4, 6}), y = randn<double>({4, 3});
+  const auto per_element = [](const Tensor<double>& out, const Tensor<double>& t) {
+    return nn::functional::mse_loss(out, t, Reduction::None);
+  };
+  EXPECT_TRUE(throws_with([&] { dp.forward_loss(per_element, x, y); }, {"must return one value", "replica 0", "[2, 3]"}));
+  EXPECT_TRUE(throws_with([&] { dp.forward_loss(per_element, x, y, Reduction::None); }, {"Reduction::Mean", "not None"}));
+  EXPECT_TRUE(throws_with([&] { dp.forward_loss(per_element, x, randn<double>({3, 3})); }, {"argument 1"}));
+}
+
+// The point of losses on the replicas: with large outputs (logits over many classes), the
+// gathered path makes the primary hold the whole batch's outputs, their softmax and their
+// gradient besides its own chunk's; forward_loss keeps its peak within 1.2x of another device's.
+TEST(DataParallel, ForwardLossKeepsThePrimarysPeakMemoryNearTheOthers) {
+  const auto devices = cpus(2);
+  manual_seed(33);
+  DataParallel<Classifier> dp(Classifier(8, 16, 4096), devices);
+  dp.set_inline_work(0);
+  auto x = randn<double>({256, 8});
+  std::vector<std::int64_t> ls;
+  for (int i = 0; i < 256; ++i) ls.push_back(i * 37 % 4096);
+  auto labels = from_vector(ls);
+  const auto ce = [](const Tensor<double>& out, const Tensor<std::int64_t>& y) {
+    return nn::functional::cross_entropy(out, y);
+  };
+  auto peaks = [&](auto&& step) {
+    dp.zero_grad();
+    for (auto d : devices) allocator_of(d).reset_peak();
+    std::vector<std::int64_t> base;
+    for (auto d : devices) base.push_back(memory_stats(d).allocated);
+    step();
+    std::vector<double> out;
+    for (std::size_t r = 0; r < devices.size(); ++r)
+      out.push_back(static_cast<double>(memory_stats(devices[r]).peak_allocated - base[r]));
+    return out;
+  };
+  const auto gathered = peaks([&] { nn::functional::cross_entropy(dp(x), labels).backward(); });
+  const auto replicas = peaks([&] { dp.forward_loss(ce, x, labels).backward(); });
+  // The test can tell: the gathered path loads the primary (its outputs alone are 8 MB here).
+  EXPECT_GT(gathered[0], 1.5 * gathered[1]) << gathered[0] << " vs " << gathered[1];
+  EXPECT_LE(replicas[0], 1.2 * replicas[1]) << replicas[0] << " vs " << replicas[1];
+  EXPECT_GT(replicas[1], 0.0);
+}

@@ -53,6 +53,17 @@ decltype(auto) call_forward(M& m, Args&&... args) {
   }
 }
 
+/// A replica's module and a criterion as one forward (DataParallel::forward_loss).
+template <class Module, class Criterion>
+struct WithCriterion {
+  Module& module;
+  Criterion& criterion;
+  template <class Input, class Target>
+  decltype(auto) forward(Input&& input, Target&& target) {
+    return criterion(call_forward(module, std::forward<Input>(input)), std::forward<Target>(target));
+  }
+};
+
 /// The communicator for a device list: copies for CPU devices and repeated GPUs; the CUDA
 /// backend overrides this for distinct GPUs (see backend/cuda/nccl.hpp).
 inline std::shared_ptr<Communicator> make_communicator(const std::vector<Device>& devices,
@@ -158,10 +169,33 @@ class DataParallel {
     const InUse in_use(in_forward_);  // Note [DataParallel threads]
     if (!replicator_) install(build(devices_));  // the module was elsewhere at construction
     if constexpr (sizeof...(Args) == 0) {
-      return forward_on_primary();
+      return forward_on_primary(Gathered{});
     } else {
-      return forward_split(args...);
+      return forward_split(Gathered{}, args...);
     }
+  }
+
+  /// Runs `criterion(forward(input), target)` on each replica's device and returns the whole
+  /// batch's loss on the output device (the "DataParallelCriterion" PyTorch users write): the
+  /// input and the target are split along their scatter dims (the target is argument 1), and only
+  /// the per-replica losses, one value each, travel to the output device, where they combine
+  /// (Reduction::Mean: weighted by each replica's share of the rows, for a criterion that
+  /// averages over its rows as the default mse_loss and cross_entropy do; Reduction::Sum: added).
+  /// The outputs are never gathered, so the primary device holds its own chunk's only. The
+  /// criterion is called on the replicas' threads at once: it must not write shared state.
+  template <class Criterion, class Input, class Target>
+  auto forward_loss(Criterion&& criterion, const Input& input, const Target& target,
+                    Reduction reduction = Reduction::Mean) {
+    parallel::detail::check_argument<Input>();
+    parallel::detail::check_argument<Target>();
+    CHORUS_CHECK(reduction != Reduction::None, "DataParallel::forward_loss: the replicas' losses combine by "
+                                               "Reduction::Mean or Reduction::Sum, not None");
+    parallel::detail::check_dims_fit("DataParallel::forward_loss", "scatter_dims", scatter_dims_.size(), 2,
+                                     "arguments (input, target)");
+    check_not_nested();
+    const InUse in_use(in_forward_);  // Note [DataParallel threads]
+    if (!replicator_) install(build(devices_));
+    return forward_split(WithLoss<std::remove_reference_t<Criterion>>{criterion, reduction}, input, target);
   }
 
   template <class... Args>
@@ -170,26 +204,56 @@ class DataParallel {
   }
 
  private:
-  template <class... Args>
-  auto forward_on_primary(const Args&... args) {
-    using R = decltype(parallel::detail::call_forward(module_, parallel::detail::move_part(args, devices_[0])...));
+  // What a forward makes of the replicas' results: forward() gathers their outputs;
+  // forward_loss() runs the criterion in each replica and combines the losses.
+  struct Gathered {
+    template <class Module>
+    Module& wrap(Module& m) const {
+      return m;
+    }
+    template <class R>
+    R finish(const DataParallel& dp, std::vector<R>& outs, const parallel::ChunkPlan&) const {
+      return dp.gather_outputs(outs);
+    }
+  };
+  template <class Criterion>
+  struct WithLoss {
+    Criterion& criterion;
+    Reduction reduction;
+    template <class Module>
+    parallel::detail::WithCriterion<Module, Criterion> wrap(Module& m) const {
+      return {m, criterion};
+    }
+    template <class R>
+    R finish(const DataParallel& dp, std::vector<R>& losses, const parallel::ChunkPlan& plan) const {
+      static_assert(parallel::detail::is_tensor_v<R>, "DataParallel::forward_loss: the criterion must return a tensor");
+      const std::int64_t batch = plan.offsets.back() + plan.sizes.back();
+      return parallel::detail::combine_losses(losses, plan.sizes, batch, reduction, dp.output_device_);
+    }
+  };
+  template <class How, class... Args>
+  auto forward_on_primary(const How& how, const Args&... args) {
+    auto&& m = how.wrap(module_);
+    using R = decltype(parallel::detail::call_forward(m, parallel::detail::move_part(args, devices_[0])...));
     check_output<R>();
     replicator_->prepare(1);
-    return to_output(on_primary(
-        [&] { return parallel::detail::call_forward(module_, parallel::detail::move_part(args, devices_[0])...); }));
+    return to_output(
+        on_primary([&] { return parallel::detail::call_forward(m, parallel::detail::move_part(args, devices_[0])...); }));
   }
 
-  template <class... Args>
-  auto forward_split(const Args&... args) {
+  template <class How, class... Args>
+  auto forward_split(const How& how, const Args&... args) {
     const auto split = split_size(args...);
     const std::int64_t batch = split.batch;
     // Passthrough (one device) and a call without tensors to split (PyTorch's zero inputs): once, on the primary.
-    if (devices_.size() == 1 || batch < 0) return forward_on_primary(args...);
-    using R = std::remove_cvref_t<decltype(call_replica(module_, std::declval<const parallel::ChunkPlan&>(), 0, args...))>;
+    if (devices_.size() == 1 || batch < 0) return forward_on_primary(how, args...);
+    using W = std::remove_reference_t<decltype(how.wrap(module_))>;  // M, or M with the criterion
+    using R = std::remove_cvref_t<decltype(call_replica(std::declval<W&>(), std::declval<const parallel::ChunkPlan&>(), 0,
+                                                        args...))>;
     check_output<R>();
     random_dim_ = split.dim;
     const auto plan = parallel::plan_chunks(batch, devices_.size());
-    if (runs_on_caller(plan, batch, args...)) return forward_on_caller<R>(plan, args...);
+    if (runs_on_caller(plan, batch, args...)) return forward_on_caller<R>(how, plan, args...);
     if (devices_[0].is_cuda()) {  // replica streams start after the work issued so far (inputs, optimizer step)
       Event fork;
       fork.record(current_stream(devices_[0]));
@@ -208,14 +272,15 @@ class DataParallel {
       StatsReducerScope sync(stats->member(static_cast<int>(r)));
       ReplicaRandomScope rs(random, static_cast<int>(r), random_dim_, plan.offsets[r], plan.sizes[r], batch);
       try {
-        return call_replica(*modules[r], plan, r, args...);
+        auto&& m = how.wrap(*modules[r]);
+        return call_replica(m, plan, r, args...);
       } catch (...) {
         stats->cancel(static_cast<int>(r));  // the others stop waiting for it (Note [cancelled reductions])
         throw;
       }
     });
     replicator_->check_parameters_unwritten(versions);
-    return gather_outputs(outs);
+    return how.finish(*this, outs, plan);
   }
 
  public:
@@ -480,8 +545,8 @@ class DataParallel {
     return work <= inline_work_;
   }
 
-  template <class R, class... Args>
-  R forward_on_caller(const parallel::ChunkPlan& plan, const Args&... args) {
+  template <class R, class How, class... Args>
+  R forward_on_caller(const How& how, const parallel::ChunkPlan& plan, const Args&... args) {
     auto modules = replicator_->prepare(plan.used(), /*on_caller=*/true);
     const auto versions = replicator_->aliased_versions();
     std::vector<R> outs;
@@ -494,13 +559,14 @@ class DataParallel {
       if (r > 0) on_stream.emplace(*streams_[r]);
       autograd::ReplicaGuard rg(static_cast<int>(r));  // its nodes name the replica in backward errors
       try {
-        outs.push_back(call_replica(*modules[r], plan, r, args...));
+        auto&& m = how.wrap(*modules[r]);
+        outs.push_back(call_replica(m, plan, r, args...));
       } catch (...) {
         parallel::detail::rethrow_in_replica(std::current_exception(), r, devices_[r]);
       }
     }
     replicator_->check_parameters_unwritten(versions);
-    return gather_outputs(outs);
+    return how.finish(*this, outs, plan);
   }
 
   // Note [buffers written in forward]

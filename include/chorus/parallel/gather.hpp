@@ -88,6 +88,30 @@ Tensor<T> gather(const std::vector<Tensor<T>>& parts, std::int64_t dim, Device d
 
 namespace detail {
 
+/// The whole batch's loss from the replicas' losses (one value each, replica r over `rows[r]`
+/// of `batch` rows) on `device`: Reduction::Mean weights each by its share of the rows (the
+/// mean of a criterion that averages over its rows), Reduction::Sum adds them. Differentiable:
+/// one gather of the scalars, then a weighted sum on `device`.
+template <class T>
+Tensor<T> combine_losses(const std::vector<Tensor<T>>& losses, const std::vector<std::int64_t>& rows,
+                         std::int64_t batch, Reduction reduction, Device device) {
+  CHORUS_CHECK(reduction != Reduction::None, "combine_losses: the replicas' losses combine by Reduction::Mean or "
+                                             "Reduction::Sum, not None");
+  std::vector<Tensor<T>> scalars;
+  for (std::size_t r = 0; r < losses.size(); ++r) {
+    CHORUS_CHECK(losses[r].defined() && losses[r].numel() == 1, "DataParallel::forward_loss: the criterion returned ",
+                 losses[r].defined() ? "a tensor of shape " + losses[r].shape().str() : std::string("an undefined tensor"),
+                 " in replica ", r, "; it must return one value (a reduced loss)");
+    scalars.push_back(losses[r].dim() == 0 ? losses[r] : losses[r].reshape(Shape{}));
+  }
+  auto all = gather(scalars, 0, device);
+  if (reduction == Reduction::Sum) return sum(all);
+  std::vector<T> share;
+  for (std::size_t r = 0; r < losses.size(); ++r)
+    share.push_back(static_cast<T>(static_cast<double>(rows[r]) / static_cast<double>(batch)));
+  return sum(mul(all, from_vector(share, device)));
+}
+
 /// Joins the replicas' values of one output (`parts`, one per replica) found at `path`.
 template <class X>
 X gather_nested(const std::vector<X>& parts, std::int64_t dim, Device device, const LeafPath& path) {
