@@ -143,6 +143,16 @@ class Optimizer {
   template <class F>
   void for_each_with_grad(F&& f) {
     NoGradGuard g;
+    check_grads();
+    with_grads([&](std::size_t i, auto& p, auto&) { follow_parameter(state_[i], p.device()); });
+    with_grads([&](std::size_t i, auto& p, auto& grad) {
+      f(p, grad, state_[i], group_of_[i]);
+      p.bump_version();  // an in-place update (Note [version counter])
+    });
+  }
+
+  /// Throws, naming the parameter, when a gradient cannot be stepped with (before any update).
+  void check_grads() {
     with_grads([](std::size_t i, auto& p, auto& grad) {
       CHORUS_CHECK(p.is_contiguous() && grad.is_contiguous(), "optimizer: parameter ", i,
                    " or its gradient is not contiguous");
@@ -150,11 +160,6 @@ class Optimizer {
                    ", the parameter has shape ", p.shape());
       CHORUS_CHECK(grad.device() == p.device(), "optimizer: gradient of parameter ", i, " is on ", grad.device(),
                    ", the parameter on ", p.device());
-    });
-    with_grads([&](std::size_t i, auto& p, auto&) { follow_parameter(state_[i], p.device()); });
-    with_grads([&](std::size_t i, auto& p, auto& grad) {
-      f(p, grad, state_[i], group_of_[i]);
-      p.bump_version();  // an in-place update (Note [version counter])
     });
   }
 

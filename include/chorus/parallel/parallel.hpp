@@ -11,4 +11,5 @@
 #include "parallel_apply.hpp"
 #include "replicate.hpp"
 #include "scatter.hpp"
+#include "sharded_optimizer.hpp"
 #include "stats_reducer.hpp"

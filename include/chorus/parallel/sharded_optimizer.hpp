@@ -1,0 +1,250 @@
+#pragma once
+// ShardedOptimizer: a DataParallel's optimizer step sharded over its devices (ZeRO stage 1 in one
+// process): each device keeps the optimizer state of its shard of the parameters and steps that
+// shard on its own worker, at the same time as the others.
+//
+// Note [sharded optimizer step]
+// - Shards: the parameters in the optimizer's order (a DataParallel's: its flat buffers' order),
+//   cut at parameter boundaries into `devices.size()` contiguous runs of about equal element
+//   counts (a parameter goes to the run its middle element falls in), each non-empty while
+//   there are parameters enough. Shard r belongs to devices[r].
+// - The gradients are the primary's, summed there by DataParallel's backward; clip_grad_norm_
+//   over dp.parameters() before step() therefore clips by the global norm, as unsharded.
+// - Shard r's optimizer (an O over the shard, with every group's options) steps handles on
+//   devices[r], so its state (momentum, Adam's moments) is made and kept on devices[r]
+//   (Note [optimizer state follows the parameters]). On CPU devices a handle is a host alias of
+//   the primary's parameter and its gradient (Note [host aliases]): the update writes the
+//   primary's memory in place and nothing is copied. On GPUs a handle is a copy on devices[r]:
+//   the shard's gradients and parameters are copied there on its stream (after the primary's
+//   work so far), stepped, and the parameters copied back (ordered before the caller's later
+//   work: parallel_apply joins the streams); the replicas get them at the next forward's
+//   broadcast, as after an unsharded step.
+// - The same elementwise updates on the same numbers: results are the unsharded optimizer's,
+//   bit for bit. Every gradient is checked before any shard steps (no half steps).
+// - state() collects the shards' entries (the shards' own tensors, on their devices) in the
+//   plain optimizer's layout, so io::save writes the plain optimizer's file; load_state (io::load)
+//   hands each shard its entries.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../optim/optimizer.hpp"
+#include "comm.hpp"
+#include "data_parallel.hpp"
+#include "parallel_apply.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace parallel {
+
+/// The optimizer O with its step sharded over a DataParallel's devices (Note [sharded optimizer
+/// step]): `parallel::ShardedOptimizer<optim::Adam> opt(dp, {.lr = 1e-3})`, then zero_grad,
+/// backward and step as with the plain optimizer. Schedulers, clip_grad_norm_ and io::save /
+/// io::load work on it as on O.
+template <class O>
+class ShardedOptimizer final : public optim::Optimizer {
+ public:
+  using Options = typename O::options_type;
+
+  /// Over a DataParallel's parameters and devices.
+  template <class M>
+  ShardedOptimizer(const DataParallel<M>& dp, Options options)
+      : ShardedOptimizer(dp.parameters(), options, dp.devices()) {}
+  /// Over parameters (or parameter groups) that live on devices[0], sharded over `devices`
+  /// (a DataParallel's: `ShardedOptimizer<optim::AdamW> opt(groups, dp.devices())`).
+  ShardedOptimizer(std::vector<AnyTensor> params, Options options, std::vector<Device> devices)
+      : ShardedOptimizer(std::vector<optim::ParamGroup<Options>>{{std::move(params), options}}, std::move(devices)) {}
+  ShardedOptimizer(std::vector<optim::ParamGroup<Options>> groups, std::vector<Device> devices)
+      : Optimizer(params_of(groups)), devices_(std::move(devices)) {
+    CHORUS_CHECK(!devices_.empty(), "ShardedOptimizer: no devices");
+    for (auto d : devices_) check_device(d);
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      CHORUS_CHECK(params_[i].device() == devices_[0], "ShardedOptimizer: parameter ", i, " is on ",
+                   params_[i].device(), ", not on the primary device ", devices_[0]);
+    partition();
+    for (std::size_t r = 1; r < devices_.size(); ++r) {
+      int slot = 0;  // DataParallel's streams (and workers) for the same device list
+      for (std::size_t q = 0; q < r; ++q) slot += devices_[q] == devices_[r];
+      streams_.push_back(&get_stream(devices_[r], slot));
+    }
+    handles_.resize(params_.size());
+    shards_.resize(devices_.size());
+    for (std::size_t r = 0; r < devices_.size(); ++r) {
+      if (members_[r].empty()) continue;
+      std::vector<optim::ParamGroup<Options>> mine;
+      for (const auto& g : groups) mine.push_back({{}, g.options});
+      for (auto i : members_[r]) {
+        handles_[i] = r == 0 ? params_[i] : make_handle(params_[i], devices_[r]);
+        mine[group_of(i)].params.push_back(handles_[i]);
+      }
+      shards_[r] = std::make_unique<O>(std::move(mine));
+    }
+  }
+
+  /// Steps every shard on its device's worker, at once (shard 0 on the calling thread).
+  void step() override {
+    NoGradGuard g;
+    check_grads();  // all of them, before any shard moves
+    gathered_.clear();
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      CHORUS_CHECK(params_[i].device() == devices_[0], "ShardedOptimizer: parameter ", i, " is now on ",
+                   params_[i].device(), ", not on the primary device ", devices_[0],
+                   "; build the optimizer again for the new devices");
+    std::vector<Stream*> streams{&current_stream(devices_[0])};
+    streams.insert(streams.end(), streams_.begin(), streams_.end());
+    std::optional<Event> fork;  // GPU shards start after the primary's work so far (the gradients)
+    if (devices_[0].is_cuda()) {
+      fork.emplace();
+      fork->record(*streams[0]);
+    }
+    parallel_apply(streams, [&](std::size_t r) {
+      if (!shards_[r]) return 0;
+      NoGradGuard ng;
+      if (r > 0 && fork && devices_[r].is_cuda()) fork->block(*streams[r]);
+      if (r > 0) bring_to_shard(r);
+      shards_[r]->step();
+      if (r > 0) return_from_shard(r);
+      return 0;
+    });
+  }
+
+  /// The plain optimizer's state: parameter i's entries, from the shard that keeps them.
+  const std::vector<State>& state() const override {
+    gathered_.assign(params_.size(), State{});
+    for (std::size_t r = 0; r < shards_.size(); ++r)
+      for (std::size_t j = 0; j < members_[r].size(); ++j) gathered_[members_[r][j]] = shards_[r]->state()[j];
+    return gathered_;
+  }
+
+  /// Takes the whole state (io::load) and hands each shard its entries.
+  void load_state(std::vector<State> state) override {
+    CHORUS_CHECK(state.size() == params_.size(), "optimizer state has ", state.size(), " entries for ",
+                 params_.size(), " parameters");
+    for (std::size_t i = 0; i < state.size(); ++i) validate_state(i, state[i]);
+    for (std::size_t r = 0; r < shards_.size(); ++r) {
+      if (!shards_[r]) continue;
+      std::vector<State> mine;
+      for (auto i : members_[r]) mine.push_back(std::move(state[i]));
+      shards_[r]->load_state(std::move(mine));
+    }
+    gathered_.clear();
+  }
+
+  /// The device whose shard holds parameter i (an index into the devices).
+  std::size_t shard_of(std::size_t i) const { return shard_of_.at(i); }
+  const std::vector<Device>& devices() const { return devices_; }
+
+  double lr(std::size_t group) const override { return first().lr(group); }
+  void set_lr(std::size_t group, double lr) override {
+    for (auto& s : shards_)
+      if (s) s->set_lr(group, lr);
+  }
+  bool has_momentum() const override { return first().has_momentum(); }
+  double momentum(std::size_t group) const override { return first().momentum(group); }
+  void set_momentum(std::size_t group, double m) override {
+    for (auto& s : shards_)
+      if (s) s->set_momentum(group, m);
+  }
+  std::vector<std::string> state_keys() const override { return first().state_keys(); }
+  /// The plain optimizer's name: the checkpoint is the plain optimizer's file.
+  std::string name() const override { return first().name(); }
+
+ private:
+  static std::vector<std::vector<AnyTensor>> params_of(const std::vector<optim::ParamGroup<Options>>& groups) {
+    std::vector<std::vector<AnyTensor>> out;
+    for (const auto& g : groups) out.push_back(g.params);
+    return out;
+  }
+
+  void partition() {
+    const std::size_t k = devices_.size(), P = params_.size();
+    std::int64_t total = 0;
+    for (const auto& p : params_) total += p.numel();
+    members_.assign(k, {});
+    shard_of_.assign(P, 0);
+    std::size_t i = 0;
+    std::int64_t before = 0;
+    for (std::size_t r = 0; r < k; ++r) {
+      // Up to the r-th k-th of the elements (a parameter goes where its middle element falls;
+      // 2x to stay in integers), at least one parameter each while they last.
+      const std::int64_t bound = 2 * total * static_cast<std::int64_t>(r + 1);
+      const std::size_t leave = k - 1 - r;  // one parameter for each shard after this one
+      for (bool first = true; i < P; first = false) {
+        const std::int64_t n = params_[i].numel();
+        if (r + 1 < k && !first && ((2 * before + n) * static_cast<std::int64_t>(k) > bound || P - i <= leave)) break;
+        shard_of_[i] = r;
+        members_[r].push_back(i);
+        before += n;
+        ++i;
+      }
+    }
+  }
+
+  const O& first() const {
+    for (const auto& s : shards_)
+      if (s) return *s;
+    CHORUS_FAIL("ShardedOptimizer: no shard");  // unreachable: the parameter list is not empty
+  }
+
+  /// Shard r's handle of parameter p: a host alias on CPU devices, a copy on GPUs.
+  static AnyTensor make_handle(const AnyTensor& p, Device device) {
+    return p.visit([&](const auto& t) {
+      if (device.is_cpu() && t.device().is_cpu()) return AnyTensor(detail::host_alias(t, device));
+      return AnyTensor(t.detach().to(device));
+    });
+  }
+
+  /// Before shard r steps: its handles see the primary's current parameters and gradients.
+  void bring_to_shard(std::size_t r) {
+    for (auto i : members_[r]) {
+      params_[i].visit([&](const auto& p) {
+        using T = typename std::decay_t<decltype(p)>::value_type;
+        auto h = handles_[i].template as<T>();
+        auto grad = p.grad();
+        if (devices_[r].is_cpu() && p.device().is_cpu()) {
+          // Re-aliased every step: DataParallel::to may have given the parameter new memory.
+          h.impl()->storage = make_alias_storage(devices_[r], p.impl()->storage,
+                                                 static_cast<std::size_t>(p.storage_offset()) * sizeof(T),
+                                                 static_cast<std::size_t>(p.numel()) * sizeof(T));
+          h.set_grad(grad.defined() ? detail::host_alias(grad, devices_[r]) : Tensor<T>());
+        } else {
+          backend::copy(h, p);
+          if (!grad.defined()) {
+            h.set_grad(Tensor<T>());
+          } else {
+            auto hg = h.grad();
+            if (!hg.defined()) hg = Tensor<T>::empty(h.shape(), devices_[r]);
+            backend::copy(hg, grad);
+            h.set_grad(hg);
+          }
+        }
+      });
+    }
+  }
+
+  /// After shard r stepped: the primary's parameters hold the update (a copy back on GPUs).
+  void return_from_shard(std::size_t r) {
+    if (devices_[r].is_cpu() && devices_[0].is_cpu()) return;  // written in place through the aliases
+    for (auto i : members_[r])
+      params_[i].visit([&](const auto& p) {
+        using T = typename std::decay_t<decltype(p)>::value_type;
+        backend::copy(p, handles_[i].template as<T>());
+        p.bump_version();  // an in-place update (Note [version counter])
+      });
+  }
+
+  std::vector<Device> devices_;
+  std::vector<Stream*> streams_;                   // devices_[1 ...]'s
+  std::vector<std::size_t> shard_of_;              // shard_of_[i]: the shard of parameter i
+  std::vector<std::vector<std::size_t>> members_;  // members_[r]: shard r's parameters, in order
+  std::vector<AnyTensor> handles_;                 // what shard r's optimizer steps for parameter i
+  std::vector<std::unique_ptr<O>> shards_;         // null for a shard without parameters
+  mutable std::vector<State> gathered_;            // state()'s result
+};
+
+}  // namespace parallel
+
+namespace optim {
+using parallel::ShardedOptimizer;
+}
+
+CHORUS_NAMESPACE_END
