@@ -6,6 +6,7 @@
 //   chorus_bench [--threads 1,2] [--devices 1,2] [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar,lstm-lm,transformer-lm]
 //                [--rounds R (7)] [--repeats N (timed steps per round)] [--json FILE] [--peer LIBTORCH_BENCH]
 //                [--bf16]  (mlp-medium and transformer-lm also in bfloat16 with float32 master weights)
+//                [--sharded]  (DataParallel over k > 1 devices also with parallel::ShardedOptimizer)
 //
 // Workloads (see benchmarks/README.md): tutorial = Linear(5, 2) forward over 100 samples in
 // batches of 30, data on the host, time per epoch; mlp-small = 784-512-512-10 ReLU MLP,
@@ -86,6 +87,15 @@ struct Runner {
   std::vector<AnyTensor> parameters() const { return plain ? plain->parameters() : dp->parameters(); }
 };
 
+/// The workload's optimizer: O over the model's parameters, or (--sharded, through DataParallel)
+/// parallel::ShardedOptimizer<O>, the step sharded over the devices (Note [sharded optimizer step]).
+template <class O, class M>
+std::shared_ptr<optim::Optimizer> make_optimizer(const Runner<M>& model, typename O::options_type options,
+                                                 bool sharded) {
+  if (sharded && model.dp) return std::make_shared<parallel::ShardedOptimizer<O>>(*model.dp, options);
+  return std::make_shared<O>(model.parameters(), options);
+}
+
 /// One mixed-precision step (Note [the form of mixed precision]) of mlp-medium or transformer-lm:
 /// a bfloat16 model, the loss in float32, Adam/SGD over float32 master weights.
 std::function<void()> make_bf16_workload(const std::string& workload, const std::vector<Device>& devices) {
@@ -120,7 +130,8 @@ std::function<void()> make_bf16_workload(const std::string& workload, const std:
 }
 
 /// One step (or epoch, for the tutorial) of `workload`; the returned function runs it once.
-std::function<void()> make_workload(const std::string& workload, const std::vector<Device>& devices) {
+std::function<void()> make_workload(const std::string& workload, const std::vector<Device>& devices,
+                                    bool sharded = false) {
   if (workload == "tutorial") {
     auto model = std::make_shared<Runner<Tutorial>>(devices);
     auto loader = std::make_shared<data::DataLoader<data::TensorDataset<float, float>>>(
@@ -132,7 +143,7 @@ std::function<void()> make_workload(const std::string& workload, const std::vect
   }
   if (workload == "mlp-small") {
     auto model = std::make_shared<Runner<MlpSmall>>(devices);
-    auto opt = std::make_shared<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.01});
+    auto opt = make_optimizer<optim::SGD>(*model, {.lr = 0.01}, sharded);
     auto x = randn<float>({256, 784});
     auto y = randint(0, 10, {256});
     return [model, opt, x, y] {
@@ -144,7 +155,7 @@ std::function<void()> make_workload(const std::string& workload, const std::vect
   }
   if (workload == "mlp-medium") {
     auto model = std::make_shared<Runner<MlpMedium>>(devices);
-    auto opt = std::make_shared<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.01});
+    auto opt = make_optimizer<optim::SGD>(*model, {.lr = 0.01}, sharded);
     auto x = randn<float>({512, 1024});
     auto y = randn<float>({512, 1024});
     return [model, opt, x, y] {
@@ -156,7 +167,7 @@ std::function<void()> make_workload(const std::string& workload, const std::vect
   }
   if (workload == "resnet20-cifar") {
     auto model = std::make_shared<Runner<examples::ResNet20<float>>>(devices);
-    auto opt = std::make_shared<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.01, .momentum = 0.9});
+    auto opt = make_optimizer<optim::SGD>(*model, {.lr = 0.01, .momentum = 0.9}, sharded);
     auto x = randn<float>({128, 3, 32, 32});
     auto y = randint(0, 10, {128});
     return [model, opt, x, y] {
@@ -181,10 +192,10 @@ std::function<void()> make_workload(const std::string& workload, const std::vect
     };
     if (lstm) {
       auto model = std::make_shared<Runner<bench::LstmLm>>(devices);
-      return step(model, std::make_shared<optim::Adam>(model->parameters(), optim::AdamOptions{.lr = 1e-3}));
+      return step(model, make_optimizer<optim::Adam>(*model, {.lr = 1e-3}, sharded));
     }
     auto model = std::make_shared<Runner<bench::TransformerLm>>(devices);
-    return step(model, std::make_shared<optim::Adam>(model->parameters(), optim::AdamOptions{.lr = 1e-3}));
+    return step(model, make_optimizer<optim::Adam>(*model, {.lr = 1e-3}, sharded));
   }
   CHORUS_FAIL("unknown workload '", workload, "'");
 }
@@ -217,7 +228,7 @@ int main(int argc, char** argv) try {
   std::vector<int> threads = {1, 2}, devices = {1, 2};
   std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar", "lstm-lm", "transformer-lm"};
   int repeats = 0, rounds = 7;
-  bool bf16 = false;
+  bool bf16 = false, sharded = false;
   std::string json_path = "chorus_bench.json", peer;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -243,10 +254,12 @@ int main(int argc, char** argv) try {
       peer = next();
     } else if (a == "--bf16") {
       bf16 = true;
+    } else if (a == "--sharded") {
+      sharded = true;
     } else {
       std::cerr << "usage: chorus_bench [--threads 1,2] [--devices 1,2]"
                    " [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar,lstm-lm,transformer-lm]"
-                   " [--rounds R] [--repeats N] [--json FILE] [--peer LIBTORCH_BENCH] [--bf16]\n";
+                   " [--rounds R] [--repeats N] [--json FILE] [--peer LIBTORCH_BENCH] [--bf16] [--sharded]\n";
       return 2;
     }
   }
@@ -288,9 +301,10 @@ int main(int argc, char** argv) try {
     const int reps = repeats_for(w, repeats);
     std::vector<bench::Entry> mine, theirs;
     auto add = [&](std::string config, int ndev, int nthreads, int blas, const std::vector<Device>& devs,
-                   bool in_bf16 = false) {
+                   bool in_bf16 = false, bool in_shards = false) {
       backend::cpu::set_blas_threads(blas);
-      auto timed = std::make_shared<bench::Timed>(in_bf16 ? make_bf16_workload(w, devs) : make_workload(w, devs), 2);
+      auto timed = std::make_shared<bench::Timed>(
+          in_bf16 ? make_bf16_workload(w, devs) : make_workload(w, devs, in_shards), 2);
       json meta = {{"impl", "chorus"}, {"workload", w},         {"config", config},
                    {"devices", ndev},  {"threads", nthreads}, {"flops", workload_flops(w)}};
       mine.push_back({meta, [timed, blas](int n) {
@@ -306,6 +320,8 @@ int main(int argc, char** argv) try {
       std::vector<Device> devs;
       for (int d = 0; d < k; ++d) devs.push_back(Device::cpu(d));
       add("DataParallel " + std::to_string(k) + " dev x 1 thread", k, k, 1, devs);
+      if (sharded && k > 1 && w != "tutorial")  // the same with the optimizer step sharded over the devices
+        add("DataParallel " + std::to_string(k) + " dev x 1 thread sharded", k, k, 1, devs, false, true);
     }
     for (auto& p : peers)
       for (auto& e : p->entries(w)) theirs.push_back(e);
@@ -371,8 +387,9 @@ int main(int argc, char** argv) try {
                   {"one_device_ms", (*one)["median_ms"]},
                   {"ms", r["median_ms"]},
                   {"speedup", bench::paired_json(*one, r)}};
-        table.push_back("scaling " + w + ": DataParallel " + std::to_string(r["devices"].get<int>()) +
-                        " devices, speed-up over 1 device: " + fmt_spread(q["speedup"]));
+        q["config"] = r["config"];
+        table.push_back("scaling " + w + ": " + r["config"].get<std::string>() +
+                        ", speed-up over DataParallel 1 device: " + fmt_spread(q["speedup"]));
         scaling.push_back(q);
       }
     // bf16 against float32 at the same thread count, round by round (the honest CPU overhead:
