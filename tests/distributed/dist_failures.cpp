@@ -7,10 +7,14 @@
 //                           the watchdog's timeout)
 //   dist_failures shutdown  the last rank never reaches the exit barrier; the others'
 //                           dist::shutdown() must throw a chorus::Error saying so within the timeout
+//   dist_failures between   the last rank throws between two DDP steps (as a data loader would),
+//                           and main returns; the others' next collective must fail at once,
+//                           naming the rank that left (Note [leaving notice]), though the
+//                           timeout is long
 //
 // The expectations on the job as a whole (a non-zero exit status, in time) are checked by
-// expect_job_failure.sh; this program prints "watchdog ok" / "shutdown ok" where a rank saw
-// what it should.
+// expect_job_failure.sh; this program prints "watchdog ok" / "shutdown ok" / "between ok" where
+// a rank saw what it should.
 #include <chorus/distributed.hpp>
 
 #include <chrono>
@@ -75,6 +79,39 @@ int train(int fail_rank, bool kill) {
     opt.step();
   }
   return 0;  // not reached by a correct implementation: the job ends before
+}
+
+/// The last rank leaves between steps; the others must fail at their next collective, promptly.
+int between() {
+  const int rank = dist::rank(), last = dist::world_size() - 1;
+  Net net;
+  DistributedDataParallel<Net> ddp(std::move(net));
+  optim::SGD opt(ddp.parameters(), {.lr = 0.01});
+  auto x = randn<double>({16, 8});
+  std::chrono::steady_clock::time_point start;
+  try {
+    for (int step = 0; step < 1000; ++step) {
+      if (step == 3 && rank == last) throw std::runtime_error("the data loader failed between steps");
+      if (step == 3) start = std::chrono::steady_clock::now();
+      auto loss = sum(ddp(x));
+      opt.zero_grad();
+      loss.backward();
+      opt.step();
+    }
+  } catch (const Error& e) {  // the others: the collective the last rank never joins
+    const double s = seconds_since(start), limit = std::chrono::duration<double>(dist::group().timeout()).count();
+    const std::string msg = e.what();
+    std::printf("rank %d: after %.1f s: %s\n", rank, s, msg.c_str());
+    const bool named = msg.find("rank " + std::to_string(last) + " left the process group") != std::string::npos;
+    if (named && s < 10 && s < limit / 4) std::printf("between ok\n");
+    std::fflush(stdout);
+    return 4;
+  } catch (const std::exception& e) {  // the last rank: caught, and main returns (destructors run)
+    std::printf("rank %d: %s; leaving\n", rank, e.what());
+    std::fflush(stdout);
+    return 3;
+  }
+  return 0;
 }
 }  // namespace
 
@@ -144,9 +181,10 @@ int main(int argc, char** argv) try {
       return 4;
     }
   }
+  if (mode == "between") return between();
   if (mode == "kill") return train(last, true);
   if (mode == "throw") return train(last, false);
-  std::printf("usage: dist_failures watchdog|kill|throw|shutdown\n");
+  std::printf("usage: dist_failures watchdog|kill|throw|shutdown|between\n");
   return 2;
 } catch (const std::exception& e) {
   std::printf("rank %d: error: %s\n", chorus::dist::is_initialized() ? chorus::dist::rank() : -1, e.what());

@@ -8,10 +8,24 @@
 // MPI_I* calls in queue order (the order every rank issued them in, which MPI requires) and
 // then tests the requests in flight until they complete. The caller gets a Work to wait on;
 // several collectives (gradient buckets) are in flight at once while the caller goes on.
+//
+// Note [leaving notice]
+// A rank that leaves the group (dist::shutdown(), or the group's destructor at exit, also after
+// an exception the program caught) first tells every other rank so, on the exit communicator: a
+// point-to-point message carrying how many collectives it completed and whether it will meet the
+// others at the exit barrier (a clean leave) or not (a broken group, collectives in flight).
+// Each rank's communication thread keeps a receive posted for these notices and tests it with
+// its requests. A collective numbered at or past a leaver's count can never complete: it fails
+// at once, naming the rank that left, instead of waiting for the timeout (a rank that threw
+// between two steps no longer holds the others for ten minutes), and a collective issued later
+// fails without starting. A notice of a leave that skips the barrier also fails a rank waiting
+// in the exit barrier. A clean shutdown of every rank sends and receives all the notices before
+// the communicators are freed, and changes nothing else: every count is past every collective.
 #include "backend.hpp"
 
 #if CHORUS_DIST_MPI
 #include <algorithm>
+#include <array>
 #include <deque>
 #include <thread>
 
@@ -70,21 +84,27 @@ void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
   for (int i = 0; i < *len; ++i) b[i] = T(static_cast<float>(a[i]) + static_cast<float>(b[i]));
 }
 
-/// The communication thread (Note [communication thread]).
+/// The tag of the leaving notices on the exit communicator (Note [leaving notice]).
+inline constexpr int kLeaveTag = 7301;
+
+/// The communication thread (Note [communication thread], [leaving notice]).
 class CommThread {
  public:
   /// Starts the MPI call for one collective (on the communication thread) and returns its request.
   using Start = std::function<int(MPI_Request*)>;
 
-  CommThread() : thread_([this] { run(); }) {}
+  /// `exit_comm`: where the leaving notices of the `world` ranks arrive.
+  CommThread(MPI_Comm exit_comm, int world) : exit_comm_(exit_comm), world_(world), thread_([this] { run(); }) {}
   ~CommThread() { stop(); }
   CommThread(const CommThread&) = delete;
   CommThread& operator=(const CommThread&) = delete;
 
-  void submit(Start start, std::shared_ptr<Work> work) {
+  /// Queues a collective of the group (`counted`: numbered, as the other ranks number theirs;
+  /// the exit barrier is not).
+  void submit(Start start, std::shared_ptr<Work> work, bool counted = true) {
     {
       std::lock_guard<std::mutex> lk(m_);
-      queue_.push_back({std::move(start), std::move(work), MPI_REQUEST_NULL});
+      queue_.push_back({std::move(start), std::move(work), MPI_REQUEST_NULL, counted ? issued_++ : -1});
       ++outstanding_;
     }
     cv_.notify_one();
@@ -93,6 +113,20 @@ class CommThread {
   std::size_t pending() const {
     std::lock_guard<std::mutex> lk(m_);
     return outstanding_;
+  }
+  /// Numbered collectives that finished (completed or failed): what a leaving notice carries.
+  std::int64_t finished() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return finished_;
+  }
+  /// Waits until every other rank's leaving notice arrived; false at `deadline`.
+  bool wait_for_notices(std::chrono::steady_clock::time_point deadline) {
+    std::unique_lock<std::mutex> lk(m_);
+    awaiting_notices_ = true;  // the thread polls for them while it has nothing else to do
+    cv_.notify_all();
+    const bool all = cv_.wait_until(lk, deadline, [&] { return notices_ == world_ - 1; });
+    awaiting_notices_ = false;
+    return all;
   }
   void stop() {
     {
@@ -109,20 +143,71 @@ class CommThread {
     Start start;
     std::shared_ptr<Work> work;
     MPI_Request request;
+    std::int64_t seq;  // its number among the group's collectives; -1: the exit barrier
   };
+
+  /// A rank that said it is leaving (Note [leaving notice]).
+  struct Left {
+    int rank = -1;
+    std::int64_t finished = 0;
+    bool clean = true;
+  };
+
+  void post_notice_receive() {
+    if (notices_posted_ + 1 >= world_) return;  // one per other rank
+    ++notices_posted_;
+    if (MPI_Irecv(notice_in_.data(), 2, MPI_INT64_T, MPI_ANY_SOURCE, kLeaveTag, exit_comm_, &notice_req_) != MPI_SUCCESS)
+      notice_req_ = MPI_REQUEST_NULL;
+  }
+  void poll_notices() {
+    while (notice_req_ != MPI_REQUEST_NULL) {
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Test(&notice_req_, &flag, &st) != MPI_SUCCESS || !flag) return;
+      notice_req_ = MPI_REQUEST_NULL;
+      const Left l{st.MPI_SOURCE, notice_in_[0], notice_in_[1] != 0};
+      if (!first_left_ || l.finished < first_left_->finished) first_left_ = l;
+      if (!l.clean && !unclean_left_) unclean_left_ = l;
+      {
+        std::lock_guard<std::mutex> lk(m_);
+        ++notices_;
+      }
+      cv_.notify_all();
+      post_notice_receive();
+    }
+  }
+  /// Why `op` can never complete because a rank left (empty: it still can).
+  std::string orphaned(const Op& op) const {
+    if (op.seq >= 0 && first_left_ && op.seq >= first_left_->finished)
+      return "rank " + std::to_string(first_left_->rank) + " left the process group after " +
+             std::to_string(first_left_->finished) + " collectives, so it will never join this one (collective " +
+             std::to_string(op.seq) + " of this rank)";
+    if (op.seq < 0 && unclean_left_)
+      return "rank " + std::to_string(unclean_left_->rank) + " left the process group without meeting the others (" +
+             "its group was broken or had collectives in flight)";
+    return {};
+  }
 
   void run() {
     std::vector<Op> active;
     int idle_polls = 0;
+    if (world_ > 1) post_notice_receive();
     for (;;) {
       std::deque<Op> fresh;
       {
         std::unique_lock<std::mutex> lk(m_);
-        if (active.empty()) cv_.wait(lk, [&] { return stopped_ || !queue_.empty(); });
+        const auto ready = [&] { return stopped_ || !queue_.empty(); };
+        if (active.empty() && awaiting_notices_) cv_.wait_for(lk, std::chrono::microseconds(200), ready);
+        else if (active.empty()) cv_.wait(lk, ready);
         if (stopped_) return;  // requests still in flight are abandoned (Note [watchdog])
         fresh.swap(queue_);
       }
+      poll_notices();
       for (auto& op : fresh) {
+        if (auto why = orphaned(op); !why.empty()) {  // never started: nobody would meet it
+          complete(op, std::move(why));
+          continue;
+        }
         const int rc = op.start(&op.request);
         if (rc != MPI_SUCCESS) {
           complete(op, "MPI error: " + mpi_error_string(rc));
@@ -131,13 +216,15 @@ class CommThread {
         active.push_back(std::move(op));
       }
       bool progressed = false;
+      poll_notices();
       for (std::size_t i = 0; i < active.size();) {
         int flag = 0;
         const int rc = MPI_Test(&active[i].request, &flag, MPI_STATUS_IGNORE);
-        if (rc != MPI_SUCCESS || flag) {
-          std::string err;
+        std::string orphan = rc == MPI_SUCCESS && !flag ? orphaned(active[i]) : std::string();
+        if (rc != MPI_SUCCESS || flag || !orphan.empty()) {  // an orphan's request is abandoned
+          std::string err = std::move(orphan);
           if (rc != MPI_SUCCESS) err = "MPI error: " + mpi_error_string(rc);
-          else if (active[i].work->on_done) active[i].work->on_done();
+          else if (flag && active[i].work->on_done) active[i].work->on_done();
           complete(active[i], std::move(err));
           active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
           progressed = true;
@@ -159,16 +246,27 @@ class CommThread {
     {
       std::lock_guard<std::mutex> lk(m_);
       --outstanding_;
+      if (op.seq >= 0) ++finished_;
     }
     op.work->finish(std::move(error));
   }
 
+  MPI_Comm exit_comm_;
+  int world_;
   mutable std::mutex m_;
   std::condition_variable cv_;
   std::deque<Op> queue_;
   std::size_t outstanding_ = 0;  // submitted, not yet finished
+  std::int64_t issued_ = 0, finished_ = 0;  // numbered collectives
+  int notices_ = 0;                          // leaving notices received
+  bool awaiting_notices_ = false;            // a leave waits for them: poll while idle
   bool stopped_ = false;
-  std::thread thread_;
+  // The communication thread's own (Note [leaving notice]).
+  std::array<std::int64_t, 2> notice_in_{};
+  MPI_Request notice_req_ = MPI_REQUEST_NULL;
+  int notices_posted_ = 0;
+  std::optional<Left> first_left_, unclean_left_;
+  std::thread thread_;  // last: it starts with everything above in place
 };
 
 /// CPU tensors over MPI (Note [process group bootstrap]: MPI initialised here unless the program
@@ -203,7 +301,7 @@ class MpiBackend final : public Backend {
     CHORUS_MPI_CHECK(MPI_Op_create(&sum_16bit<bfloat16>, 1, &bf16_sum_));  // Note [16-bit sums over MPI]
     CHORUS_MPI_CHECK(MPI_Op_create(&sum_16bit<half>, 1, &half_sum_));
     state_.launcher = state_.world > 1 || mpi_launcher_present() ? Launcher::Mpi : Launcher::None;
-    comm_thread_ = std::make_unique<CommThread>();
+    comm_thread_ = std::make_unique<CommThread>(exit_comm_, state_.world);
   }
   MpiBackend(const MpiBackend&) = delete;
   MpiBackend& operator=(const MpiBackend&) = delete;
@@ -263,17 +361,27 @@ class MpiBackend final : public Backend {
       why = "the process group is broken (" + state_.broken_reason() + ")";
     } else if (const auto pending = comm_thread_->pending(); pending != 0) {
       why = std::to_string(pending) + " collective(s) still in flight";
-    } else if (state_.world > 1) {
-      // Note [watchdog]: a barrier on a communicator nothing else uses, so that it cannot be
-      // confused with a collective some other rank is still stuck in.
-      auto work = std::make_shared<Work>("shutdown barrier");
-      work->group = &state_;
-      comm_thread_->submit([comm = exit_comm_](MPI_Request* r) { return MPI_Ibarrier(comm, r); }, work);
-      try {
-        work->wait(state_.timeout);
-      } catch (const Error& e) {
-        why = e.what();
+    }
+    if (state_.world > 1) {
+      send_leaving_notices(why.empty());  // Note [leaving notice]
+      if (why.empty()) {
+        // Note [watchdog]: a barrier on a communicator nothing else uses, so that it cannot be
+        // confused with a collective some other rank is still stuck in.
+        auto work = std::make_shared<Work>("shutdown barrier");
+        work->group = &state_;
+        comm_thread_->submit([comm = exit_comm_](MPI_Request* r) { return MPI_Ibarrier(comm, r); }, work,
+                             /*counted=*/false);
+        try {
+          work->wait(state_.timeout);
+        } catch (const Error& e) {
+          why = e.what();
+        }
       }
+      // A clean leave frees the communicators: every notice in and out first (all were sent
+      // before the barrier, so they come at once).
+      if (why.empty() && !(comm_thread_->wait_for_notices(std::chrono::steady_clock::now() + state_.timeout) &&
+                           sends_complete(std::chrono::steady_clock::now() + state_.timeout)))
+        why = "the other ranks' leaving notices did not arrive within the timeout";
     }
     comm_thread_->stop();
     return why;
@@ -289,6 +397,28 @@ class MpiBackend final : public Backend {
   }
 
  private:
+  /// Tells every other rank that this one leaves (Note [leaving notice]).
+  void send_leaving_notices(bool clean) {
+    notice_out_ = {comm_thread_->finished(), clean ? 1 : 0};
+    for (int r = 0; r < state_.world; ++r) {
+      if (r == state_.rank) continue;
+      MPI_Request req = MPI_REQUEST_NULL;
+      if (MPI_Isend(notice_out_.data(), 2, MPI_INT64_T, r, kLeaveTag, exit_comm_, &req) == MPI_SUCCESS)
+        notice_sends_.push_back(req);
+    }
+  }
+  bool sends_complete(std::chrono::steady_clock::time_point deadline) {
+    for (;;) {
+      int done = 0;
+      if (MPI_Testall(static_cast<int>(notice_sends_.size()), notice_sends_.data(), &done, MPI_STATUSES_IGNORE) !=
+          MPI_SUCCESS)
+        return false;
+      if (done) return true;
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+
   void submit(const std::shared_ptr<Work>& work, CommThread::Start start) {
     // The tensor's pending work (a CPU device's worker) finishes before MPI reads it.
     for (auto& k : work->keep) {
@@ -305,6 +435,8 @@ class MpiBackend final : public Backend {
   MPI_Op bf16_sum_ = MPI_OP_NULL, half_sum_ = MPI_OP_NULL;
   bool owns_mpi_ = false;
   bool finalized_by_program_ = false;
+  std::array<std::int64_t, 2> notice_out_{};   // Note [leaving notice]
+  std::vector<MPI_Request> notice_sends_;
   std::unique_ptr<CommThread> comm_thread_;
 };
 
