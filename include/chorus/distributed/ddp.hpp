@@ -45,7 +45,7 @@ class DistributedDataParallel {
                      " but '", (named.empty() ? buffers : named)[0].name, "' is on ", device_,
                      "; one device per process (move the module there first)");
     verify_same_model(named, buffers);
-    sync_from_rank0(named, buffers, /*buffers_only=*/false);
+    sync_from(0, named, buffers, /*buffers_only=*/false);
     std::vector<dist::detail::Reducer::Param> trained;
     std::unordered_set<const void*> seen;  // a tensor registered under two names is reduced once
     for (auto& p : named)
@@ -68,6 +68,13 @@ class DistributedDataParallel {
   template <class... Args>
   auto forward(Args&&... args) {
     group_.check_usable("DistributedDataParallel::forward");
+    if (joining_) {  // Note [DDP join]: this rank still trains
+      CHORUS_CHECK(autograd::is_grad_enabled() && sync_ && nn::module_of(module_).is_training(),
+                   "DistributedDataParallel::join: every forward inside join() must be a training step that "
+                   "reduces gradients (not under no_sync(), NoGradGuard or eval()): the ranks that ran out of data "
+                   "take part in one reducing step per forward of the others");
+      join_round(true);
+    }
     // A SyncBatchNorm normalises by the statistics of every rank's batch (Note [process
     // statistics reducer]).
     std::optional<StatsReducerScope> sync_bn;
@@ -76,7 +83,7 @@ class DistributedDataParallel {
       sync_bn.emplace(std::make_shared<dist::detail::ProcessStatsReducer>(group_));
     if (options_.broadcast_buffers && group_.world_size() > 1) {
       auto& root = nn::module_of(module_);
-      sync_from_rank0({}, root.named_buffers(), /*buffers_only=*/true);
+      sync_from(joining_ ? last_joiner_ : 0, {}, root.named_buffers(), /*buffers_only=*/true);
     }
     const bool reduce = autograd::is_grad_enabled() && sync_ && !reducer_->params().empty();
     if (!reduce) {
@@ -109,6 +116,43 @@ class DistributedDataParallel {
     bool prev_;
   };
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  /// Uneven inputs, PyTorch's `with ddp.join(): ...` (Note [DDP join]): runs `loop` (this rank's
+  /// training loop over its own batches; every forward in it a training step), then, until every
+  /// rank's loop has ended, takes part in the other ranks' steps with zero gradients, so that
+  /// nobody waits for a collective a finished rank never starts. The gradients are averaged over
+  /// the whole world (a finished rank adds zeros: PyTorch's divide_by_initial_world_size). At the
+  /// end every rank holds the parameters and buffers of the last rank to finish.
+  template <class F>
+  void join(F&& loop) {
+    CHORUS_CHECK(!joining_, "DistributedDataParallel::join: already inside join()");
+    if (group_.world_size() == 1) {
+      std::forward<F>(loop)();
+      return;
+    }
+    CHORUS_CHECK(!nn::module_of(module_).any_meets_other_replicas(),
+                 "DistributedDataParallel::join: the module holds a SyncBatchNorm, whose statistics reductions a "
+                 "rank that ran out of data cannot take part in");
+    joining_ = true;
+    last_joiner_ = -1;
+    struct Reset {
+      bool& joining;
+      ~Reset() { joining = false; }
+    } reset{joining_};
+    std::forward<F>(loop)();
+    while (join_round(false)) {
+      if (options_.broadcast_buffers) {
+        auto& root = nn::module_of(module_);
+        sync_from(last_joiner_, {}, root.named_buffers(), /*buffers_only=*/true);
+      }
+      reducer_->shadow_step();
+    }
+    joining_ = false;
+    if (last_joiner_ >= 0) {
+      auto& root = nn::module_of(module_);
+      sync_from(last_joiner_, root.named_parameters(), root.named_buffers(), /*buffers_only=*/false);
+    }
+  }
 
   /// The wrapped module: save() of the wrapper or of module() writes the plain module's keys.
   M& module() { return module_; }
@@ -270,16 +314,36 @@ class DistributedDataParallel {
     return os.str();
   }
 
-  /// Copies rank 0's parameters (unless buffers_only) and buffers to every rank.
-  void sync_from_rank0(const std::vector<nn::Module::NamedTensor>& params,
-                       const std::vector<nn::Module::NamedTensor>& buffers, bool buffers_only) {
+  // Note [DDP join]
+  // PyTorch's Join for DDP. Inside join(), every forward of a rank that still has data starts
+  // with an all-gather of one flag per rank (1: still training); a rank whose loop has ended
+  // answers each such round with 0 and then runs the step's collectives with zero gradients
+  // (Reducer::shadow_step), until a round finds every flag 0. The flags also name the last rank
+  // to finish (the highest rank still training): buffers come from it while the others join,
+  // and its parameters and buffers go to every rank at the end (the finished ranks skipped the
+  // optimizer steps of the rounds they shadowed). One all-gather of a flag per step is the cost.
+  /// One round of flags; true while some rank still trains.
+  bool join_round(bool training) {
+    auto flag = Tensor<std::int64_t>::empty(Shape{1}, Device::cpu(0));
+    flag.data()[0] = training ? 1 : 0;
+    auto flags = group_.all_gather(flag);
+    int last = -1;
+    for (int r = 0; r < group_.world_size(); ++r)
+      if (flags.data()[r]) last = r;
+    if (last >= 0) last_joiner_ = last;
+    return last >= 0;
+  }
+
+  /// Copies rank `root`'s parameters (unless buffers_only) and buffers to every rank.
+  void sync_from(int root, const std::vector<nn::Module::NamedTensor>& params,
+                 const std::vector<nn::Module::NamedTensor>& buffers, bool buffers_only) {
     if (group_.world_size() == 1) return;
     NoGradGuard ng;
     std::vector<std::function<void()>> waits;
     auto start = [&](const nn::Module::NamedTensor& nt) {
       nt.tensor.visit([&](const auto& t) {
         auto c = t.is_contiguous() ? t : t.contiguous();
-        auto work = group_.broadcast_async(c, 0, "broadcast of '" + nt.name + "' from rank 0");
+        auto work = group_.broadcast_async(c, root, "broadcast of '" + nt.name + "' from rank " + std::to_string(root));
         waits.push_back([this, t, c, work] {
           work->wait(group_.timeout());
           if (!is_same(c, t)) backend::copy(t, c);
@@ -300,6 +364,8 @@ class DistributedDataParallel {
   std::vector<const void*> ready_nodes_;
   std::shared_ptr<void> finalize_f_, finalize_d_;
   bool sync_ = true;
+  bool joining_ = false;  // inside join() (Note [DDP join])
+  int last_joiner_ = -1;  // the highest rank still training in the latest round
 };
 
 CHORUS_NAMESPACE_END

@@ -208,6 +208,28 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     ++steps_;
   }
 
+  /// One reducing step of the other ranks while this rank has run out of data (Note [DDP
+  /// join]): the collectives of a step in the same order — the bucket rebuild, every bucket's
+  /// all-reduce (as the communication hook sends it), the used-parameter map — with zeros.
+  void shadow_step() {
+    prepare_step();
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      NoGradGuard ng;
+      for (auto& b : buckets_) {
+        b.flat.visit([](const auto& f) {
+          using T = typename std::decay_t<decltype(f)>::value_type;
+          backend::fill(f, T(0));
+        });
+        b.pending = 0;
+      }
+      ready_.assign(params_.size(), true);
+      ready_count_ = params_.size();
+      started_ = true;
+    }
+    finalize();
+  }
+
   /// Buckets of the last step whose all-reduce started while gradients were still missing.
   std::size_t early_launches() const {
     std::lock_guard<std::mutex> lk(m_);

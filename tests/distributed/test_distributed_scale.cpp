@@ -1,7 +1,7 @@
-// Balanced memory across processes (issue 20): ZeroRedundancyOptimizer (ZeRO-1) equals the
-// plain optimizer and writes the plain optimizer's checkpoint; SyncBatchNorm under
-// DistributedDataParallel equals BatchNorm on the whole batch. Part of the test_distributed
-// binary (mpirun -np 1 … 4).
+// Balanced memory and scale across processes (issue 20): ZeroRedundancyOptimizer (ZeRO-1)
+// equals the plain optimizer and writes the plain optimizer's checkpoint; SyncBatchNorm under
+// DistributedDataParallel equals BatchNorm on the whole batch; join() for uneven inputs gives
+// PyTorch's result. Part of the test_distributed binary (mpirun -np 1 … 4).
 #include "dist_test_util.hpp"
 
 #include <filesystem>
@@ -244,5 +244,77 @@ TEST(Ddp, SyncBatchNormEqualsBatchNormOnTheWholeBatch) {
   NoGradGuard g;
   auto xr = x.narrow(0, starts[r], sizes[r]);
   EXPECT_EQ(ddp(xr).shape(), (Shape{sizes[r], 3, 1, 1}));  // eval: the running statistics, no collective
+  pg().barrier();
+}
+
+// ---- uneven inputs: DistributedDataParallel::join (Note [DDP join]) ----
+
+namespace {
+/// Rank q's batch at step s (every rank can make every rank's).
+std::pair<Tensor<double>, Tensor<double>> batch_of(int q, int s) {
+  manual_seed(static_cast<std::uint64_t>(1000 + 10 * q + s));
+  auto x = randn<double>({6, 5});
+  auto y = randn<double>({6, 3});
+  return {x, y};
+}
+}  // namespace
+
+// Rank q has 2 + q batches. Inside join() nothing hangs, and every rank ends with PyTorch's
+// result: at step s the gradient is the sum over the ranks still training of their gradients,
+// divided by the world size (divide_by_initial_world_size), and the parameters are those of the
+// last rank to finish (whose optimizer took every step).
+TEST(Ddp, JoinWithUnevenInputsGivesPyTorchsResult) {
+  const int w = pg().world_size(), r = pg().rank();
+  auto batches = [](int q) { return 2 + q; };
+  manual_seed(21);
+  Mlp<double> reference(5, 8, 3);
+  manual_seed(21);
+  DistributedDataParallel<Mlp<double>> ddp(Mlp<double>(5, 8, 3), {.bucket_cap_bytes = 256, .first_bucket_bytes = 64});
+  optim::SGD opt(ddp.parameters(), {.lr = 0.05, .momentum = 0.9});
+  int steps = 0;
+  ddp.join([&] {
+    for (int s = 0; s < batches(r); ++s) {
+      auto [x, y] = batch_of(r, s);
+      opt.zero_grad();
+      nn::functional::mse_loss(ddp(x), y).backward();
+      opt.step();
+      ++steps;
+    }
+  });
+  EXPECT_EQ(steps, batches(r));
+  optim::SGD ref_opt(reference.parameters(), {.lr = 0.05, .momentum = 0.9});
+  for (int s = 0; s < batches(w - 1); ++s) {
+    Tensor<double> loss;
+    for (int q = 0; q < w; ++q) {
+      if (s >= batches(q)) continue;
+      auto [x, y] = batch_of(q, s);
+      auto l = mul(nn::functional::mse_loss(reference.forward(x), y), 1.0 / w);
+      loss = loss.defined() ? add(loss, l) : l;
+    }
+    ref_opt.zero_grad();
+    loss.backward();
+    ref_opt.step();
+  }
+  auto got = values<double>(ddp.parameters()), want = values<double>(reference.parameters());
+  for (std::size_t i = 0; i < got.size(); ++i)
+    for (std::size_t k = 0; k < got[i].size(); ++k)
+      ASSERT_NEAR(got[i][k], want[i][k], 1e-12) << "parameter " << i << " element " << k << " on rank " << r;
+  // The group is in step afterwards, and a forward outside join() reduces as before.
+  auto [x, y] = batch_of(r, 0);
+  opt.zero_grad();
+  nn::functional::mse_loss(ddp(x), y).backward();
+  pg().barrier();
+}
+
+TEST(Ddp, JoinRefusesAForwardThatDoesNotReduce) {
+  DistributedDataParallel<Mlp<double>> ddp(Mlp<double>(5, 8, 3));
+  auto x = randn<double>({4, 5});
+  if (pg().world_size() == 1) GTEST_SKIP() << "one process: join() only runs the loop";
+  EXPECT_TRUE(throws_with([&] { ddp.join([&] {
+                                  NoGradGuard g;
+                                  ddp(x);
+                                }); },
+                          {"join", "training step"}));
+  ddp.join([] {});  // every rank out of data at once: one round of flags, nothing else
   pg().barrier();
 }
