@@ -3,6 +3,7 @@
 // data::DistributedSampler. Not part of <chorus/chorus.hpp>: MPI is optional (link
 // chorus::distributed for it; without it this header gives a world of one process).
 #include "chorus.hpp"
+#include "distributed/checkpointer.hpp"
 #include "distributed/ddp.hpp"
 #include "distributed/process_group.hpp"
 #include "distributed/sampler.hpp"

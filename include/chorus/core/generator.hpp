@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <utility>
 #include <vector>
 
@@ -217,6 +218,32 @@ class Generator {
   }
 
   std::mt19937_64& engine() { return eng_; }
+
+  /// The whole state (PyTorch's Generator::get_state): seed, Philox offset and the host
+  /// engine's words, to restore with set_state() for a bitwise resume (dist::Checkpointer).
+  std::vector<std::uint64_t> get_state() const {
+    std::lock_guard<std::mutex> lk(m_);
+    std::ostringstream os;
+    os << eng_;
+    std::vector<std::uint64_t> out{seed_, offset_};
+    std::istringstream is(os.str());
+    for (std::uint64_t w; is >> w;) out.push_back(w);
+    return out;
+  }
+  void set_state(const std::vector<std::uint64_t>& state) {
+    const std::size_t words = get_state().size();
+    CHORUS_CHECK(state.size() == words, "Generator::set_state: a state of ", state.size(), " words, expected ", words);
+    std::ostringstream os;
+    for (std::size_t i = 2; i < state.size(); ++i) os << state[i] << ' ';
+    std::mt19937_64 eng;
+    std::istringstream is(os.str());
+    is >> eng;
+    CHORUS_CHECK(!is.fail(), "Generator::set_state: the engine words are not a valid state");
+    std::lock_guard<std::mutex> lk(m_);
+    seed_ = state[0];
+    offset_ = state[1];
+    eng_ = eng;
+  }
 
  private:
   double next_unit() { return static_cast<double>(eng_() >> 11) * 0x1.0p-53; }  // [0, 1)

@@ -77,7 +77,7 @@ class ZeroRedundancyOptimizer final : public optim::Optimizer {
 
   /// Gathers the whole optimizer state on rank `to` (a collective): afterwards, and until the
   /// next step(), state() there is the plain optimizer's state (for io::save).
-  void consolidate_state_dict(int to = 0) {
+  void consolidate_state_dict(int to = 0) override {
     CHORUS_CHECK(to >= 0 && to < group_.world_size(), "ZeroRedundancyOptimizer::consolidate_state_dict: rank ", to,
                  " is not a rank of a world of ", group_.world_size());
     group_.check_usable("ZeroRedundancyOptimizer::consolidate_state_dict");

@@ -99,6 +99,10 @@ class Optimizer {
     state_ = std::move(state);
   }
 
+  /// Makes state() readable on rank `to` where the state is sharded over processes (a
+  /// collective of ZeroRedundancyOptimizer: every rank calls it); nothing for the others.
+  virtual void consolidate_state_dict(int to = 0) { (void)to; }
+
   /// The state key names this optimizer uses (for checkpoints and validation).
   virtual std::vector<std::string> state_keys() const = 0;
   /// The optimizer's name ("SGD", "Adam", …), recorded in checkpoints.
