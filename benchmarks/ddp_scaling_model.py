@@ -39,3 +39,24 @@ for f in (float(x) for x in a.tflops.split(",")):
     compute = t  # (the SGD step is a memory pass, ~0.2 ms, left out of both)
     step = max(compute, comm_end)
     print(f"{f:8.0f} {fwd:8.3f} {bwd[0]:13.3f} {step:8.3f} {step - compute:11.3f} {100 * compute / step:10.1f}%")
+
+# ZeRO-1 (optim::ZeroRedundancyOptimizer: each GPU keeps and steps 1/n of the optimizer state,
+# then every owner's updated parameters go to every GPU). Per GPU and step: the gradient
+# all-reduce as above, plus receiving the (n - 1)/n of the parameters it does not own, after the
+# optimizer step (not overlapped with compute in this model). Memory: fp32 parameters and
+# gradients on every GPU; Adam's two moments (SGD momentum: one) on the owner only.
+params = sum(bucket_bytes) // fp32
+n = a.gpus
+allreduce_bytes = 2 * (n - 1) / n * params * fp32
+gather_bytes = (n - 1) / n * params * fp32
+gather_ms = gather_bytes / (a.busbw * 1e9) * 1e3
+print()
+print(f"ZeRO-1 on {n} GPUs, {params / 1e6:.1f} M parameters:")
+print(f"  bytes per GPU and step: DDP {allreduce_bytes / 2**20:.0f} MiB (all-reduce); ZeRO-1 "
+      f"{(allreduce_bytes + gather_bytes) / 2**20:.0f} MiB (all-reduce + parameters from their owners, "
+      f"+{gather_ms:.3f} ms exposed after the step)")
+for name, states in (("SGD momentum", 1), ("Adam", 2)):
+    plain = (2 + states) * params * fp32
+    zero = 2 * params * fp32 + states * params * fp32 / n
+    print(f"  {name:>12}: parameters + gradients + optimizer state per GPU {plain / 2**20:.0f} MiB plain, "
+          f"{zero / 2**20:.0f} MiB ZeRO-1 ({100 * (1 - zero / plain):.0f} % less)")

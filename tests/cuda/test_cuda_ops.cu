@@ -306,3 +306,39 @@ TEST(CudaAttention, MultiheadAttentionAndTransformerLayers) {
 }
 
 #include "test_cuda_lowp.cuh"  // the 16-bit types under nvcc (issue 19)
+
+// The optimizer step sharded over a DataParallel's GPUs (Note [sharded optimizer step]: each
+// shard's gradients and parameters copied to its device, stepped there, copied back): bitwise
+// the plain step, with each shard's state on its own device. One GPU: the set {cuda:0, cuda:0}.
+TEST(Cuda, TheShardedOptimizerStepEqualsThePlainStep) {
+  REQUIRE_GPU();
+  struct Two : nn::Module {
+    nn::Linear fc1, fc2;
+    Two() : fc1(register_module("fc1", nn::Linear(8, 32))), fc2(register_module("fc2", nn::Linear(32, 4))) {}
+    Tensor<float> forward(const Tensor<float>& x) { return fc2(relu(fc1(x))); }
+  };
+  const std::vector<Device> devices = cuda_device_count() > 1 ? available_devices() : std::vector<Device>{kGpu, kGpu};
+  manual_seed(5);
+  Two init;
+  DataParallel<Two> plain_dp(nn::clone(init, kGpu), devices), sharded_dp(nn::clone(init, kGpu), devices);
+  optim::Adam plain(plain_dp.parameters(), {.lr = 1e-2});
+  parallel::ShardedOptimizer<optim::Adam> sharded(sharded_dp, {.lr = 1e-2});
+  auto x = randn<float>({16, 8}), y = randn<float>({16, 4});
+  for (int step = 0; step < 3; ++step) {
+    for (auto* dp : {&plain_dp, &sharded_dp}) {
+      dp->zero_grad();
+      nn::functional::mse_loss((*dp)(x), y.to(kGpu)).backward();
+    }
+    plain.step();
+    sharded.step();
+    auto p = plain_dp.parameters(), q = sharded_dp.parameters();
+    for (std::size_t i = 0; i < p.size(); ++i)
+      ASSERT_EQ(q[i].as<float>().to(Device::cpu()).to_vector(), p[i].as<float>().to(Device::cpu()).to_vector())
+          << "parameter " << i << ", step " << step;
+  }
+  for (std::size_t i = 0; i < sharded.state().size(); ++i)
+    for (const auto& [key, v] : sharded.state()[i])
+      if (key != "step") EXPECT_EQ(v.device(), devices[sharded.shard_of(i)]) << key;
+  synchronize(kGpu);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}

@@ -1,11 +1,14 @@
 #pragma once
-// DataParallel's options: devices, output device, and the dims inputs split and outputs join along.
+// DataParallel's options: devices, output device, and the dims inputs split and outputs join along;
+// the defaults of its gradient buckets and of its small steps.
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <vector>
 
 #include "../core/device.hpp"
+#include "../error.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 
@@ -32,5 +35,42 @@ struct DataParallelOptions {
   std::vector<std::int64_t> gather_dims = {};           ///< per element of the returned tuple
   std::optional<std::size_t> bucket_bytes = std::nullopt;  ///< Note [gradient buckets]
 };
+
+/// Default size of a gradient bucket on GPUs (Note [gradient buckets]).
+inline constexpr std::size_t kDefaultBucketBytes = std::size_t{8} << 20;
+/// Default size of a gradient bucket on CPU devices: 0, one bucket per parameter. A CPU
+/// bucket is handed over without a copy (Note [host aliases]), so a bucket costs only its node
+/// (microseconds), and small ones let the primary add each layer's gradients as soon as that
+/// layer is done instead of at the end of backward (Note [gradient buckets]).
+inline constexpr std::size_t kDefaultCpuBucketBytes = 0;
+
+// Note [inline small steps]
+// Handing a replica's forward to its device's worker costs a wake-up when the worker sleeps:
+// a few microseconds on one VM, 100 us on another (issue 10 measured a tutorial batch at
+// 130 us on a 2-vCPU VM where a single Linear(5, 2) takes 2 us). A step whose replicas
+// 1 … k-1 together have less work than that runs them on the calling thread instead, one
+// after another, on CPU devices: each still under its own stream (so autograd sends its
+// backward to its device as usual), with its own parameters, copied by the caller. The work
+// is estimated as rows × (2 × parameter elements) + input elements, for the rows that would
+// leave the caller; at or below the threshold (default kDefaultInlineWork, about 10-50 us
+// of one core's small-op work) the step stays on the caller. 0 turns it off. A module with a
+// layer that meets the other replicas inside forward (SyncBatchNorm: nn::Module::
+// meets_other_replicas) never runs inline: its replicas must run at the same time.
+inline constexpr std::int64_t kDefaultInlineWork = std::int64_t{1} << 16;
+
+namespace parallel {
+namespace detail {
+inline std::atomic<std::int64_t>& inline_work_default() {
+  static std::atomic<std::int64_t> v{kDefaultInlineWork};
+  return v;
+}
+}  // namespace detail
+/// The inline-work threshold new DataParallels start with (Note [inline small steps]).
+inline void set_inline_work_default(std::int64_t work) {
+  CHORUS_CHECK(work >= 0, "set_inline_work_default: work must be >= 0, got ", work);
+  detail::inline_work_default().store(work);
+}
+inline std::int64_t inline_work_default() { return detail::inline_work_default().load(); }
+}  // namespace parallel
 
 CHORUS_NAMESPACE_END
