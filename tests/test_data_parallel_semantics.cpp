@@ -389,6 +389,8 @@ TEST(DataParallel, ForwardLossRefusesWhatCannotCombine) {
   EXPECT_TRUE(throws_with([&] { dp.forward_loss(per_element, x, y); }, {"must return one value", "replica 0", "[2, 3]"}));
   EXPECT_TRUE(throws_with([&] { dp.forward_loss(per_element, x, y, Reduction::None); }, {"Reduction::Mean", "not None"}));
   EXPECT_TRUE(throws_with([&] { dp.forward_loss(per_element, x, randn<double>({3, 3})); }, {"argument 1"}));
+  DataParallel<Net<double>> one(Net<double>(), cpus(1));  // one device: the same check
+  EXPECT_TRUE(throws_with([&] { one.forward_loss(per_element, x, y); }, {"must return one value", "[4, 3]"}));
 }
 
 // The point of losses on the replicas: with large outputs (logits over many classes), the

@@ -58,6 +58,7 @@ int main(int argc, char** argv) try {
     for (; it != loader.end() && step < steps; ++it) {
       const auto marker = std::filesystem::path(dir) / "killed";
       if (step == kill_at && rank == last && !std::filesystem::exists(marker)) {
+        std::filesystem::create_directories(dir);  // before the first checkpoint it does not exist yet
         std::ofstream(marker) << "killed before step " << step << "\n";
         std::printf("rank %d: SIGKILL before step %lld\n", rank, static_cast<long long>(step));
         std::fflush(stdout);

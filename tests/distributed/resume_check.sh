@@ -10,7 +10,7 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 run() { "$mpiexec" -n "$np" "$prog" "$@"; }
 run "$work/a" "$steps" -1 "$work/a.safetensors" || { echo "resume_check: FAIL: the uninterrupted run failed"; exit 1; }
-kill_at=$((RANDOM % (steps - 2) + 1))  # 1 ... steps - 2
+kill_at=${CHORUS_RESUME_KILL_AT:-$((RANDOM % (steps - 2) + 1))}  # 1 ... steps - 2 (or as given, to rerun a case)
 echo "resume_check: the last of $np rank(s) is killed before step $kill_at"
 restarts=0
 until run "$work/b" "$steps" "$kill_at" "$work/b.safetensors"; do

@@ -197,8 +197,12 @@ class CommThread {
       {
         std::unique_lock<std::mutex> lk(m_);
         const auto ready = [&] { return stopped_ || !queue_.empty(); };
-        if (active.empty() && awaiting_notices_) cv_.wait_for(lk, std::chrono::microseconds(200), ready);
-        else if (active.empty()) cv_.wait(lk, ready);
+        if (active.empty() && awaiting_notices_) {
+          cv_.wait_for(lk, std::chrono::microseconds(200), ready);  // then polls the notices
+        } else if (active.empty()) {
+          // A leave that starts waiting for the notices wakes the thread too (it must poll them).
+          cv_.wait(lk, [&] { return ready() || awaiting_notices_; });
+        }
         if (stopped_) return;  // requests still in flight are abandoned (Note [watchdog])
         fresh.swap(queue_);
       }

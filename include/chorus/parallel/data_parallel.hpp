@@ -178,6 +178,10 @@ class DataParallel {
     R finish(const DataParallel& dp, std::vector<R>& outs, const parallel::ChunkPlan&) const {
       return dp.gather_outputs(outs);
     }
+    template <class R>
+    R primary(R out) const {  // one replica: its result as it is
+      return out;
+    }
   };
   template <class Criterion>
   struct WithLoss {
@@ -193,6 +197,13 @@ class DataParallel {
       const std::int64_t batch = plan.offsets.back() + plan.sizes.back();
       return parallel::detail::combine_losses(losses, plan.sizes, batch, reduction, dp.output_device_);
     }
+    template <class R>
+    R primary(R loss) const {  // one replica: its loss is the batch's, if it is one value
+      CHORUS_CHECK(loss.defined() && loss.numel() == 1, "DataParallel::forward_loss: the criterion returned ",
+                   loss.defined() ? "a tensor of shape " + loss.shape().str() : std::string("an undefined tensor"),
+                   " in replica 0; it must return one value (a reduced loss)");
+      return loss.dim() == 0 ? loss : loss.reshape(Shape{});
+    }
   };
   template <class How, class... Args>
   auto forward_on_primary(const How& how, const Args&... args) {
@@ -200,8 +211,8 @@ class DataParallel {
     using R = decltype(parallel::detail::call_forward(m, parallel::detail::move_part(args, devices_[0])...));
     check_output<R>();
     replicator_->prepare(1);
-    return to_output(
-        on_primary([&] { return parallel::detail::call_forward(m, parallel::detail::move_part(args, devices_[0])...); }));
+    return how.primary(to_output(
+        on_primary([&] { return parallel::detail::call_forward(m, parallel::detail::move_part(args, devices_[0])...); })));
   }
 
   template <class How, class... Args>
