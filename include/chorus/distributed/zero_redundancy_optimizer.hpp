@@ -49,7 +49,7 @@ class ZeroRedundancyOptimizer final : public optim::Optimizer {
       : ZeroRedundancyOptimizer(std::vector<optim::ParamGroup<Options>>{{std::move(params), options}}, group) {}
 
   explicit ZeroRedundancyOptimizer(std::vector<optim::ParamGroup<Options>> groups, ProcessGroup* group = nullptr)
-      : Optimizer(params_of(groups)), group_(group ? *group : dist::init()) {
+      : Optimizer(optim::detail::params_of(groups)), group_(group ? *group : dist::init()) {
     device_ = params_[0].device();
     for (std::size_t i = 0; i < params_.size(); ++i)
       CHORUS_CHECK(params_[i].device() == device_, "ZeroRedundancyOptimizer: parameter ", i, " is on ",
@@ -137,9 +137,7 @@ class ZeroRedundancyOptimizer final : public optim::Optimizer {
 
   /// Takes the whole state (as io::load reads it on every rank) and keeps this rank's shard.
   void load_state(std::vector<State> state) override {
-    CHORUS_CHECK(state.size() == params_.size(), "optimizer state has ", state.size(), " entries for ",
-                 params_.size(), " parameters");
-    for (std::size_t i = 0; i < state.size(); ++i) validate_state(i, state[i]);
+    validate_states(state);
     std::vector<State> mine;
     for (auto i : local_index_) mine.push_back(std::move(state[i]));
     if (local_index_.empty()) mine.emplace_back();  // the placeholder's
@@ -163,12 +161,6 @@ class ZeroRedundancyOptimizer final : public optim::Optimizer {
   std::string name() const override { return local_->name(); }
 
  private:
-  static std::vector<std::vector<AnyTensor>> params_of(const std::vector<optim::ParamGroup<Options>>& groups) {
-    std::vector<std::vector<AnyTensor>> out;
-    for (const auto& g : groups) out.push_back(g.params);
-    return out;
-  }
-
   void partition() {
     const int w = group_.world_size();
     std::vector<std::int64_t> load(static_cast<std::size_t>(w), 0);

@@ -19,6 +19,16 @@ struct ParamGroup {
   Options options;
 };
 
+namespace detail {
+/// The parameter lists of `groups`, in order (what the Optimizer base is built from).
+template <class Options>
+std::vector<std::vector<AnyTensor>> params_of(const std::vector<ParamGroup<Options>>& groups) {
+  std::vector<std::vector<AnyTensor>> out;
+  for (const auto& g : groups) out.push_back(g.params);
+  return out;
+}
+}  // namespace detail
+
 class Optimizer {
  public:
   explicit Optimizer(std::vector<AnyTensor> params) : Optimizer(std::vector<std::vector<AnyTensor>>{std::move(params)}) {}
@@ -93,9 +103,7 @@ class Optimizer {
   /// Replaces the state (for checkpoints): one entry per parameter, each tensor matching
   /// what step() would create. Throws without changing anything when it does not fit.
   virtual void load_state(std::vector<State> state) {
-    CHORUS_CHECK(state.size() == params_.size(), "optimizer state has ", state.size(), " entries for ",
-                 params_.size(), " parameters");
-    for (std::size_t i = 0; i < state.size(); ++i) validate_state(i, state[i]);
+    validate_states(state);
     state_ = std::move(state);
   }
 
@@ -109,6 +117,12 @@ class Optimizer {
   virtual std::string name() const = 0;
 
  protected:
+  /// Throws unless `state` has one fitting entry per parameter (load_state's check).
+  void validate_states(const std::vector<State>& state) const {
+    CHORUS_CHECK(state.size() == params_.size(), "optimizer state has ", state.size(), " entries for ",
+                 params_.size(), " parameters");
+    for (std::size_t i = 0; i < state.size(); ++i) validate_state(i, state[i]);
+  }
   virtual void validate_state(std::size_t i, const State& s) const {
     for (const auto& [k, v] : s) {
       bool known = false;
@@ -220,11 +234,6 @@ class GroupedOptimizer : public Optimizer {
       : Optimizer(params_of(groups)), options_(options_of(groups)) {}
 
  private:
-  static std::vector<std::vector<AnyTensor>> params_of(const std::vector<ParamGroup<Options>>& groups) {
-    std::vector<std::vector<AnyTensor>> out;
-    for (const auto& g : groups) out.push_back(g.params);
-    return out;
-  }
   static std::vector<Options> options_of(const std::vector<ParamGroup<Options>>& groups) {
     std::vector<Options> out;
     for (const auto& g : groups) out.push_back(g.options);

@@ -54,7 +54,7 @@ class ShardedOptimizer final : public optim::Optimizer {
   ShardedOptimizer(std::vector<AnyTensor> params, Options options, std::vector<Device> devices)
       : ShardedOptimizer(std::vector<optim::ParamGroup<Options>>{{std::move(params), options}}, std::move(devices)) {}
   ShardedOptimizer(std::vector<optim::ParamGroup<Options>> groups, std::vector<Device> devices)
-      : Optimizer(params_of(groups)), devices_(std::move(devices)) {
+      : Optimizer(optim::detail::params_of(groups)), devices_(std::move(devices)) {
     CHORUS_CHECK(!devices_.empty(), "ShardedOptimizer: no devices");
     for (auto d : devices_) check_device(d);
     for (std::size_t i = 0; i < params_.size(); ++i)
@@ -117,9 +117,7 @@ class ShardedOptimizer final : public optim::Optimizer {
 
   /// Takes the whole state (io::load) and hands each shard its entries.
   void load_state(std::vector<State> state) override {
-    CHORUS_CHECK(state.size() == params_.size(), "optimizer state has ", state.size(), " entries for ",
-                 params_.size(), " parameters");
-    for (std::size_t i = 0; i < state.size(); ++i) validate_state(i, state[i]);
+    validate_states(state);
     for (std::size_t r = 0; r < shards_.size(); ++r) {
       if (!shards_[r]) continue;
       std::vector<State> mine;
@@ -149,12 +147,6 @@ class ShardedOptimizer final : public optim::Optimizer {
   std::string name() const override { return first().name(); }
 
  private:
-  static std::vector<std::vector<AnyTensor>> params_of(const std::vector<optim::ParamGroup<Options>>& groups) {
-    std::vector<std::vector<AnyTensor>> out;
-    for (const auto& g : groups) out.push_back(g.params);
-    return out;
-  }
-
   void partition() {
     const std::size_t k = devices_.size(), P = params_.size();
     std::int64_t total = 0;
