@@ -20,6 +20,15 @@
 // therefore runs it on one thread, like chorus's own CPU kernels, unless
 // CHORUS_ONEDNN_THREADS asks for more (worth trying on an idle many-core machine with one
 // device).
+//
+// Note [oneDNN primitive creation]
+// oneDNN 2.6 (Debian's) keeps one process-wide primitive cache; while a thread creates a
+// primitive, the cache's pending entry points into that thread's descriptors, and another thread
+// creating one at the same moment compares against them (ThreadSanitizer reported it in CI:
+// two virtual devices' backward passes building reorders at once). Every primitive chorus builds
+// (a plan's convolutions and its reorders) is therefore created under one process-wide mutex,
+// and only once per thread and shape: the reorders live in the plan next to the convolutions,
+// so a training step creates nothing and takes no lock. Execution stays concurrent.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -27,8 +36,10 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <tuple>
 #include <unordered_map>
+#include <vector>
 
 #include "nn_kernels.hpp"
 
@@ -121,7 +132,18 @@ struct ConvPlan {
   dnnl::convolution_backward_data bwd_data;
   dnnl::convolution_backward_weights bwd_w;
   memory::desc src_plain, w_plain, dst_plain, bias_plain;
+  struct Reorder {
+    memory::desc from, to;
+    dnnl::reorder prim;
+  };
+  std::vector<Reorder> reorders;  // between the plain layouts and oneDNN's, built on first use
 };
+
+/// Held while creating any oneDNN primitive (Note [oneDNN primitive creation]).
+inline std::mutex& creation_mutex() {
+  static std::mutex m;
+  return m;
+}
 
 inline ConvPlan make_plan(const OnednnConv& c) {
   auto& ctx = context();
@@ -156,22 +178,35 @@ inline ConvPlan make_plan(const OnednnConv& c) {
 inline ConvPlan& plan(const OnednnConv& c) {
   thread_local std::map<decltype(c.key()), std::unique_ptr<ConvPlan>> cache;
   auto& slot = cache[c.key()];
-  if (!slot) slot = std::make_unique<ConvPlan>(make_plan(c));
+  if (!slot) {
+    std::lock_guard<std::mutex> lock(creation_mutex());
+    slot = std::make_unique<ConvPlan>(make_plan(c));
+  }
   return *slot;
 }
 
+/// The plan's reorder from layout `from` to `to`, created on first use.
+inline dnnl::reorder reorder_of(ConvPlan& p, const memory::desc& from, const memory::desc& to) {
+  for (const auto& r : p.reorders)
+    if (r.from == from && r.to == to) return r.prim;
+  auto& ctx = context();
+  std::lock_guard<std::mutex> lock(creation_mutex());
+  p.reorders.push_back({from, to, dnnl::reorder(dnnl::reorder::primitive_desc(ctx.engine, from, ctx.engine, to))});
+  return p.reorders.back().prim;
+}
+
 /// `user` (plain layout) as memory of layout `want`: the same memory, or a reordered copy.
-inline memory as_layout(const memory& user, const memory::desc& want, bool copy_in) {
+inline memory as_layout(ConvPlan& p, const memory& user, const memory::desc& want, bool copy_in) {
   if (user.get_desc() == want) return user;
   auto& ctx = context();
   memory m(want, ctx.engine);
-  if (copy_in) dnnl::reorder(user, m).execute(ctx.stream, const_cast<memory&>(user), m);
+  if (copy_in) reorder_of(p, user.get_desc(), want).execute(ctx.stream, const_cast<memory&>(user), m);
   return m;
 }
-inline void copy_back(memory& from, memory& user) {
+inline void copy_back(ConvPlan& p, memory& from, memory& user) {
   if (from.get(true) == user.get(true)) return;
   auto& ctx = context();
-  dnnl::reorder(from, user).execute(ctx.stream, from, user);
+  reorder_of(p, from.get_desc(), user.get_desc()).execute(ctx.stream, from, user);
 }
 
 inline memory wrap(const memory::desc& d, const float* p) {
@@ -182,14 +217,14 @@ inline memory wrap(const memory::desc& d, const float* p) {
 inline void conv_forward(const OnednnConv& c, const float* x, const float* w, const float* b, float* y) {
   auto& p = plan(c);
   auto& ctx = context();
-  auto src = as_layout(wrap(p.src_plain, x), p.fwd_pd.src_desc(), true);
-  auto wei = as_layout(wrap(p.w_plain, w), p.fwd_pd.weights_desc(), true);
+  auto src = as_layout(p, wrap(p.src_plain, x), p.fwd_pd.src_desc(), true);
+  auto wei = as_layout(p, wrap(p.w_plain, w), p.fwd_pd.weights_desc(), true);
   auto user_dst = wrap(p.dst_plain, y);
-  auto dst = as_layout(user_dst, p.fwd_pd.dst_desc(), false);
+  auto dst = as_layout(p, user_dst, p.fwd_pd.dst_desc(), false);
   std::unordered_map<int, memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DST, dst}};
   if (c.bias) args.insert({DNNL_ARG_BIAS, wrap(p.bias_plain, b)});
   p.fwd.execute(ctx.stream, args);
-  copy_back(dst, user_dst);
+  copy_back(p, dst, user_dst);
   ctx.stream.wait();
 }
 
@@ -197,12 +232,12 @@ inline void conv_forward(const OnednnConv& c, const float* x, const float* w, co
 inline void conv_backward_data(const OnednnConv& c, const float* gy, const float* w, float* gx) {
   auto& p = plan(c);
   auto& ctx = context();
-  auto dd = as_layout(wrap(p.dst_plain, gy), p.bwd_data_pd.diff_dst_desc(), true);
-  auto wei = as_layout(wrap(p.w_plain, w), p.bwd_data_pd.weights_desc(), true);
+  auto dd = as_layout(p, wrap(p.dst_plain, gy), p.bwd_data_pd.diff_dst_desc(), true);
+  auto wei = as_layout(p, wrap(p.w_plain, w), p.bwd_data_pd.weights_desc(), true);
   auto user_gx = wrap(p.src_plain, gx);
-  auto ds = as_layout(user_gx, p.bwd_data_pd.diff_src_desc(), false);
+  auto ds = as_layout(p, user_gx, p.bwd_data_pd.diff_src_desc(), false);
   p.bwd_data.execute(ctx.stream, {{DNNL_ARG_DIFF_DST, dd}, {DNNL_ARG_WEIGHTS, wei}, {DNNL_ARG_DIFF_SRC, ds}});
-  copy_back(ds, user_gx);
+  copy_back(p, ds, user_gx);
   ctx.stream.wait();
 }
 
@@ -210,10 +245,10 @@ inline void conv_backward_data(const OnednnConv& c, const float* gy, const float
 inline void conv_backward_weights(const OnednnConv& c, const float* x, const float* gy, float* gw, float* gb) {
   auto& p = plan(c);
   auto& ctx = context();
-  auto src = as_layout(wrap(p.src_plain, x), p.bwd_w_pd.src_desc(), true);
-  auto dd = as_layout(wrap(p.dst_plain, gy), p.bwd_w_pd.diff_dst_desc(), true);
+  auto src = as_layout(p, wrap(p.src_plain, x), p.bwd_w_pd.src_desc(), true);
+  auto dd = as_layout(p, wrap(p.dst_plain, gy), p.bwd_w_pd.diff_dst_desc(), true);
   auto user_gw = wrap(p.w_plain, gw);
-  auto dw = as_layout(user_gw, p.bwd_w_pd.diff_weights_desc(), false);
+  auto dw = as_layout(p, user_gw, p.bwd_w_pd.diff_weights_desc(), false);
   std::unordered_map<int, memory> args{{DNNL_ARG_SRC, src}, {DNNL_ARG_DIFF_DST, dd}, {DNNL_ARG_DIFF_WEIGHTS, dw}};
   memory bias_scratch;
   if (c.bias) {
@@ -222,7 +257,7 @@ inline void conv_backward_weights(const OnednnConv& c, const float* x, const flo
     args.insert({DNNL_ARG_DIFF_BIAS, bias_scratch});
   }
   p.bwd_w.execute(ctx.stream, args);
-  copy_back(dw, user_gw);
+  copy_back(p, dw, user_gw);
   ctx.stream.wait();
 }
 }  // namespace onednn
