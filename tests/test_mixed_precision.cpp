@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "data_parallel_util.hpp"
+#include "resnet_block.hpp"
 
 using namespace chorus;
 using chorus::testing::cpus;
@@ -192,6 +193,46 @@ TEST(MixedPrecision, Bf16TransformerLayerTracksTheFloatRunFor200Steps) {
         return lb.item();
       },
       0.5f);
+}
+
+// A bfloat16 ResNet basic block (3x3 convolutions, batch norm, the shortcut's strided 1x1
+// convolution) under max and average pooling, with float32 masters, tracks the float32 run for
+// 200 Adam steps (Note [16-bit CNN operators]: the convolutions accumulate in float32).
+TEST(MixedPrecision, Bf16ResNetBlockTracksTheFloatRunFor200Steps) {
+  manual_seed(13);
+  auto x = randn<float>({8, 4, 8, 8});
+  auto y = sigmoid(F::adaptive_avg_pool2d(x, {1, 1}).reshape({8, 4}).matmul(randn<float>({4, 8})) * 4.0);
+  chorus::testing::BasicBlock<float> fp(4, 8, 2);
+  chorus::testing::BasicBlock<bfloat16> bf(4, 8, 2);
+  copy_rounded(bf, fp);
+  copy_rounded(fp, bf);
+  auto head = [](const auto& out) { return F::adaptive_avg_pool2d(F::max_pool2d(out, 2), {1, 1}).reshape({8, 8}); };
+  optim::Adam opt_f(fp.parameters(), {.lr = 5e-3});
+  amp::MasterWeights master(bf.parameters());
+  optim::Adam opt_b(master.parameters(), {.lr = 5e-3});
+  const auto xb = x.to<bfloat16>();
+  expect_tracks_for_200_steps(
+      [&] {
+        opt_f.zero_grad();
+        auto lf = F::mse_loss(head(fp.forward(x)), y);
+        lf.backward();
+        opt_f.step();
+        return lf.item();
+      },
+      [&] {
+        opt_b.zero_grad();
+        auto lb = F::mse_loss(head(bf.forward(xb)).to<float>(), y);
+        lb.backward();
+        master.step(opt_b);
+        return lb.item();
+      },
+      0.5f);
+  // The running statistics were updated in float32 and rounded once into the bfloat16 buffers.
+  const auto rf = fp.bn1->running_mean.to_vector();
+  const auto rb = bf.bn1->running_mean.to_vector();
+  ASSERT_EQ(rf.size(), rb.size());
+  for (std::size_t i = 0; i < rf.size(); ++i)
+    EXPECT_NEAR(static_cast<float>(rb[i]), rf[i], 0.05f + 0.05f * std::abs(rf[i])) << i;
 }
 
 // DataParallel over 3 CPU devices of a bfloat16 model: the replicas hold bfloat16 copies,

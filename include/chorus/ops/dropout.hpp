@@ -42,6 +42,8 @@ Tensor<T> dropout(const Tensor<T>& x, double p, bool training, Generator& gen = 
   CHORUS_CHECK(p >= 0.0 && p <= 1.0, "dropout: probability must be in [0, 1], got ", p);
   if (!training || p == 0.0) return x;
   ops::detail::check_defined("dropout", x);
+  if constexpr (is_reduced_floating_v<T>)  // Note [16-bit CNN operators] (ops/nn.hpp)
+    return dropout(x.template to<float>(), p, training, gen).template to<T>();
   const double keep = 1.0 - p;
   const PhiloxLayout layout = philox_layout(gen, x.shape());
   const std::uint64_t threshold = keep_threshold(keep);

@@ -1,14 +1,23 @@
 #pragma once
 // Differentiable operations of the convolutional and normalisation layers, on NCHW tensors:
-// conv2d, max/avg/adaptive-avg pooling, batch_norm (optionally synchronised through a
-// StatsReducer), embedding, silu; layer_norm (layer_norm.hpp), dropout and dropout2d
-// (dropout.hpp).
+// conv2d, max/avg/adaptive-avg pooling, embedding, silu; batch_norm (batch_norm.hpp),
+// layer_norm (layer_norm.hpp), dropout and dropout2d (dropout.hpp).
+//
+// Note [16-bit CNN operators]
+// conv2d, the poolings, batch_norm and dropout of bfloat16/float16 tensors run the float32
+// kernels on float32 copies made by the differentiable conversion (x.to<float>()), and convert
+// the result back: products and sums accumulate in float32 and each output value is rounded
+// once, as PyTorch's CPU bf16 convolutions do; backward runs in float32 too and each gradient
+// is rounded once when it flows back through the conversion. batch_norm's running statistics
+// are updated in float32 and rounded once into the 16-bit buffers. This costs a float32 copy of
+// the saved activations; on CUDA, cuDNN's 16-bit convolutions (tensor cores) are the next step.
 #include <array>
 #include <limits>
 #include <memory>
 #include <optional>
 
 #include "../backend/nn.hpp"
+#include "batch_norm.hpp"
 #include "dropout.hpp"
 #include "elementwise.hpp"
 #include "layer_norm.hpp"
@@ -16,53 +25,6 @@
 #include "view.hpp"
 
 CHORUS_NAMESPACE_BEGIN
-
-/// Sums per-channel statistics across the participants of one normalisation (the replicas
-/// of a DataParallel, or the processes of a distributed job).
-///
-/// Note [statistics reducer]
-/// SyncBatchNorm needs one collective: an in-place sum, called by every participant in the
-/// same order (twice in forward, once in backward). Whoever runs the participants provides
-/// it: DataParallel installs one per replica for the duration of a forward
-/// (parallel/data_parallel.hpp), a process group can do the same around a
-/// DistributedDataParallel forward. The batch-norm backward keeps the reducer it saw in
-/// forward, so the backward reduction joins the same participants. Every participant must
-/// call each reduction; one that does not (a replica that skips the layer) makes the
-/// others fail after a timeout rather than hang.
-class StatsReducer {
- public:
-  virtual ~StatsReducer() = default;
-  /// Replaces `t` (contiguous, same shape everywhere) by its sum over the participants.
-  virtual void all_reduce_sum(Tensor<float>& t) = 0;
-  virtual void all_reduce_sum(Tensor<double>& t) = 0;
-  /// The sum of a host count over the participants.
-  virtual std::int64_t all_reduce_sum(std::int64_t count) = 0;
-  /// Number of participants.
-  virtual int size() const = 0;
-};
-
-namespace ops::detail {
-inline std::shared_ptr<StatsReducer>& current_reducer_slot() {
-  thread_local std::shared_ptr<StatsReducer> slot;
-  return slot;
-}
-}  // namespace ops::detail
-
-/// The reducer installed on this thread (null outside a synchronised forward).
-inline const std::shared_ptr<StatsReducer>& current_stats_reducer() { return ops::detail::current_reducer_slot(); }
-
-/// Installs `reducer` as this thread's statistics reducer until the scope ends.
-class StatsReducerScope {
- public:
-  explicit StatsReducerScope(std::shared_ptr<StatsReducer> reducer)
-      : previous_(std::exchange(ops::detail::current_reducer_slot(), std::move(reducer))) {}
-  ~StatsReducerScope() { ops::detail::current_reducer_slot() = std::move(previous_); }
-  StatsReducerScope(const StatsReducerScope&) = delete;
-  StatsReducerScope& operator=(const StatsReducerScope&) = delete;
-
- private:
-  std::shared_ptr<StatsReducer> previous_;
-};
 
 namespace ops::detail {
 
@@ -327,60 +289,6 @@ backend::Window2d pool_geometry(const char* op, const Tensor<T>& x, Pair k, Pair
 
 // ---- batch normalisation ----
 
-/// Note [batch norm backward]
-/// With x̂ = (x - μ)·σ⁻¹ over the normalised set of `count` values per channel,
-/// dx = w·σ⁻¹·(dy - mean(dy) - x̂·mean(dy·x̂)). The two means are the only coupling between
-/// the values of a channel, so SyncBatchNorm all-reduces Σdy and Σdy·(x-μ) (one [2C]
-/// reduction) and everything else stays local. dw and db are the local sums: the
-/// replicas' (or processes') parameter gradients are summed by DataParallel (or DDP).
-template <class T>
-class BatchNormBackward final : public autograd::Node<T> {
- public:
-  BatchNormBackward(Tensor<T> x, Tensor<T> w, Tensor<T> mean, Tensor<T> invstd, double count, bool has_w, bool has_b,
-                    std::shared_ptr<StatsReducer> reducer)
-      : x_(std::move(x)), w_(std::move(w)), mean_(std::move(mean)), invstd_(std::move(invstd)), count_(count),
-        has_w_(has_w), has_b_(has_b), reducer_(std::move(reducer)) {}
-  std::string name() const override { return "BatchNormBackward"; }
-  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
-    using A = backend::bn_acc_t<T>;
-    auto gy = contiguous_data(grads[0]);
-    const Device dev = gy.device();
-    const std::int64_t N = x_.shape()[0], C = x_.shape()[1], S = x_.numel() / std::max<std::int64_t>(N * C, 1);
-    const auto& e = this->next_edges();
-    Tensor<T> gx, gw, gb;
-    if (has_w_ && e[1].valid()) gw = Tensor<T>::empty(Shape{C}, dev);  // dw = Σ dy·x̂ (local)
-    if (has_b_ && e[1 + has_w_].valid()) gb = Tensor<T>::empty(Shape{C}, dev);  // db = Σ dy (local)
-    // Σdy and Σdy·(x-μ) in one 2-D reduction; dw and db fall out of the same pass.
-    auto sums = Tensor<A>::empty(Shape{2 * C}, dev);
-    backend::bn_backward_reduce(gy.data(), x_.data(), N, C, S, mean_.data(), invstd_.data(), sums.data(),
-                                gw.defined() ? gw.data() : nullptr, gb.defined() ? gb.data() : nullptr, dev);
-    // The others wait for this participant's share even when it needs no input gradient.
-    if (reducer_) reducer_->all_reduce_sum(sums);
-    if (e[0].valid()) {
-      gx = Tensor<T>::empty(x_.shape(), dev);
-      backend::bn_backward_input(gy.data(), x_.data(), N, C, S, mean_.data(), invstd_.data(),
-                                 has_w_ ? w_.data() : static_cast<const T*>(nullptr), sums.data(), 1.0 / count_,
-                                 gx.data(), dev);
-    }
-    typename autograd::Node<T>::TensorList out{gx};
-    if (has_w_) out.push_back(gw);
-    if (has_b_) out.push_back(gb);
-    return out;
-  }
-  void release_saved() override {
-    x_ = Tensor<T>();
-    w_ = Tensor<T>();
-    mean_ = Tensor<T>();
-    invstd_ = Tensor<T>();
-  }
-
- private:
-  Tensor<T> x_, w_, mean_, invstd_;
-  double count_;
-  bool has_w_, has_b_;
-  std::shared_ptr<StatsReducer> reducer_;
-};
-
 template <class T>
 class EmbeddingBackward final : public autograd::Node<T> {
  public:
@@ -412,6 +320,9 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
                  Pair padding = 0, Pair dilation = 1, std::int64_t groups = 1) {
   static_assert(is_floating_v<T>, "conv2d: floating-point tensors only");
   using namespace ops::detail;
+  if constexpr (is_reduced_floating_v<T>)  // Note [16-bit CNN operators]
+    return conv2d(float_copy(x), float_copy(weight), float_copy(bias), stride, padding, dilation, groups)
+        .template to<T>();
   check_4d("conv2d", x);
   check_defined("conv2d", weight, "weight");
   check_same_device("conv2d", x, weight);
@@ -480,6 +391,8 @@ template <class T>
 Tensor<T> max_pool2d(const Tensor<T>& x, Pair kernel, std::optional<Pair> stride = std::nullopt, Pair padding = 0,
                      Pair dilation = 1, bool ceil_mode = false) {
   static_assert(is_floating_v<T>, "max_pool2d: floating-point tensors only");
+  if constexpr (is_reduced_floating_v<T>)  // Note [16-bit CNN operators]
+    return max_pool2d(ops::detail::float_copy(x), kernel, stride, padding, dilation, ceil_mode).template to<T>();
   auto g = ops::detail::pool_geometry("max_pool2d", x, kernel, stride.value_or(kernel), padding, dilation, ceil_mode);
   auto xc = ops::detail::contiguous_data(x.detach());
   const std::int64_t N = x.shape()[0];
@@ -500,6 +413,10 @@ Tensor<T> avg_pool2d(const Tensor<T>& x, Pair kernel, std::optional<Pair> stride
   static_assert(is_floating_v<T>, "avg_pool2d: floating-point tensors only");
   CHORUS_CHECK(divisor_override >= 0, "avg_pool2d: divisor_override must be positive (or 0 for none), got ",
                divisor_override);
+  if constexpr (is_reduced_floating_v<T>)  // Note [16-bit CNN operators]
+    return avg_pool2d(ops::detail::float_copy(x), kernel, stride, padding, ceil_mode, count_include_pad,
+                      divisor_override)
+        .template to<T>();
   auto g = ops::detail::pool_geometry("avg_pool2d", x, kernel, stride.value_or(kernel), padding, 1, ceil_mode);
   auto xc = ops::detail::contiguous_data(x.detach());
   const std::int64_t N = x.shape()[0];
@@ -517,6 +434,8 @@ Tensor<T> avg_pool2d(const Tensor<T>& x, Pair kernel, std::optional<Pair> stride
 template <class T>
 Tensor<T> adaptive_avg_pool2d(const Tensor<T>& x, Pair output_size) {
   static_assert(is_floating_v<T>, "adaptive_avg_pool2d: floating-point tensors only");
+  if constexpr (is_reduced_floating_v<T>)  // Note [16-bit CNN operators]
+    return adaptive_avg_pool2d(ops::detail::float_copy(x), output_size).template to<T>();
   ops::detail::check_4d("adaptive_avg_pool2d", x);
   CHORUS_CHECK(output_size[0] > 0 && output_size[1] > 0, "adaptive_avg_pool2d: output size must be positive, got ",
                output_size);
@@ -541,121 +460,6 @@ Tensor<T> adaptive_avg_pool2d(const Tensor<T>& x, Pair output_size) {
     autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
   }
   return out;
-}
-
-namespace ops::detail {
-/// batch_norm, with momentum = 1 / *num_batches read on the device when `num_batches` is given
-/// (the cumulative average of BatchNorm's momentum=None; Note [batch-norm statistics]).
-template <class T>
-Tensor<T> batch_norm_impl(const Tensor<T>& x, const Tensor<T>& running_mean, const Tensor<T>& running_var,
-                          const Tensor<T>& weight, const Tensor<T>& bias, bool training, double momentum, double eps,
-                          std::shared_ptr<StatsReducer> reducer, const Tensor<std::int64_t>* num_batches) {
-  static_assert(is_floating_v<T>, "batch_norm: floating-point tensors only");
-  using A = backend::bn_acc_t<T>;
-  check_defined("batch_norm", x);
-  CHORUS_CHECK(x.dim() >= 2, "batch_norm: expected an input [N, C, *] with at least 2 dimensions, got shape ",
-               x.shape());
-  const std::int64_t N = x.shape()[0], C = x.shape()[1];
-  const std::int64_t S = N * C > 0 ? x.numel() / (N * C) : 0;
-  const Device dev = x.device();
-  auto check_vec = [&](const Tensor<T>& t, const char* what) {
-    if (!t.defined()) return;
-    check_same_device("batch_norm", x, t);
-    CHORUS_CHECK(t.dim() == 1 && t.shape()[0] == C, "batch_norm: ", what, " of shape ", t.shape(), " does not match ",
-                 C, " channels of input ", x.shape());
-    CHORUS_CHECK(t.is_contiguous(), "batch_norm: ", what, " must be contiguous");
-  };
-  check_vec(running_mean, "running_mean");
-  check_vec(running_var, "running_var");
-  check_vec(weight, "weight");
-  check_vec(bias, "bias");
-  CHORUS_CHECK(running_mean.defined() == running_var.defined(),
-               "batch_norm: give both running_mean and running_var, or neither");
-  CHORUS_CHECK(eps > 0, "batch_norm: eps must be positive, got ", eps);
-  if (num_batches) {
-    check_same_device("batch_norm", x, *num_batches);
-    CHORUS_CHECK(num_batches->numel() == 1, "batch_norm: num_batches_tracked must have one element, got shape ",
-                 num_batches->shape());
-  }
-  const bool use_batch = training || !running_mean.defined();
-  auto wc = weight.defined() ? contiguous_data(weight.detach()) : Tensor<T>();
-  auto bc = bias.defined() ? contiguous_data(bias.detach()) : Tensor<T>();
-  const T* wp = weight.defined() ? wc.data() : nullptr;
-  const T* bp = bias.defined() ? bc.data() : nullptr;
-  auto xc = contiguous_data(x.detach());
-  auto out = Tensor<T>::empty(x.shape(), dev);
-  auto mean = Tensor<T>::empty(Shape{C}, dev), invstd = Tensor<T>::empty(Shape{C}, dev);
-  if (!use_batch) {  // evaluation: the running statistics are constants
-    backend::copy(mean, running_mean);
-    backend::unary(running_var, invstd, backend::fn::AddScalar{eps});
-    backend::unary(invstd, invstd, backend::fn::PowScalar{-0.5});
-    if (autograd::needs_grad(x, weight, bias)) {
-      // y = x·(w σ⁻¹) + (b - μ w σ⁻¹): record it with the differentiable ops (an affine map).
-      Shape bshape = Shape::filled(x.dim(), 1);
-      bshape[1] = C;
-      auto scale = weight.defined() ? mul(weight, invstd) : invstd;
-      auto shift = neg(mul(mean, scale));
-      if (bias.defined()) shift = add(shift, bias);
-      return add(mul(x, scale.reshape(bshape)), shift.reshape(bshape));
-    }
-    backend::bn_apply(xc.data(), N, C, S, mean.data(), invstd.data(), wp, bp, out.data(), dev);
-    return out;
-  }
-  const std::int64_t local = N * S;
-  const std::int64_t count = reducer ? reducer->all_reduce_sum(local) : local;
-  CHORUS_CHECK(count > 1, "batch_norm: expected more than 1 value per channel when training, got input of shape ",
-               x.shape(), reducer ? " (summed over the synchronised participants)" : "");
-  backend::BnFinish<T> fin;
-  fin.count = static_cast<double>(count);
-  fin.eps = eps;
-  fin.mean = mean.data();
-  fin.invstd = invstd.data();
-  if (running_mean.defined()) {
-    fin.running_mean = running_mean.data();
-    fin.running_var = running_var.data();
-    fin.momentum = momentum;
-    fin.num_batches = num_batches ? num_batches->data() : nullptr;
-  }
-  if (!reducer) {  // statistics, finish and running statistics: one 2-D reduction
-    backend::bn_stats<T, A>(xc.data(), N, C, S, nullptr, nullptr, &fin, dev);
-  } else {
-    // Local Welford statistics; then Σ count·mean → the global mean, and each participant's
-    // M2 around it → Σ = the global M2 (two [C] reductions, no second pass over x).
-    auto local_mean = Tensor<A>::empty(Shape{C}, dev), m2 = Tensor<A>::empty(Shape{C}, dev);
-    auto global_mean = Tensor<A>::empty(Shape{C}, dev);
-    backend::bn_stats<T, A>(xc.data(), N, C, S, local_mean.data(), m2.data(), nullptr, dev);
-    backend::unary(local_mean, global_mean, backend::fn::MulScalar{static_cast<double>(local)});
-    reducer->all_reduce_sum(global_mean);
-    backend::bn_sync_stats(local_mean.data(), static_cast<double>(local), static_cast<double>(count),
-                           global_mean.data(), m2.data(), C, dev);
-    reducer->all_reduce_sum(m2);
-    backend::bn_finish(global_mean.data(), m2.data(), C, fin, dev);
-  }
-  backend::bn_apply(xc.data(), N, C, S, mean.data(), invstd.data(), wp, bp, out.data(), dev);
-  if (autograd::needs_grad(x, weight, bias)) {
-    auto node = autograd::make_node<BatchNormBackward<T>, T>(
-        {&x, weight.defined() ? &weight : nullptr, bias.defined() ? &bias : nullptr}, xc, wc, mean, invstd,
-        double(count), weight.defined(), bias.defined(), std::move(reducer));
-    auto& edges = node->mutable_next_edges();
-    if (!bias.defined()) edges.erase(edges.begin() + 2);
-    if (!weight.defined()) edges.erase(edges.begin() + 1);
-    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
-  }
-  return out;
-}
-}  // namespace ops::detail
-
-/// Batch normalisation over dim 1 of x [N, C, *] (as torch.nn.functional.batch_norm).
-/// Training: normalises with the batch statistics — summed over the participants of
-/// `reducer` when one is given (Note [statistics reducer]) — and, when running_mean/var are
-/// defined, updates them in place: r = (1 - momentum)·r + momentum·stat (variance unbiased).
-/// Evaluation: normalises with running_mean/var.
-template <class T>
-Tensor<T> batch_norm(const Tensor<T>& x, const Tensor<T>& running_mean, const Tensor<T>& running_var,
-                     const Tensor<T>& weight = Tensor<T>(), const Tensor<T>& bias = Tensor<T>(), bool training = true,
-                     double momentum = 0.1, double eps = 1e-5, std::shared_ptr<StatsReducer> reducer = nullptr) {
-  return ops::detail::batch_norm_impl(x, running_mean, running_var, weight, bias, training, momentum, eps,
-                                      std::move(reducer), nullptr);
 }
 
 /// Rows of `weight` [num, dim] picked by `indices` (any shape): output indices.shape + [dim].
