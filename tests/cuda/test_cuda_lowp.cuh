@@ -137,6 +137,24 @@ void check_ops_against_cpu() {
   table.index_select(0, idx).sum().backward();
   gtable.index_select(0, idx.to(kGpu)).sum().backward();
   EXPECT_TRUE(near_in(gtable.grad(), table.grad(), "index_select backward"));
+  // The CNN operators (Note [16-bit CNN operators]): float32 kernels (cuDNN) on float32 copies.
+  auto img = randn<T>({2, 4, 7, 7}), ker = randn<T>({6, 2, 3, 3}), kb = randn<T>({6});
+  auto gimg = img.to(kGpu), gker = ker.to(kGpu), gkb = kb.to(kGpu);
+  EXPECT_TRUE(near_in(conv2d(gimg, gker, gkb, 2, 1, 1, 2), conv2d(img, ker, kb, 2, 1, 1, 2), "conv2d"));
+  EXPECT_TRUE(near_in(max_pool2d(gimg, 3, 2, 1), max_pool2d(img, 3, 2, 1), "max_pool2d"));
+  EXPECT_TRUE(near_in(avg_pool2d(gimg, 2), avg_pool2d(img, 2), "avg_pool2d"));
+  EXPECT_TRUE(near_in(adaptive_avg_pool2d(gimg, {1, 1}), adaptive_avg_pool2d(img, {1, 1}), "adaptive_avg_pool2d"));
+  auto rm = zeros<T>({4}), rv = ones<T>({4});
+  auto grm = rm.to(kGpu), grv = rv.to(kGpu);
+  EXPECT_TRUE(near_in(batch_norm(gimg, grm, grv), batch_norm(img, rm, rv), "batch_norm"));
+  EXPECT_TRUE(near_in(grm, rm, "batch_norm running_mean"));
+  EXPECT_TRUE(near_in(grv, rv, "batch_norm running_var"));
+  auto cimg = img.detach().requires_grad_(), cgimg = gimg.detach().requires_grad_();
+  auto cker = ker.detach().requires_grad_(), cgker = gker.detach().requires_grad_();
+  conv2d(cimg, cker, kb, 2, 1, 1, 2).sum().backward();
+  conv2d(cgimg, cgker, gkb, 2, 1, 1, 2).sum().backward();
+  EXPECT_TRUE(near_in(cgimg.grad(), cimg.grad(), "conv2d grad input"));
+  EXPECT_TRUE(near_in(cgker.grad(), cker.grad(), "conv2d grad weight"));
 }
 }  // namespace
 

@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <limits>
 #include <thread>
 
 using namespace chorus;
@@ -102,6 +104,58 @@ TEST(DistributedCuda, DdpOnTheGpuEqualsPlainTraining) {
     auto u = a[i].as<float>().to(Device::cpu()).to_vector(), v = b[i].as<float>().to(Device::cpu()).to_vector();
     for (std::size_t k = 0; k < u.size(); ++k) ASSERT_NEAR(u[k], v[k], 1e-4) << "parameter " << i;
   }
+}
+
+// PyTorch's fp16_compress / bf16_compress hooks over NCCL: each float32 bucket goes over the wire
+// in 16 bits, divided by the world size first, and comes back into the float32 bucket; every
+// rank's gradient is the 16-bit sum of the others' (computed here from all ranks' local
+// gradients, gathered), rounded as NCCL's 16-bit sums round (to within one rounding per rank).
+template <class Wire>
+void check_compress_hook_on_gpu(dist::CommHook hook) {
+  auto& pg = dist::group();
+  const Device dev = pg.default_device();
+  const int w = pg.world_size(), r = pg.rank();
+  manual_seed(3);
+  Mlp plain;
+  plain.to(dev);
+  manual_seed(3);
+  Mlp wrapped;
+  wrapped.to(dev);
+  DistributedDataParallel<Mlp> ddp(std::move(wrapped), {.first_bucket_bytes = 1024});
+  ddp.register_comm_hook(hook);
+  manual_seed(40 + r);
+  auto x = randn<float>({8, 16}).to(dev), y = randn<float>({8, 4}).to(dev);
+  nn::functional::mse_loss(plain.forward(x), y).backward();
+  nn::functional::mse_loss(ddp(x), y).backward();
+  auto a = ddp.parameters(), b = plain.parameters();
+  ASSERT_EQ(a.size(), b.size());
+  const double eps = std::ldexp(1.0, 1 - std::numeric_limits<Wire>::digits);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    auto local = b[i].as<float>().grad();
+    auto every = pg.all_gather(local);  // [w, ...] float32: the reference's inputs
+    auto got = a[i].as<float>().grad().to(Device::cpu()).to_vector();
+    auto all = every.to(Device::cpu()).to_vector();
+    const std::size_t n = got.size();
+    double scale = 0;
+    for (float v : all) scale = std::max(scale, std::abs(double(v)));
+    for (std::size_t k = 0; k < n; ++k) {
+      double exact = 0;
+      for (int q = 0; q < w; ++q) exact += all[q * n + k] / w;
+      if (w == 1) {  // one rank: the value divided by 1, rounded once to 16 bits and back
+        ASSERT_EQ(got[k], static_cast<float>(Wire(all[k]))) << "parameter " << i << " [" << k << "]";
+      }
+      ASSERT_NEAR(got[k], exact, (w + 1) * eps * scale) << "parameter " << i << " [" << k << "]";
+    }
+  }
+}
+
+TEST(DistributedCuda, Fp16CompressHookOverNccl) {
+  REQUIRE_GPU();
+  check_compress_hook_on_gpu<chorus::half>(dist::CommHook::fp16_compress);  // cuda_fp16.h has a global `half`
+}
+TEST(DistributedCuda, Bf16CompressHookOverNccl) {
+  REQUIRE_GPU();
+  check_compress_hook_on_gpu<bfloat16>(dist::CommHook::bf16_compress);
 }
 
 // Issue 17, item 1: waiting for a collective whose GPU work is still queued must not leave

@@ -93,11 +93,6 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     CHORUS_CHECK(!hook_set_, "DistributedDataParallel::register_comm_hook can only be called once");
     CHORUS_CHECK(steps_ == 0 && !armed_, "DistributedDataParallel::register_comm_hook must be called before the first "
                                          "forward that reduces gradients");
-    if (hook != dist::CommHook::allreduce)
-      CHORUS_CHECK(device_.is_cpu(), "DistributedDataParallel::register_comm_hook: the ",
-                   hook == dist::CommHook::fp16_compress ? "fp16" : "bf16",
-                   "_compress hook needs 16-bit kernels on ", device_, ", which are not written yet (mixed precision, "
-                   "issue 19)");
     hook_ = hook;
     hook_set_ = true;
   }

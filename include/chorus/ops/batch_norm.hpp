@@ -167,72 +167,73 @@ Tensor<T> batch_norm_impl(const Tensor<T>& x, const Tensor<T>& running_mean, con
       backend::convert(running_var, rv);
     }
     return y.template to<T>();
-  }
-  const bool use_batch = training || !running_mean.defined();
-  auto wc = weight.defined() ? contiguous_data(weight.detach()) : Tensor<T>();
-  auto bc = bias.defined() ? contiguous_data(bias.detach()) : Tensor<T>();
-  const T* wp = weight.defined() ? wc.data() : nullptr;
-  const T* bp = bias.defined() ? bc.data() : nullptr;
-  auto xc = contiguous_data(x.detach());
-  auto out = Tensor<T>::empty(x.shape(), dev);
-  auto mean = Tensor<T>::empty(Shape{C}, dev), invstd = Tensor<T>::empty(Shape{C}, dev);
-  if (!use_batch) {  // evaluation: the running statistics are constants
-    backend::copy(mean, running_mean);
-    backend::unary(running_var, invstd, backend::fn::AddScalar{eps});
-    backend::unary(invstd, invstd, backend::fn::PowScalar{-0.5});
-    if (autograd::needs_grad(x, weight, bias)) {
-      // y = x·(w σ⁻¹) + (b - μ w σ⁻¹): record it with the differentiable ops (an affine map).
-      Shape bshape = Shape::filled(x.dim(), 1);
-      bshape[1] = C;
-      auto scale = weight.defined() ? mul(weight, invstd) : invstd;
-      auto shift = neg(mul(mean, scale));
-      if (bias.defined()) shift = add(shift, bias);
-      return add(mul(x, scale.reshape(bshape)), shift.reshape(bshape));
+  } else {
+    const bool use_batch = training || !running_mean.defined();
+    auto wc = weight.defined() ? contiguous_data(weight.detach()) : Tensor<T>();
+    auto bc = bias.defined() ? contiguous_data(bias.detach()) : Tensor<T>();
+    const T* wp = weight.defined() ? wc.data() : nullptr;
+    const T* bp = bias.defined() ? bc.data() : nullptr;
+    auto xc = contiguous_data(x.detach());
+    auto out = Tensor<T>::empty(x.shape(), dev);
+    auto mean = Tensor<T>::empty(Shape{C}, dev), invstd = Tensor<T>::empty(Shape{C}, dev);
+    if (!use_batch) {  // evaluation: the running statistics are constants
+      backend::copy(mean, running_mean);
+      backend::unary(running_var, invstd, backend::fn::AddScalar{eps});
+      backend::unary(invstd, invstd, backend::fn::PowScalar{-0.5});
+      if (autograd::needs_grad(x, weight, bias)) {
+        // y = x·(w σ⁻¹) + (b - μ w σ⁻¹): record it with the differentiable ops (an affine map).
+        Shape bshape = Shape::filled(x.dim(), 1);
+        bshape[1] = C;
+        auto scale = weight.defined() ? mul(weight, invstd) : invstd;
+        auto shift = neg(mul(mean, scale));
+        if (bias.defined()) shift = add(shift, bias);
+        return add(mul(x, scale.reshape(bshape)), shift.reshape(bshape));
+      }
+      backend::bn_apply(xc.data(), N, C, S, mean.data(), invstd.data(), wp, bp, out.data(), dev);
+      return out;
+    }
+    const std::int64_t local = N * S;
+    const std::int64_t count = reducer ? reducer->all_reduce_sum(local) : local;
+    CHORUS_CHECK(count > 1, "batch_norm: expected more than 1 value per channel when training, got input of shape ",
+                 x.shape(), reducer ? " (summed over the synchronised participants)" : "");
+    backend::BnFinish<T> fin;
+    fin.count = static_cast<double>(count);
+    fin.eps = eps;
+    fin.mean = mean.data();
+    fin.invstd = invstd.data();
+    if (running_mean.defined()) {
+      fin.running_mean = running_mean.data();
+      fin.running_var = running_var.data();
+      fin.momentum = momentum;
+      fin.num_batches = num_batches ? num_batches->data() : nullptr;
+    }
+    if (!reducer) {  // statistics, finish and running statistics: one 2-D reduction
+      backend::bn_stats<T, A>(xc.data(), N, C, S, nullptr, nullptr, &fin, dev);
+    } else {
+      // Local Welford statistics; then Σ count·mean → the global mean, and each participant's
+      // M2 around it → Σ = the global M2 (two [C] reductions, no second pass over x).
+      auto local_mean = Tensor<A>::empty(Shape{C}, dev), m2 = Tensor<A>::empty(Shape{C}, dev);
+      auto global_mean = Tensor<A>::empty(Shape{C}, dev);
+      backend::bn_stats<T, A>(xc.data(), N, C, S, local_mean.data(), m2.data(), nullptr, dev);
+      backend::unary(local_mean, global_mean, backend::fn::MulScalar{static_cast<double>(local)});
+      reducer->all_reduce_sum(global_mean);
+      backend::bn_sync_stats(local_mean.data(), static_cast<double>(local), static_cast<double>(count),
+                             global_mean.data(), m2.data(), C, dev);
+      reducer->all_reduce_sum(m2);
+      backend::bn_finish(global_mean.data(), m2.data(), C, fin, dev);
     }
     backend::bn_apply(xc.data(), N, C, S, mean.data(), invstd.data(), wp, bp, out.data(), dev);
+    if (autograd::needs_grad(x, weight, bias)) {
+      auto node = autograd::make_node<BatchNormBackward<T>, T>(
+          {&x, weight.defined() ? &weight : nullptr, bias.defined() ? &bias : nullptr}, xc, wc, mean, invstd,
+          double(count), weight.defined(), bias.defined(), std::move(reducer));
+      auto& edges = node->mutable_next_edges();
+      if (!bias.defined()) edges.erase(edges.begin() + 2);
+      if (!weight.defined()) edges.erase(edges.begin() + 1);
+      autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+    }
     return out;
   }
-  const std::int64_t local = N * S;
-  const std::int64_t count = reducer ? reducer->all_reduce_sum(local) : local;
-  CHORUS_CHECK(count > 1, "batch_norm: expected more than 1 value per channel when training, got input of shape ",
-               x.shape(), reducer ? " (summed over the synchronised participants)" : "");
-  backend::BnFinish<T> fin;
-  fin.count = static_cast<double>(count);
-  fin.eps = eps;
-  fin.mean = mean.data();
-  fin.invstd = invstd.data();
-  if (running_mean.defined()) {
-    fin.running_mean = running_mean.data();
-    fin.running_var = running_var.data();
-    fin.momentum = momentum;
-    fin.num_batches = num_batches ? num_batches->data() : nullptr;
-  }
-  if (!reducer) {  // statistics, finish and running statistics: one 2-D reduction
-    backend::bn_stats<T, A>(xc.data(), N, C, S, nullptr, nullptr, &fin, dev);
-  } else {
-    // Local Welford statistics; then Σ count·mean → the global mean, and each participant's
-    // M2 around it → Σ = the global M2 (two [C] reductions, no second pass over x).
-    auto local_mean = Tensor<A>::empty(Shape{C}, dev), m2 = Tensor<A>::empty(Shape{C}, dev);
-    auto global_mean = Tensor<A>::empty(Shape{C}, dev);
-    backend::bn_stats<T, A>(xc.data(), N, C, S, local_mean.data(), m2.data(), nullptr, dev);
-    backend::unary(local_mean, global_mean, backend::fn::MulScalar{static_cast<double>(local)});
-    reducer->all_reduce_sum(global_mean);
-    backend::bn_sync_stats(local_mean.data(), static_cast<double>(local), static_cast<double>(count),
-                           global_mean.data(), m2.data(), C, dev);
-    reducer->all_reduce_sum(m2);
-    backend::bn_finish(global_mean.data(), m2.data(), C, fin, dev);
-  }
-  backend::bn_apply(xc.data(), N, C, S, mean.data(), invstd.data(), wp, bp, out.data(), dev);
-  if (autograd::needs_grad(x, weight, bias)) {
-    auto node = autograd::make_node<BatchNormBackward<T>, T>(
-        {&x, weight.defined() ? &weight : nullptr, bias.defined() ? &bias : nullptr}, xc, wc, mean, invstd,
-        double(count), weight.defined(), bias.defined(), std::move(reducer));
-    auto& edges = node->mutable_next_edges();
-    if (!bias.defined()) edges.erase(edges.begin() + 2);
-    if (!weight.defined()) edges.erase(edges.begin() + 1);
-    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
-  }
-  return out;
 }
 }  // namespace ops::detail
 

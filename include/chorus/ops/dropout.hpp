@@ -42,20 +42,22 @@ Tensor<T> dropout(const Tensor<T>& x, double p, bool training, Generator& gen = 
   CHORUS_CHECK(p >= 0.0 && p <= 1.0, "dropout: probability must be in [0, 1], got ", p);
   if (!training || p == 0.0) return x;
   ops::detail::check_defined("dropout", x);
-  if constexpr (is_reduced_floating_v<T>)  // Note [16-bit CNN operators] (ops/nn.hpp)
+  if constexpr (is_reduced_floating_v<T>) {  // Note [16-bit CNN operators] (ops/nn.hpp)
     return dropout(x.template to<float>(), p, training, gen).template to<T>();
-  const double keep = 1.0 - p;
-  const PhiloxLayout layout = philox_layout(gen, x.shape());
-  const std::uint64_t threshold = keep_threshold(keep);
-  const T scale = keep > 0 ? static_cast<T>(1.0 / keep) : T(0);
-  auto xc = ops::detail::contiguous_data(x.detach());
-  auto out = Tensor<T>::empty(x.shape(), x.device());
-  backend::dropout_apply(xc.data(), out.data(), x.numel(), layout, threshold, scale, x.device());
-  if (autograd::needs_grad(x)) {
-    auto node = autograd::make_node<ops::detail::DropoutBackward<T>, T>({&x}, layout, threshold, scale);
-    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  } else {
+    const double keep = 1.0 - p;
+    const PhiloxLayout layout = philox_layout(gen, x.shape());
+    const std::uint64_t threshold = keep_threshold(keep);
+    const T scale = keep > 0 ? static_cast<T>(1.0 / keep) : T(0);
+    auto xc = ops::detail::contiguous_data(x.detach());
+    auto out = Tensor<T>::empty(x.shape(), x.device());
+    backend::dropout_apply(xc.data(), out.data(), x.numel(), layout, threshold, scale, x.device());
+    if (autograd::needs_grad(x)) {
+      auto node = autograd::make_node<ops::detail::DropoutBackward<T>, T>({&x}, layout, threshold, scale);
+      autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+    }
+    return out;
   }
-  return out;
 }
 
 /// Zeroes whole channels (dim 1 of x [N, C, *]) with probability p while training, scaling

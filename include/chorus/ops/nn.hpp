@@ -320,70 +320,72 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
                  Pair padding = 0, Pair dilation = 1, std::int64_t groups = 1) {
   static_assert(is_floating_v<T>, "conv2d: floating-point tensors only");
   using namespace ops::detail;
-  if constexpr (is_reduced_floating_v<T>)  // Note [16-bit CNN operators]
+  if constexpr (is_reduced_floating_v<T>) {  // Note [16-bit CNN operators]
     return conv2d(float_copy(x), float_copy(weight), float_copy(bias), stride, padding, dilation, groups)
         .template to<T>();
-  check_4d("conv2d", x);
-  check_defined("conv2d", weight, "weight");
-  check_same_device("conv2d", x, weight);
-  CHORUS_CHECK(weight.dim() == 4, "conv2d: weight must be 4-D [out, in/groups, kh, kw], got shape ", weight.shape());
-  check_window("conv2d", {weight.shape()[2], weight.shape()[3]}, stride, padding, dilation);
-  CHORUS_CHECK(groups > 0, "conv2d: groups must be positive, got ", groups);
-  const std::int64_t N = x.shape()[0], C = x.shape()[1], O = weight.shape()[0];
-  std::int64_t expected = 0;  // checked: a huge groups must not wrap to C (Note [checked sizes])
-  const bool wraps = __builtin_mul_overflow(weight.shape()[1], groups, &expected);
-  CHORUS_CHECK(!wraps && expected == C, "conv2d: input of shape ", x.shape(), " has ", C,
-               " channels, but weight of shape ", weight.shape(), " with groups=", groups, " expects ",
-               wraps ? std::string("more than int64 holds") : std::to_string(expected));
-  CHORUS_CHECK(O % groups == 0, "conv2d: ", C, " input and ", O, " output channels must both be divisible by groups=",
-               groups);
-  if (bias.defined()) {
-    check_same_device("conv2d", x, bias);
-    CHORUS_CHECK(bias.dim() == 1 && bias.shape()[0] == O, "conv2d: bias of shape ", bias.shape(),
-                 " does not match ", O, " output channels");
-  }
-  ConvGeometry geo;
-  auto& g = geo.g;
-  g.kh = weight.shape()[2], g.kw = weight.shape()[3];
-  g.sh = stride[0], g.sw = stride[1], g.ph = padding[0], g.pw = padding[1], g.dh = dilation[0], g.dw = dilation[1];
-  set_window_out("conv2d", x, g, false);
-  CHORUS_CHECK(g.OH > 0 && g.OW > 0, "conv2d: input of shape ", x.shape(), " (padding ", padding,
-               ") is smaller than the dilated kernel of weight ", weight.shape());
-  // The column matrix has C*kh*kw rows; the weight bounds kh*kw and C/groups*kh*kw, not C*kh*kw.
-  CHORUS_CHECK(!__builtin_mul_overflow(C, g.kh * g.kw, &geo.K), "conv2d: ", C, " channels times kernel ",
-               Pair{g.kh, g.kw}, " have more elements than an int64 can count");
-  geo.N = N, geo.O = O, geo.groups = groups;
-  geo.direct = g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0;
-  geo.has_bias = bias.defined();
-  const Device dev = x.device();
-  auto xc = contiguous_data(x.detach());
-  auto wc = contiguous_data(weight.detach());
-  auto out = Tensor<T>::empty(Shape{N, O, g.OH, g.OW}, dev);
-#if CHORUS_ONEDNN_API
-  if constexpr (std::is_same_v<T, float>) {
-    geo.onednn = dev.is_cpu() && backend::cpu::onednn_enabled() && geo.onednn_conv().supported();
-    if (geo.onednn) {
-      auto bc = bias.defined() ? contiguous_data(bias.detach()) : Tensor<T>();
-      backend::cpu::onednn::conv_forward(geo.onednn_conv(), xc.data(), wc.data(), bc.defined() ? bc.data() : nullptr,
-                                         out.data());
+  } else {
+    check_4d("conv2d", x);
+    check_defined("conv2d", weight, "weight");
+    check_same_device("conv2d", x, weight);
+    CHORUS_CHECK(weight.dim() == 4, "conv2d: weight must be 4-D [out, in/groups, kh, kw], got shape ", weight.shape());
+    check_window("conv2d", {weight.shape()[2], weight.shape()[3]}, stride, padding, dilation);
+    CHORUS_CHECK(groups > 0, "conv2d: groups must be positive, got ", groups);
+    const std::int64_t N = x.shape()[0], C = x.shape()[1], O = weight.shape()[0];
+    std::int64_t expected = 0;  // checked: a huge groups must not wrap to C (Note [checked sizes])
+    const bool wraps = __builtin_mul_overflow(weight.shape()[1], groups, &expected);
+    CHORUS_CHECK(!wraps && expected == C, "conv2d: input of shape ", x.shape(), " has ", C,
+                 " channels, but weight of shape ", weight.shape(), " with groups=", groups, " expects ",
+                 wraps ? std::string("more than int64 holds") : std::to_string(expected));
+    CHORUS_CHECK(O % groups == 0, "conv2d: ", C, " input and ", O, " output channels must both be divisible by groups=",
+                 groups);
+    if (bias.defined()) {
+      check_same_device("conv2d", x, bias);
+      CHORUS_CHECK(bias.dim() == 1 && bias.shape()[0] == O, "conv2d: bias of shape ", bias.shape(),
+                   " does not match ", O, " output channels");
     }
+    ConvGeometry geo;
+    auto& g = geo.g;
+    g.kh = weight.shape()[2], g.kw = weight.shape()[3];
+    g.sh = stride[0], g.sw = stride[1], g.ph = padding[0], g.pw = padding[1], g.dh = dilation[0], g.dw = dilation[1];
+    set_window_out("conv2d", x, g, false);
+    CHORUS_CHECK(g.OH > 0 && g.OW > 0, "conv2d: input of shape ", x.shape(), " (padding ", padding,
+                 ") is smaller than the dilated kernel of weight ", weight.shape());
+    // The column matrix has C*kh*kw rows; the weight bounds kh*kw and C/groups*kh*kw, not C*kh*kw.
+    CHORUS_CHECK(!__builtin_mul_overflow(C, g.kh * g.kw, &geo.K), "conv2d: ", C, " channels times kernel ",
+                 Pair{g.kh, g.kw}, " have more elements than an int64 can count");
+    geo.N = N, geo.O = O, geo.groups = groups;
+    geo.direct = g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0;
+    geo.has_bias = bias.defined();
+    const Device dev = x.device();
+    auto xc = contiguous_data(x.detach());
+    auto wc = contiguous_data(weight.detach());
+    auto out = Tensor<T>::empty(Shape{N, O, g.OH, g.OW}, dev);
+  #if CHORUS_ONEDNN_API
+    if constexpr (std::is_same_v<T, float>) {
+      geo.onednn = dev.is_cpu() && backend::cpu::onednn_enabled() && geo.onednn_conv().supported();
+      if (geo.onednn) {
+        auto bc = bias.defined() ? contiguous_data(bias.detach()) : Tensor<T>();
+        backend::cpu::onednn::conv_forward(geo.onednn_conv(), xc.data(), wc.data(), bc.defined() ? bc.data() : nullptr,
+                                           out.data());
+      }
+    }
+  #endif
+  #if CHORUS_CUDA && CHORUS_HAS_CUDNN
+    geo.cudnn = dev.is_cuda() && N > 0 && backend::cuda::cudnn::enabled() && geo.fits_int();
+    if (geo.cudnn) {
+      backend::cuda::cudnn::conv_forward(g, N, O, groups, xc.data(), wc.data(), out.data(), dev);
+      if (bias.defined()) conv2d_add_bias(bias, geo, out);
+    }
+  #endif
+    if (!geo.onednn && !geo.cudnn) conv2d_im2col(xc, wc, bias, geo, out);
+    if (autograd::needs_grad(x, weight, bias)) {
+      auto node = autograd::make_node<Conv2dBackward<T>, T>({&x, &weight, bias.defined() ? &bias : nullptr}, xc, wc,
+                                                            bias.defined(), geo);
+      if (!bias.defined()) node->mutable_next_edges().pop_back();
+      autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+    }
+    return out;
   }
-#endif
-#if CHORUS_CUDA && CHORUS_HAS_CUDNN
-  geo.cudnn = dev.is_cuda() && N > 0 && backend::cuda::cudnn::enabled() && geo.fits_int();
-  if (geo.cudnn) {
-    backend::cuda::cudnn::conv_forward(g, N, O, groups, xc.data(), wc.data(), out.data(), dev);
-    if (bias.defined()) conv2d_add_bias(bias, geo, out);
-  }
-#endif
-  if (!geo.onednn && !geo.cudnn) conv2d_im2col(xc, wc, bias, geo, out);
-  if (autograd::needs_grad(x, weight, bias)) {
-    auto node = autograd::make_node<Conv2dBackward<T>, T>({&x, &weight, bias.defined() ? &bias : nullptr}, xc, wc,
-                                                          bias.defined(), geo);
-    if (!bias.defined()) node->mutable_next_edges().pop_back();
-    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
-  }
-  return out;
 }
 
 /// Max pooling (as torch.nn.functional.max_pool2d); stride defaults to the kernel size.
@@ -391,19 +393,21 @@ template <class T>
 Tensor<T> max_pool2d(const Tensor<T>& x, Pair kernel, std::optional<Pair> stride = std::nullopt, Pair padding = 0,
                      Pair dilation = 1, bool ceil_mode = false) {
   static_assert(is_floating_v<T>, "max_pool2d: floating-point tensors only");
-  if constexpr (is_reduced_floating_v<T>)  // Note [16-bit CNN operators]
+  if constexpr (is_reduced_floating_v<T>) {  // Note [16-bit CNN operators]
     return max_pool2d(ops::detail::float_copy(x), kernel, stride, padding, dilation, ceil_mode).template to<T>();
-  auto g = ops::detail::pool_geometry("max_pool2d", x, kernel, stride.value_or(kernel), padding, dilation, ceil_mode);
-  auto xc = ops::detail::contiguous_data(x.detach());
-  const std::int64_t N = x.shape()[0];
-  auto out = Tensor<T>::empty(Shape{N, g.C, g.OH, g.OW}, x.device());
-  auto idx = Tensor<std::int64_t>::empty(out.shape(), x.device());
-  backend::max_pool2d(xc.data(), N * g.C, g, out.data(), idx.data(), x.device());
-  if (autograd::needs_grad(x)) {
-    auto node = autograd::make_node<ops::detail::MaxPool2dBackward<T>, T>({&x}, idx, x.shape(), g);
-    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  } else {
+    auto g = ops::detail::pool_geometry("max_pool2d", x, kernel, stride.value_or(kernel), padding, dilation, ceil_mode);
+    auto xc = ops::detail::contiguous_data(x.detach());
+    const std::int64_t N = x.shape()[0];
+    auto out = Tensor<T>::empty(Shape{N, g.C, g.OH, g.OW}, x.device());
+    auto idx = Tensor<std::int64_t>::empty(out.shape(), x.device());
+    backend::max_pool2d(xc.data(), N * g.C, g, out.data(), idx.data(), x.device());
+    if (autograd::needs_grad(x)) {
+      auto node = autograd::make_node<ops::detail::MaxPool2dBackward<T>, T>({&x}, idx, x.shape(), g);
+      autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+    }
+    return out;
   }
-  return out;
 }
 
 /// Average pooling (as torch.nn.functional.avg_pool2d); divisor_override 0 = none.
@@ -413,53 +417,57 @@ Tensor<T> avg_pool2d(const Tensor<T>& x, Pair kernel, std::optional<Pair> stride
   static_assert(is_floating_v<T>, "avg_pool2d: floating-point tensors only");
   CHORUS_CHECK(divisor_override >= 0, "avg_pool2d: divisor_override must be positive (or 0 for none), got ",
                divisor_override);
-  if constexpr (is_reduced_floating_v<T>)  // Note [16-bit CNN operators]
+  if constexpr (is_reduced_floating_v<T>) {  // Note [16-bit CNN operators]
     return avg_pool2d(ops::detail::float_copy(x), kernel, stride, padding, ceil_mode, count_include_pad,
                       divisor_override)
         .template to<T>();
-  auto g = ops::detail::pool_geometry("avg_pool2d", x, kernel, stride.value_or(kernel), padding, 1, ceil_mode);
-  auto xc = ops::detail::contiguous_data(x.detach());
-  const std::int64_t N = x.shape()[0];
-  auto out = Tensor<T>::empty(Shape{N, g.C, g.OH, g.OW}, x.device());
-  backend::avg_pool2d(xc.data(), N * g.C, g, count_include_pad, divisor_override, out.data(), x.device());
-  if (autograd::needs_grad(x)) {
-    auto node = autograd::make_node<ops::detail::AvgPool2dBackward<T>, T>({&x}, x.shape(), g, false,
-                                                                          count_include_pad, divisor_override);
-    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  } else {
+    auto g = ops::detail::pool_geometry("avg_pool2d", x, kernel, stride.value_or(kernel), padding, 1, ceil_mode);
+    auto xc = ops::detail::contiguous_data(x.detach());
+    const std::int64_t N = x.shape()[0];
+    auto out = Tensor<T>::empty(Shape{N, g.C, g.OH, g.OW}, x.device());
+    backend::avg_pool2d(xc.data(), N * g.C, g, count_include_pad, divisor_override, out.data(), x.device());
+    if (autograd::needs_grad(x)) {
+      auto node = autograd::make_node<ops::detail::AvgPool2dBackward<T>, T>({&x}, x.shape(), g, false,
+                                                                            count_include_pad, divisor_override);
+      autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+    }
+    return out;
   }
-  return out;
 }
 
 /// Adaptive average pooling to `output_size` (as torch.nn.functional.adaptive_avg_pool2d).
 template <class T>
 Tensor<T> adaptive_avg_pool2d(const Tensor<T>& x, Pair output_size) {
   static_assert(is_floating_v<T>, "adaptive_avg_pool2d: floating-point tensors only");
-  if constexpr (is_reduced_floating_v<T>)  // Note [16-bit CNN operators]
+  if constexpr (is_reduced_floating_v<T>) {  // Note [16-bit CNN operators]
     return adaptive_avg_pool2d(ops::detail::float_copy(x), output_size).template to<T>();
-  ops::detail::check_4d("adaptive_avg_pool2d", x);
-  CHORUS_CHECK(output_size[0] > 0 && output_size[1] > 0, "adaptive_avg_pool2d: output size must be positive, got ",
-               output_size);
-  CHORUS_CHECK(x.shape()[2] > 0 && x.shape()[3] > 0, "adaptive_avg_pool2d: empty spatial size in input of shape ",
-               x.shape());
-  // The kernels' window bounds compute (o+1)·in + out - 1 <= out·in + out (Note [checked window geometry]).
-  for (int i = 0; i < 2 && x.shape()[0] * x.shape()[1] > 0; ++i) {
-    std::int64_t bound = 0;
-    CHORUS_CHECK(!__builtin_mul_overflow(output_size[i], x.shape()[2 + i], &bound) &&
-                     !__builtin_add_overflow(bound, output_size[i], &bound),
-                 "adaptive_avg_pool2d: output size ", output_size, " for input of shape ", x.shape(),
-                 " overflows int64 in the window bounds");
+  } else {
+    ops::detail::check_4d("adaptive_avg_pool2d", x);
+    CHORUS_CHECK(output_size[0] > 0 && output_size[1] > 0, "adaptive_avg_pool2d: output size must be positive, got ",
+                 output_size);
+    CHORUS_CHECK(x.shape()[2] > 0 && x.shape()[3] > 0, "adaptive_avg_pool2d: empty spatial size in input of shape ",
+                 x.shape());
+    // The kernels' window bounds compute (o+1)·in + out - 1 <= out·in + out (Note [checked window geometry]).
+    for (int i = 0; i < 2 && x.shape()[0] * x.shape()[1] > 0; ++i) {
+      std::int64_t bound = 0;
+      CHORUS_CHECK(!__builtin_mul_overflow(output_size[i], x.shape()[2 + i], &bound) &&
+                       !__builtin_add_overflow(bound, output_size[i], &bound),
+                   "adaptive_avg_pool2d: output size ", output_size, " for input of shape ", x.shape(),
+                   " overflows int64 in the window bounds");
+    }
+    backend::Window2d g;
+    g.C = x.shape()[1], g.H = x.shape()[2], g.W = x.shape()[3], g.OH = output_size[0], g.OW = output_size[1];
+    auto xc = ops::detail::contiguous_data(x.detach());
+    const std::int64_t N = x.shape()[0];
+    auto out = Tensor<T>::empty(Shape{N, g.C, g.OH, g.OW}, x.device());
+    backend::adaptive_avg_pool2d(xc.data(), N * g.C, g, out.data(), x.device());
+    if (autograd::needs_grad(x)) {
+      auto node = autograd::make_node<ops::detail::AvgPool2dBackward<T>, T>({&x}, x.shape(), g, true, true, 0);
+      autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+    }
+    return out;
   }
-  backend::Window2d g;
-  g.C = x.shape()[1], g.H = x.shape()[2], g.W = x.shape()[3], g.OH = output_size[0], g.OW = output_size[1];
-  auto xc = ops::detail::contiguous_data(x.detach());
-  const std::int64_t N = x.shape()[0];
-  auto out = Tensor<T>::empty(Shape{N, g.C, g.OH, g.OW}, x.device());
-  backend::adaptive_avg_pool2d(xc.data(), N * g.C, g, out.data(), x.device());
-  if (autograd::needs_grad(x)) {
-    auto node = autograd::make_node<ops::detail::AvgPool2dBackward<T>, T>({&x}, x.shape(), g, true, true, 0);
-    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
-  }
-  return out;
 }
 
 /// Rows of `weight` [num, dim] picked by `indices` (any shape): output indices.shape + [dim].
