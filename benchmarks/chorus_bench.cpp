@@ -302,13 +302,13 @@ int main(int argc, char** argv) try {
     std::vector<bench::Entry> mine, theirs;
     auto add = [&](std::string config, int ndev, int nthreads, int blas, const std::vector<Device>& devs,
                    bool in_bf16 = false, bool in_shards = false) {
-      backend::cpu::set_blas_threads(blas);
+      set_num_threads(blas);  // BLAS and this thread's oneDNN team (DataParallel: 1, its devices are the threads)
       auto timed = std::make_shared<bench::Timed>(
           in_bf16 ? make_bf16_workload(w, devs) : make_workload(w, devs, in_shards), 2);
       json meta = {{"impl", "chorus"}, {"workload", w},         {"config", config},
                    {"devices", ndev},  {"threads", nthreads}, {"flops", workload_flops(w)}};
       mine.push_back({meta, [timed, blas](int n) {
-                        backend::cpu::set_blas_threads(blas);
+                        set_num_threads(blas);
                         return timed->round(n);
                       }});
     };
@@ -329,7 +329,7 @@ int main(int argc, char** argv) try {
                  mine.size(), theirs.size(), reps);
     const auto samples = bench::run_rounds(mine, theirs, rounds, reps);
     for (auto& p : peers) p->release(w);
-    backend::cpu::set_blas_threads(1);
+    set_num_threads(1);
     std::vector<json> ours, peer_records;
     for (std::size_t i = 0; i < samples.size(); ++i) {
       json r = bench::make_record(i < mine.size() ? mine[i].meta : theirs[i - mine.size()].meta, samples[i], "gflops",

@@ -2,6 +2,7 @@
 // forward values against direct loops, gradients against float64 central differences,
 // PyTorch's initialisation, parameter/buffer names and running statistics.
 #include <cmath>
+#include <thread>
 
 #include "test_util.hpp"
 
@@ -407,6 +408,56 @@ TEST(Layers, OnednnConvolutionsEqualIm2col) {
     EXPECT_TRUE(all_close(outs[1], outs[0], 1e-5, 1e-5));
     for (std::size_t i = 0; i < grads[0].size(); ++i) EXPECT_TRUE(all_close(grads[1][i], grads[0][i], 1e-5, 1e-5)) << i;
   }
+}
+
+#if CHORUS_ONEDNN_API && DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
+extern "C" int omp_get_max_threads();  // libgomp, which libdnnl links
+#endif
+
+// chorus::set_num_threads (Note [oneDNN threads]): the calling thread's oneDNN team and
+// OpenBLAS's threads; another thread keeps its own count; the results equal one thread's.
+TEST(Layers, SetNumThreadsSizesThisThreadsOnednnTeamAndBlas) {
+  EXPECT_TRUE(throws_with([] { set_num_threads(0); }, {"set_num_threads(0)", "at least one thread"}));
+  const int before = get_num_threads();
+  auto x = r<float>({4, 16, 12, 10}, 1), w = r<float>({32, 16, 3, 3}, 2);
+  set_num_threads(1);
+  const auto one = conv2d(x, w, Tensor<float>(), 1, 1);
+  EXPECT_EQ(backend::cpu::blas_threads(), 1);
+  set_num_threads(2);
+  EXPECT_EQ(get_num_threads(), 2);
+  if (std::thread::hardware_concurrency() >= 2) {
+    EXPECT_EQ(backend::cpu::blas_threads(), 2);
+  }
+  int other = 0;
+  std::thread([&] {
+    set_num_threads(1);
+    other = get_num_threads();
+  }).join();
+  EXPECT_EQ(other, 1);
+  EXPECT_EQ(get_num_threads(), 2);  // this thread's count is its own
+  const auto two = conv2d(x, w, Tensor<float>(), 1, 1);
+#if CHORUS_ONEDNN_API && DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
+  EXPECT_EQ(omp_get_max_threads(), 2);  // the team oneDNN's convolution ran with
+#endif
+  EXPECT_TRUE(all_close(two, one, 1e-5, 1e-5));
+#if CHORUS_ONEDNN_API
+  // A plan (oneDNN primitives) belongs to the team size it was made under: oneDNN fixes the work
+  // split at creation, so a plan made with one thread must not serve two (resnet20 ran its
+  // 2-thread steps on one thread after a 1-thread configuration had made the plans).
+  backend::cpu::OnednnConv c{{}, 4, 32, 1, false};
+  c.g.C = 16, c.g.H = 12, c.g.W = 10, c.g.kh = c.g.kw = 3, c.g.sh = c.g.sw = 1, c.g.ph = c.g.pw = 1;
+  c.g.dh = c.g.dw = 1, c.g.OH = 12, c.g.OW = 10;
+  set_num_threads(1);
+  const auto* p1 = &backend::cpu::onednn::plan(c);
+  set_num_threads(2);
+  const auto* p2 = &backend::cpu::onednn::plan(c);
+  EXPECT_NE(p1, p2);
+  EXPECT_EQ(p2, &backend::cpu::onednn::plan(c));
+  set_num_threads(1);
+  EXPECT_EQ(p1, &backend::cpu::onednn::plan(c));
+#endif
+  set_num_threads(before);
+  backend::cpu::set_blas_threads(1);
 }
 
 // ==== Batch-norm statistics and gradient clipping on the device (issue 17) ====

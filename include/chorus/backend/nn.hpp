@@ -4,6 +4,7 @@
 #include "backend.hpp"
 #include "cpu/nn_kernels.hpp"
 #include "cpu/onednn.hpp"
+#include "cpu/threads.hpp"
 #if CHORUS_CUDA
 #include "cuda/nn_kernels.cuh"
 #if CHORUS_HAS_CUDNN

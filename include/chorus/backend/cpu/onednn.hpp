@@ -17,9 +17,12 @@
 // thread of its own, and OpenMP teams that spin-wait on an oversubscribed machine are
 // slower than one thread (measured with benchmarks/conv_bench on the shared 2-core machine:
 // 2 threads were 5-50x slower than 1 on most ResNet-20 shapes). A thread calling oneDNN
-// therefore runs it on one thread, like chorus's own CPU kernels, unless
-// CHORUS_ONEDNN_THREADS asks for more (worth trying on an idle many-core machine with one
-// device).
+// therefore runs it on one thread by default, like chorus's own CPU kernels: DataParallel's
+// device workers always do. A program that trains on one device asks for more on its own
+// thread with chorus::set_num_threads(n) (backend/cpu/threads.hpp; PyTorch's
+// torch::set_num_threads), which sizes that thread's team; CHORUS_ONEDNN_THREADS sets the
+// default of every thread (ResNet-20 on 2 cores, one device: 532 ms a step with one thread for
+// oneDNN, 379 ms with two; benchmarks/README.md).
 //
 // Note [oneDNN primitive creation]
 // oneDNN 2.6 (Debian's) keeps one process-wide primitive cache; while a thread creates a
@@ -39,6 +42,7 @@
 #include <mutex>
 #include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "nn_kernels.hpp"
@@ -111,10 +115,7 @@ inline Context& context() {
   thread_local Context c;
 #if DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
   thread_local int threads = 0;
-  static const int want = [] {
-    const char* e = std::getenv("CHORUS_ONEDNN_THREADS");
-    return std::max(1, e ? std::atoi(e) : 1);
-  }();
+  const int want = detail::intra_op_threads();
   if (want != threads) {
     omp_set_num_threads(want);
     threads = want;
@@ -174,10 +175,12 @@ inline ConvPlan make_plan(const OnednnConv& c) {
   return p;
 }
 
-/// The plan of a shape, built on first use (per thread: see Note [oneDNN convolutions]).
+/// The plan of a shape, built on first use (per thread: see Note [oneDNN convolutions]), and per
+/// team size: oneDNN fixes a primitive's work split for the OpenMP team it was created under, so
+/// a plan made with one thread would run on one thread after set_num_threads(2).
 inline ConvPlan& plan(const OnednnConv& c) {
-  thread_local std::map<decltype(c.key()), std::unique_ptr<ConvPlan>> cache;
-  auto& slot = cache[c.key()];
+  thread_local std::map<std::pair<decltype(c.key()), int>, std::unique_ptr<ConvPlan>> cache;
+  auto& slot = cache[{c.key(), detail::intra_op_threads()}];
   if (!slot) {
     std::lock_guard<std::mutex> lock(creation_mutex());
     slot = std::make_unique<ConvPlan>(make_plan(c));

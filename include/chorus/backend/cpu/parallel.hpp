@@ -14,10 +14,13 @@
 // chunks a helper has already started; a helper that starts after the caller finished does
 // nothing. Elementwise results do not depend on who computed which chunk, so they are the
 // same bit for bit. No worker spins outside a DataParallel step, so a single-device program
-// is unaffected. `f` must not throw.
+// is unaffected. `f` must not throw. A thread that asked for intra-op threads of its own
+// (chorus::set_num_threads(n > 1): its oneDNN team and OpenBLAS's threads already fill the
+// cores) borrows no worker: a helper woken beside them would only oversubscribe the machine.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <thread>
 
@@ -26,6 +29,19 @@
 CHORUS_NAMESPACE_BEGIN
 namespace backend::cpu {
 
+namespace detail {
+/// The threads the calling thread's CPU kernels may use (chorus::set_num_threads in
+/// threads.hpp; Note [oneDNN threads]): 1 unless set, or CHORUS_ONEDNN_THREADS for every thread.
+inline int& intra_op_threads() {
+  static const int fallback = [] {
+    const char* e = std::getenv("CHORUS_ONEDNN_THREADS");
+    return std::max(1, e ? std::atoi(e) : 1);
+  }();
+  thread_local int n = fallback;
+  return n;
+}
+}  // namespace detail
+
 /// Loops of at least this many elements (per thread) are offered to an idle worker.
 inline constexpr std::int64_t kParallelGrain = std::int64_t{1} << 16;
 
@@ -33,7 +49,7 @@ inline constexpr std::int64_t kParallelGrain = std::int64_t{1} << 16;
 /// worker (Note [idle workers help]).
 template <class F>
 void parallel_for(std::int64_t n, const F& f) {
-  if (n < 2 * kParallelGrain) return f(std::int64_t{0}, n);
+  if (n < 2 * kParallelGrain || detail::intra_op_threads() > 1) return f(std::int64_t{0}, n);
   Stream* helper = ::chorus::detail::Runtime::get().idle_cpu_stream();
   if (!helper) return f(std::int64_t{0}, n);
   struct Share {
