@@ -21,17 +21,18 @@
 // device workers always do. A program that trains on one device asks for more on its own
 // thread with chorus::set_num_threads(n) (backend/cpu/threads.hpp; PyTorch's
 // torch::set_num_threads), which sizes that thread's team; CHORUS_ONEDNN_THREADS sets the
-// default of every thread (ResNet-20 on 2 cores, one device: 532 ms a step with one thread for
-// oneDNN, 379 ms with two; benchmarks/README.md).
+// default of every thread (ResNet-20 on 2 cores, one device, 2 BLAS threads: 529 ms a step with
+// one thread for oneDNN, 359 ms with two; benchmarks/README.md, "Intra-op threads").
 //
 // Note [oneDNN primitive creation]
-// oneDNN 2.6 (Debian's) keeps one process-wide primitive cache; while a thread creates a
-// primitive, the cache's pending entry points into that thread's descriptors, and another thread
-// creating one at the same moment compares against them (ThreadSanitizer reported it in CI:
-// two virtual devices' backward passes building reorders at once). Every primitive chorus builds
-// (a plan's convolutions and its reorders) is therefore created under one process-wide mutex,
-// and only once per thread and shape: the reorders live in the plan next to the convolutions,
-// so a training step creates nothing and takes no lock. Execution stays concurrent.
+// oneDNN 2.6 (Debian's) keeps one process-wide primitive cache. Two virtual devices' backward
+// passes creating reorder primitives at once raced inside it: ThreadSanitizer saw one thread
+// compare a cache key against memory another thread had just allocated, with nothing ordering
+// the two (CI; reproduced in 2 of 15 runs of PyTorchDataParallel.ConvNetTwoIterations under
+// TSan, 0 of 30 with this rule). Every primitive chorus builds (a plan's convolutions and its
+// reorders) is therefore created under one process-wide mutex, and only once per thread, shape
+// and team size: the reorders live in the plan next to the convolutions, so a training step
+// creates nothing and takes no lock. Execution stays concurrent.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>

@@ -14,9 +14,7 @@
 // chunks a helper has already started; a helper that starts after the caller finished does
 // nothing. Elementwise results do not depend on who computed which chunk, so they are the
 // same bit for bit. No worker spins outside a DataParallel step, so a single-device program
-// is unaffected. `f` must not throw. A thread that asked for intra-op threads of its own
-// (chorus::set_num_threads(n > 1): its oneDNN team and OpenBLAS's threads already fill the
-// cores) borrows no worker: a helper woken beside them would only oversubscribe the machine.
+// is unaffected. `f` must not throw.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -49,7 +47,7 @@ inline constexpr std::int64_t kParallelGrain = std::int64_t{1} << 16;
 /// worker (Note [idle workers help]).
 template <class F>
 void parallel_for(std::int64_t n, const F& f) {
-  if (n < 2 * kParallelGrain || detail::intra_op_threads() > 1) return f(std::int64_t{0}, n);
+  if (n < 2 * kParallelGrain) return f(std::int64_t{0}, n);
   Stream* helper = ::chorus::detail::Runtime::get().idle_cpu_stream();
   if (!helper) return f(std::int64_t{0}, n);
   struct Share {
