@@ -61,15 +61,25 @@ float relative_gap(float a, float b) { return std::abs(a - b) / std::max(std::ab
 /// unit-sized outputs ((2^-8)^2 = 1.5e-5: below it the float run keeps descending alone).
 bool tracks(float b, float f) { return std::abs(b - f) <= 0.15f * f + 2e-5f; }
 
-/// Runs `float_step` and `bf16_step` (each one training step, returning its loss) 200 times side by
-/// side: the first losses agree within 2%, every 50 steps the 16-bit run tracks the float one,
-/// and both end below `learned` times the first loss.
-template <class FloatStep, class Bf16Step>
-void expect_tracks_for_200_steps(FloatStep&& float_step, Bf16Step&& bf16_step, float learned) {
+/// Trains side by side for 200 steps: the float model with `opt_f` on `float_loss()`, the 16-bit
+/// model's float32 masters with `opt_b` on `bf16_loss()` (each returns the step's float32 loss
+/// tensor). The first losses agree within 2%, every 50 steps the 16-bit run tracks the float
+/// one, and both end below `learned` times the first loss.
+template <class FloatLoss, class Bf16Loss>
+void expect_tracks_for_200_steps(optim::Optimizer& opt_f, FloatLoss&& float_loss, optim::Optimizer& opt_b,
+                                 amp::MasterWeights& master, Bf16Loss&& bf16_loss, float learned) {
   float first = 0, last_f = 0, last_b = 0;
   for (int s = 0; s < 200; ++s) {
-    last_f = float_step();
-    last_b = bf16_step();
+    opt_f.zero_grad();
+    auto lf = float_loss();
+    lf.backward();
+    opt_f.step();
+    last_f = lf.item();
+    opt_b.zero_grad();
+    auto lb = bf16_loss();
+    lb.backward();
+    master.step(opt_b);
+    last_b = lb.item();
     if (s == 0) {
       first = last_f;
       EXPECT_LT(relative_gap(last_b, last_f), 0.02f);
@@ -148,20 +158,8 @@ TEST(MixedPrecision, Bf16MlpTracksTheFloatRunFor200Steps) {
   optim::Adam opt_b(master.parameters(), {.lr = 2e-3});
   const auto xb = x.to<bfloat16>();
   expect_tracks_for_200_steps(
-      [&] {
-        opt_f.zero_grad();
-        auto lf = F::mse_loss(fp.forward(x), y);
-        lf.backward();
-        opt_f.step();
-        return lf.item();
-      },
-      [&] {
-        opt_b.zero_grad();
-        auto lb = F::mse_loss(bf.forward(xb).to<float>(), y);
-        lb.backward();
-        master.step(opt_b);
-        return lb.item();
-      },
+      opt_f, [&] { return F::mse_loss(fp.forward(x), y); }, opt_b, master,
+      [&] { return F::mse_loss(bf.forward(xb).to<float>(), y); },
       0.1f);
 }
 
@@ -178,20 +176,8 @@ TEST(MixedPrecision, Bf16TransformerLayerTracksTheFloatRunFor200Steps) {
   optim::AdamW opt_b(master.parameters(), {.lr = 1e-3});
   const auto xb = x.to<bfloat16>();
   expect_tracks_for_200_steps(
-      [&] {
-        opt_f.zero_grad();
-        auto lf = F::mse_loss(fp(x), y);
-        lf.backward();
-        opt_f.step();
-        return lf.item();
-      },
-      [&] {
-        opt_b.zero_grad();
-        auto lb = F::mse_loss(bf(xb).to<float>(), y);  // softmax and norms in float inside
-        lb.backward();
-        master.step(opt_b);
-        return lb.item();
-      },
+      opt_f, [&] { return F::mse_loss(fp(x), y); }, opt_b, master,
+      [&] { return F::mse_loss(bf(xb).to<float>(), y); },  // softmax and norms in float inside
       0.5f);
 }
 
@@ -212,20 +198,8 @@ TEST(MixedPrecision, Bf16ResNetBlockTracksTheFloatRunFor200Steps) {
   optim::Adam opt_b(master.parameters(), {.lr = 5e-3});
   const auto xb = x.to<bfloat16>();
   expect_tracks_for_200_steps(
-      [&] {
-        opt_f.zero_grad();
-        auto lf = F::mse_loss(head(fp.forward(x)), y);
-        lf.backward();
-        opt_f.step();
-        return lf.item();
-      },
-      [&] {
-        opt_b.zero_grad();
-        auto lb = F::mse_loss(head(bf.forward(xb)).to<float>(), y);
-        lb.backward();
-        master.step(opt_b);
-        return lb.item();
-      },
+      opt_f, [&] { return F::mse_loss(head(fp.forward(x)), y); }, opt_b, master,
+      [&] { return F::mse_loss(head(bf.forward(xb)).to<float>(), y); },
       0.5f);
   // The running statistics were updated in float32 and rounded once into the bfloat16 buffers.
   const auto rf = fp.bn1->running_mean.to_vector();

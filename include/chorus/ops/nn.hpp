@@ -360,7 +360,7 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
     auto xc = contiguous_data(x.detach());
     auto wc = contiguous_data(weight.detach());
     auto out = Tensor<T>::empty(Shape{N, O, g.OH, g.OW}, dev);
-  #if CHORUS_ONEDNN_API
+#if CHORUS_ONEDNN_API
     if constexpr (std::is_same_v<T, float>) {
       geo.onednn = dev.is_cpu() && backend::cpu::onednn_enabled() && geo.onednn_conv().supported();
       if (geo.onednn) {
@@ -369,14 +369,14 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
                                            out.data());
       }
     }
-  #endif
-  #if CHORUS_CUDA && CHORUS_HAS_CUDNN
+#endif
+#if CHORUS_CUDA && CHORUS_HAS_CUDNN
     geo.cudnn = dev.is_cuda() && N > 0 && backend::cuda::cudnn::enabled() && geo.fits_int();
     if (geo.cudnn) {
       backend::cuda::cudnn::conv_forward(g, N, O, groups, xc.data(), wc.data(), out.data(), dev);
       if (bias.defined()) conv2d_add_bias(bias, geo, out);
     }
-  #endif
+#endif
     if (!geo.onednn && !geo.cudnn) conv2d_im2col(xc, wc, bias, geo, out);
     if (autograd::needs_grad(x, weight, bias)) {
       auto node = autograd::make_node<Conv2dBackward<T>, T>({&x, &weight, bias.defined() ? &bias : nullptr}, xc, wc,

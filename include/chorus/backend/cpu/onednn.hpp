@@ -77,6 +77,17 @@ inline std::atomic<int>& onednn_switch() {
   }()};
   return on;
 }
+
+/// The threads the calling thread's CPU kernels may use (chorus::set_num_threads in
+/// threads.hpp; Note [oneDNN threads]): 1 unless set, or CHORUS_ONEDNN_THREADS for every thread.
+inline int& intra_op_threads() {
+  static const int fallback = [] {
+    const char* e = std::getenv("CHORUS_ONEDNN_THREADS");
+    return std::max(1, e ? std::atoi(e) : 1);
+  }();
+  thread_local int n = fallback;
+  return n;
+}
 }  // namespace detail
 
 /// True when this build has oneDNN.

@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <memory>
 #include <thread>
 
@@ -26,19 +25,6 @@
 
 CHORUS_NAMESPACE_BEGIN
 namespace backend::cpu {
-
-namespace detail {
-/// The threads the calling thread's CPU kernels may use (chorus::set_num_threads in
-/// threads.hpp; Note [oneDNN threads]): 1 unless set, or CHORUS_ONEDNN_THREADS for every thread.
-inline int& intra_op_threads() {
-  static const int fallback = [] {
-    const char* e = std::getenv("CHORUS_ONEDNN_THREADS");
-    return std::max(1, e ? std::atoi(e) : 1);
-  }();
-  thread_local int n = fallback;
-  return n;
-}
-}  // namespace detail
 
 /// Loops of at least this many elements (per thread) are offered to an idle worker.
 inline constexpr std::int64_t kParallelGrain = std::int64_t{1} << 16;

@@ -3,7 +3,6 @@
 // calling thread's CPU kernels may use.
 #include "blas.hpp"
 #include "onednn.hpp"
-#include "parallel.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 
