@@ -9,17 +9,26 @@
 // (or a link error where a symbol is expected from the other) instead of an ODR violation.
 // Host translation units built with oneDNN (CHORUS_HAS_ONEDNN, set by CMake where libdnnl is
 // found) take CPU convolutions another way, so they get their own tag too (v0_1_cpu_dnnl);
-// nvcc translation units never use oneDNN (backend/cpu/onednn.hpp).
+// CUDA translation units never use oneDNN (backend/cpu/onednn.hpp).
 #include "version.hpp"
 
-#if defined(__CUDACC__) && !defined(CHORUS_DISABLE_CUDA)
+// The CUDA backend is compiled into a translation unit built by nvcc, or into any C++ one
+// built with CHORUS_CUDA_PRECOMPILED=1 (what linking chorus::cuda_kernels defines): there the
+// kernels come from that library, and the headers show g++ only their host side (Note
+// [precompiled CUDA kernels] in backend/cuda/instances.hpp).
+#if (defined(__CUDACC__) || (defined(CHORUS_CUDA_PRECOMPILED) && CHORUS_CUDA_PRECOMPILED)) && \
+    !defined(CHORUS_DISABLE_CUDA)
 #define CHORUS_CUDA 1
 #else
 #define CHORUS_CUDA 0
 #endif
 
 #if CHORUS_CUDA
+#if defined(__CUDACC__)
 #define CHORUS_HOST_DEVICE __host__ __device__
+#else
+#define CHORUS_HOST_DEVICE
+#endif
 #define CHORUS_ABI_NS v0_1_cuda
 #elif defined(CHORUS_HAS_ONEDNN) && CHORUS_HAS_ONEDNN
 #define CHORUS_HOST_DEVICE

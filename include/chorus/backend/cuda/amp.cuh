@@ -12,6 +12,8 @@ CHORUS_NAMESPACE_BEGIN
 namespace backend::cuda {
 namespace k {
 
+#if defined(__CUDACC__)  // device code (Note [precompiled CUDA kernels])
+
 template <class T>
 __global__ void multi_unscale_check(TensorChunk<T> c, T inv, float* found_inf) {
   std::int64_t i0, i1;
@@ -25,6 +27,7 @@ __global__ void multi_unscale_check(TensorChunk<T> c, T inv, float* found_inf) {
   if (bad) *found_inf = 1.0f;  // a benign race: every writer writes 1
 }
 
+#endif  // __CUDACC__
 }  // namespace k
 
 /// Every element of the tensors *= inv; found_inf[0] (device memory on d) = 1 when any was inf
@@ -35,11 +38,14 @@ void foreach_unscale_check(const std::vector<T*>& ptrs, const std::vector<std::i
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, double>, "unscale: float or double gradients");
   Launch launch(d);
   for (const auto& c : make_chunks(ptrs, numels)) {
-    k::multi_unscale_check<T><<<static_cast<unsigned>(c.first_block[c.count]), kThreads, 0, launch.stream>>>(
-        c, inv, found_inf);
-    ::chorus::cuda::check_launch("multi_unscale_check");
+    CHORUS_LAUNCH_GRID((k::multi_unscale_check<T>), static_cast<unsigned>(c.first_block[c.count]), kThreads,
+                       launch.stream, c, inv, found_inf);
   }
 }
+
+#if CHORUS_CUDA_PRECOMPILED  // Note [precompiled CUDA kernels]
+CHORUS_CUDA_AMP_INSTANCES(CHORUS_CUDA_EXTERN_INSTANCE)
+#endif
 
 }  // namespace backend::cuda
 CHORUS_NAMESPACE_END

@@ -259,5 +259,9 @@ inline bool linear_bias_lt(const float* x, const float* w, const float* bias, fl
   return true;
 }
 
+#if CHORUS_CUDA_PRECOMPILED  // Note [precompiled CUDA kernels]
+CHORUS_CUDA_BLAS_INSTANCES(CHORUS_CUDA_EXTERN_INSTANCE)
+#endif
+
 }  // namespace backend::cuda
 CHORUS_NAMESPACE_END

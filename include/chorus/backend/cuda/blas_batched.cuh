@@ -38,5 +38,9 @@ void gemm_batched(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t
   ::chorus::cuda::check_launch("gemm_batched");
 }
 
+#if CHORUS_CUDA_PRECOMPILED  // Note [precompiled CUDA kernels]
+CHORUS_CUDA_BLAS_BATCHED_INSTANCES(CHORUS_CUDA_EXTERN_INSTANCE)
+#endif
+
 }  // namespace backend::cuda
 CHORUS_NAMESPACE_END

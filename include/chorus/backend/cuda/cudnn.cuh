@@ -267,5 +267,9 @@ void conv_backward_filter(const Window2d& g, std::int64_t N, std::int64_t O, std
                                                     p.bwd_filter_ws, &zero, p.w, gw));
 }
 
+#if CHORUS_CUDA_PRECOMPILED  // Note [precompiled CUDA kernels]
+CHORUS_CUDA_CUDNN_INSTANCES(CHORUS_CUDA_EXTERN_INSTANCE)
+#endif
+
 }  // namespace backend::cuda::cudnn
 CHORUS_NAMESPACE_END

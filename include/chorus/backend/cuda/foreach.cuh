@@ -48,6 +48,8 @@ std::vector<TensorChunk<T>> make_chunks(const std::vector<T*>& ptrs, const std::
 
 namespace k {
 
+#if defined(__CUDACC__)  // device code (Note [precompiled CUDA kernels])
+
 /// The tensor of block `b` and the block's element range in it.
 template <class T>
 __device__ inline int chunk_tensor(const TensorChunk<T>& c, std::int64_t b, std::int64_t& i0, std::int64_t& i1) {
@@ -119,6 +121,7 @@ __global__ void multi_clamp(TensorChunk<T> c, T hi) {
   for (std::int64_t i = i0 + threadIdx.x; i < i1; i += blockDim.x) x[i] = clamp_abs(x[i], hi);
 }
 
+#endif  // __CUDACC__
 }  // namespace k
 
 /// raw[0] (device memory) = the accumulated norm terms of every tensor (all on d).
@@ -134,20 +137,22 @@ void foreach_norm(const std::vector<T*>& ptrs, const std::vector<std::int64_t>& 
   for (const auto& c : chunks) {
     const std::int64_t b = c.first_block[c.count];
     CHORUS_CHECK(b <= INT32_MAX, "foreach_norm: ", b, " blocks in one launch");
-    k::multi_norm<T><<<static_cast<unsigned>(b), kThreads, 0, launch.stream>>>(c, s, partial.data() + at);
-    ::chorus::cuda::check_launch("multi_norm");
+    CHORUS_LAUNCH_GRID((k::multi_norm<T>), static_cast<unsigned>(b), kThreads, launch.stream, c, s,
+                       partial.data() + at);
     at += b;
   }
-  k::finish_norm<><<<1, 1024, 0, launch.stream>>>(partial.data(), blocks, s, 0.0, raw, nullptr, nullptr);
-  ::chorus::cuda::check_launch("finish_norm");
+  CHORUS_LAUNCH_GRID((k::finish_norm<>), 1, 1024, launch.stream, partial.data(), blocks, s, 0.0, raw, nullptr, nullptr);
 }
 
 /// total[0] = the norm of `count` accumulated parts, coef[0] = clip_grad_norm_'s coefficient.
-inline void norm_finish(const double* parts, std::int64_t count, const NormSpec& s, double max_norm, double* total,
-                        double* coef, Device d) {
+/// (A template, like every launcher, so that chorus::cuda_kernels can compile it once: Note
+/// [precompiled CUDA kernels] in instances.hpp.)
+template <class Acc>
+void norm_finish(const Acc* parts, std::int64_t count, const NormSpec& s, double max_norm, Acc* total, Acc* coef,
+                 Device d) {
+  static_assert(std::is_same_v<Acc, double>, "norm_finish: the partial norms accumulate in double");
   Launch launch(d);
-  k::finish_norm<><<<1, 1024, 0, launch.stream>>>(parts, count, s, max_norm, nullptr, total, coef);
-  ::chorus::cuda::check_launch("finish_norm");
+  CHORUS_LAUNCH_GRID((k::finish_norm<>), 1, 1024, launch.stream, parts, count, s, max_norm, nullptr, total, coef);
 }
 
 /// Every tensor *= coef[0] (device memory on d).
@@ -156,8 +161,8 @@ void foreach_scale(const std::vector<T*>& ptrs, const std::vector<std::int64_t>&
                    Device d) {
   Launch launch(d);
   for (const auto& c : make_chunks(ptrs, numels)) {
-    k::multi_scale<T><<<static_cast<unsigned>(c.first_block[c.count]), kThreads, 0, launch.stream>>>(c, coef);
-    ::chorus::cuda::check_launch("multi_scale");
+    CHORUS_LAUNCH_GRID((k::multi_scale<T>), static_cast<unsigned>(c.first_block[c.count]), kThreads, launch.stream, c,
+                       coef);
   }
 }
 
@@ -166,10 +171,14 @@ template <class T>
 void foreach_clamp(const std::vector<T*>& ptrs, const std::vector<std::int64_t>& numels, T hi, Device d) {
   Launch launch(d);
   for (const auto& c : make_chunks(ptrs, numels)) {
-    k::multi_clamp<T><<<static_cast<unsigned>(c.first_block[c.count]), kThreads, 0, launch.stream>>>(c, hi);
-    ::chorus::cuda::check_launch("multi_clamp");
+    CHORUS_LAUNCH_GRID((k::multi_clamp<T>), static_cast<unsigned>(c.first_block[c.count]), kThreads, launch.stream, c,
+                       hi);
   }
 }
+
+#if CHORUS_CUDA_PRECOMPILED  // Note [precompiled CUDA kernels]
+CHORUS_CUDA_FOREACH_INSTANCES(CHORUS_CUDA_EXTERN_INSTANCE)
+#endif
 
 }  // namespace backend::cuda
 CHORUS_NAMESPACE_END

@@ -16,6 +16,8 @@ CHORUS_NAMESPACE_BEGIN
 namespace backend::cuda {
 namespace kidx {
 
+#if defined(__CUDACC__)  // device code (Note [precompiled CUDA kernels])
+
 /// atomicAdd for every element type a tensor holds (int64 through its two's-complement twin).
 template <class T>
 __device__ inline void atomic_add(T* p, T v) {
@@ -238,6 +240,7 @@ __global__ void triangle(const T* in, T* out, std::int64_t total, std::int64_t r
   }
 }
 
+#endif  // __CUDACC__
 }  // namespace kidx
 
 template <class M, class T>
@@ -298,9 +301,8 @@ void select_extremum(const T* in, std::int64_t outer, std::int64_t n, std::int64
     CHORUS_LAUNCH(kidx::extremum_columns<T>, outer * inner, in, outer, n, inner, vals, idx, order);
     return;
   }
-  kidx::extremum_rows<T><<<static_cast<unsigned>(std::min<std::int64_t>(outer, 65535)), kThreads, 0,
-                           launch.stream>>>(in, outer, n, vals, idx, order);
-  ::chorus::cuda::check_launch("extremum_rows");
+  CHORUS_LAUNCH_GRID((kidx::extremum_rows<T>), static_cast<unsigned>(std::min<std::int64_t>(outer, 65535)), kThreads,
+                     launch.stream, in, outer, n, vals, idx, order);
 }
 
 template <class T>
@@ -309,9 +311,8 @@ void topk(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, s
   Launch launch(d);
   const std::int64_t rows = outer * inner;
   if (rows == 0 || kk == 0) return;
-  kidx::topk<T><<<static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)), kThreads, 0, launch.stream>>>(
-      in, outer, n, inner, kk, vals, idx, order);
-  ::chorus::cuda::check_launch("topk");
+  CHORUS_LAUNCH_GRID((kidx::topk<T>), static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)), kThreads,
+                     launch.stream, in, outer, n, inner, kk, vals, idx, order);
 }
 
 template <class T>
@@ -322,9 +323,8 @@ void cumsum(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner,
     CHORUS_LAUNCH(kidx::cumsum_columns<T>, outer * inner, in, outer, n, inner, out, reverse);
     return;
   }
-  kidx::cumsum_rows<T><<<static_cast<unsigned>(std::min<std::int64_t>(outer, 65535)), kThreads, 0, launch.stream>>>(
-      in, outer, n, out, reverse);
-  ::chorus::cuda::check_launch("cumsum_rows");
+  CHORUS_LAUNCH_GRID((kidx::cumsum_rows<T>), static_cast<unsigned>(std::min<std::int64_t>(outer, 65535)), kThreads,
+                     launch.stream, in, outer, n, out, reverse);
 }
 
 template <class T>
@@ -334,6 +334,10 @@ void triangle(const T* in, T* out, std::int64_t batch, std::int64_t rows, std::i
   const std::int64_t total = batch * rows * cols;
   CHORUS_LAUNCH(kidx::triangle<T>, total, in, out, total, rows, cols, diagonal, lower);
 }
+
+#if CHORUS_CUDA_PRECOMPILED  // Note [precompiled CUDA kernels]
+CHORUS_CUDA_INDEX_INSTANCES(CHORUS_CUDA_EXTERN_INSTANCE)
+#endif
 
 }  // namespace backend::cuda
 CHORUS_NAMESPACE_END

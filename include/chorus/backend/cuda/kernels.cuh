@@ -20,6 +20,12 @@ namespace backend::cuda {
 template <class T>
 using acc_t = std::conditional_t<std::is_same_v<T, float> || is_reduced_floating_v<T>, double, T>;
 
+namespace k {
+/// The column sums' block shape (sum_dim's launcher sizes its grid with them).
+inline constexpr int kColTile = 32, kColLanes = 8;
+}  // namespace k
+
+#if defined(__CUDACC__)  // device code (Note [precompiled CUDA kernels])
 /// An element in the functors' arithmetic type (float for the 16-bit types, as the CPU kernels'
 /// loads: Note [16-bit kernels]); the result is rounded once when stored.
 template <class T>
@@ -134,8 +140,7 @@ __global__ void row_partial_sums(const T* in, std::int64_t n, std::int64_t chunk
 // used to run one thread per column walking all n rows: [8192, 4096] gave 16 blocks on a
 // 132-SM GPU. Now a block is 32 columns x 8 row lanes (coalesced over columns), and the rows
 // are split over gridDim.y blocks whose partial sums a second kernel adds in a fixed order
-// (deterministic, unlike atomics).
-inline constexpr int kColTile = 32, kColLanes = 8;
+// (deterministic, unlike atomics): kColTile x kColLanes threads.
 
 /// Block (x: a tile of 32 columns of one o, y: a chunk of rows) sums its share; writes
 /// partial[y][o * inner + j], or the scaled result into out when there is one chunk.
@@ -389,13 +394,6 @@ __global__ void nll_forward(const T* logp, std::int64_t N, std::int64_t C, const
   }
 }
 
-/// Counts the targets that take part (not ignore_index), as T, for the mean reduction.
-struct NotIgnored {
-  const std::int64_t* target;
-  std::int64_t ignore;
-  __device__ double operator()(std::int64_t i) const { return target[i] != ignore ? 1.0 : 0.0; }
-};
-
 template <class T>
 __global__ void nll_backward(std::int64_t N, std::int64_t C, const std::int64_t* target, std::int64_t ignore,
                              const T* g, std::int64_t g_stride, T* grad) {
@@ -440,6 +438,19 @@ __global__ void adam_step(T* p, const T* g, T* m, T* v, T* vmax, std::int64_t n,
     p[i] -= step_size * m[i] / (sqrt(vhat) / bc2_sqrt + eps);
   }
 }
+
+}  // namespace k
+#endif  // __CUDACC__
+
+namespace k {
+// The functors of the reductions (reduce_all), named by the launchers: outside the device
+// code above, which a C++ translation unit does not see.
+/// Counts the targets that take part (not ignore_index), as T, for the mean reduction.
+struct NotIgnored {
+  const std::int64_t* target;
+  std::int64_t ignore;
+  __device__ double operator()(std::int64_t i) const { return target[i] != ignore ? 1.0 : 0.0; }
+};
 
 template <class T>
 struct SquaredDiff {
@@ -548,11 +559,9 @@ void reduce_all(F f, std::int64_t n, T* out, double scale, Device d) {
   const int blocks = static_cast<int>(std::min<std::int64_t>((n + kThreads - 1) / kThreads, 1024));
   auto partial = Tensor<acc_t<T>>::empty(Shape{std::max(blocks, 1)}, d);
   if (n > 0) {
-    k::partial_sums<T><<<blocks, kThreads, 0, launch.stream>>>(f, n, partial.data());
-    ::chorus::cuda::check_launch("partial_sums");
+    CHORUS_LAUNCH_GRID((k::partial_sums<T, F>), blocks, kThreads, launch.stream, f, n, partial.data());
   }
-  k::finish_sum<T><<<1, kThreads, 0, launch.stream>>>(partial.data(), n > 0 ? blocks : 0, out, scale);
-  ::chorus::cuda::check_launch("finish_sum");
+  CHORUS_LAUNCH_GRID((k::finish_sum<T>), 1, kThreads, launch.stream, partial.data(), n > 0 ? blocks : 0, out, scale);
 }
 
 /// Blocks a reduction aims for: a few per SM on the largest GPUs (132 SMs on an H100/H200).
@@ -575,17 +584,14 @@ void sum_dim(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner
       const std::int64_t chunk = (n + splits - 1) / splits;
       const std::int64_t used = (n + chunk - 1) / chunk;
       auto partial = Tensor<acc_t<T>>::empty(Shape{outer * used}, d);
-      k::row_partial_sums<T><<<dim3(static_cast<unsigned>(used), static_cast<unsigned>(outer)), kThreads, 0,
-                               launch.stream>>>(in, n, chunk, partial.data());
-      ::chorus::cuda::check_launch("row_partial_sums");
-      k::row_sums<T, acc_t<T>><<<static_cast<unsigned>(outer), kThreads, 0, launch.stream>>>(partial.data(), outer,
-                                                                                              used, out, scale);
-      ::chorus::cuda::check_launch("row_sums (partials)");
+      CHORUS_LAUNCH_GRID((k::row_partial_sums<T>), dim3(static_cast<unsigned>(used), static_cast<unsigned>(outer)),
+                         kThreads, launch.stream, in, n, chunk, partial.data());
+      CHORUS_LAUNCH_GRID((k::row_sums<T, acc_t<T>>), static_cast<unsigned>(outer), kThreads, launch.stream,
+                         partial.data(), outer, used, out, scale);
       return;
     }
     const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>(outer, 65535));
-    k::row_sums<T><<<blocks, kThreads, 0, launch.stream>>>(in, outer, n, out, scale);
-    ::chorus::cuda::check_launch("row_sums");
+    CHORUS_LAUNCH_GRID((k::row_sums<T>), blocks, kThreads, launch.stream, in, outer, n, out, scale);
     return;
   }
   // Columns (Note [2-D reductions]).
@@ -598,13 +604,13 @@ void sum_dim(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner
   const dim3 block(k::kColTile, k::kColLanes);
   const dim3 grid(static_cast<unsigned>(xblocks), static_cast<unsigned>(chunks));
   if (chunks == 1) {
-    k::column_sums<T><<<grid, block, 0, launch.stream>>>(in, outer, n, inner, tiles, chunk, nullptr, out, scale);
-    ::chorus::cuda::check_launch("column_sums");
+    CHORUS_LAUNCH_GRID((k::column_sums<T>), grid, block, launch.stream, in, outer, n, inner, tiles, chunk, nullptr, out,
+                       scale);
     return;
   }
   auto partial = Tensor<acc_t<T>>::empty(Shape{chunks * outer * inner}, d);
-  k::column_sums<T><<<grid, block, 0, launch.stream>>>(in, outer, n, inner, tiles, chunk, partial.data(), out, scale);
-  ::chorus::cuda::check_launch("column_sums");
+  CHORUS_LAUNCH_GRID((k::column_sums<T>), grid, block, launch.stream, in, outer, n, inner, tiles, chunk, partial.data(),
+                     out, scale);
   CHORUS_LAUNCH(k::finish_column_sums<T>, outer * inner, partial.data(), chunks, outer * inner, out, scale);
 }
 
@@ -624,9 +630,8 @@ void softmax(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner
     CHORUS_LAUNCH(k::softmax_columns<T>, rows, in, outer, n, inner, out, log_space, zero_dead);
     return;
   }
-  k::softmax<T><<<static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)), kThreads, 0, launch.stream>>>(
-      in, outer, n, inner, out, log_space, zero_dead);
-  ::chorus::cuda::check_launch("softmax");
+  CHORUS_LAUNCH_GRID((k::softmax<T>), static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)), kThreads,
+                     launch.stream, in, outer, n, inner, out, log_space, zero_dead);
 }
 
 template <class T>
@@ -639,9 +644,8 @@ void softmax_backward(const T* g, const T* y, std::int64_t outer, std::int64_t n
     CHORUS_LAUNCH(k::softmax_backward_columns<T>, rows, g, y, outer, n, inner, gx, log_space);
     return;
   }
-  k::softmax_backward<T><<<static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)), kThreads, 0, launch.stream>>>(
-      g, y, outer, n, inner, gx, log_space);
-  ::chorus::cuda::check_launch("softmax_backward");
+  CHORUS_LAUNCH_GRID((k::softmax_backward<T>), static_cast<unsigned>(std::min<std::int64_t>(rows, 65535)), kThreads,
+                     launch.stream, g, y, outer, n, inner, gx, log_space);
 }
 
 /// Indices are validated by the kernel (Note [device-side validation]); `dim` names the
@@ -686,9 +690,8 @@ void cross_entropy_forward(const T* logits, std::int64_t N, std::int64_t C, cons
   Launch launch(d);
   if (N == 0) return;
   const auto sink = ::chorus::cuda::device_assert_sink(d.index);
-  k::cross_entropy_forward<T><<<static_cast<unsigned>(std::min<std::int64_t>(N, 65535)), kThreads, 0, launch.stream>>>(
-      logits, N, C, target, ignore, loss, sink);
-  ::chorus::cuda::check_launch("cross_entropy_forward");
+  CHORUS_LAUNCH_GRID((k::cross_entropy_forward<T>), static_cast<unsigned>(std::min<std::int64_t>(N, 65535)), kThreads,
+                     launch.stream, logits, N, C, target, ignore, loss, sink);
 }
 
 template <class T>
@@ -696,9 +699,8 @@ void cross_entropy_backward(const T* logits, std::int64_t N, std::int64_t C, con
                             std::int64_t ignore, const T* g, std::int64_t g_stride, T* grad, Device d) {
   Launch launch(d);
   if (N == 0) return;
-  k::cross_entropy_backward<T><<<static_cast<unsigned>(std::min<std::int64_t>(N, 65535)), kThreads, 0,
-                                 launch.stream>>>(logits, N, C, target, ignore, g, g_stride, grad);
-  ::chorus::cuda::check_launch("cross_entropy_backward");
+  CHORUS_LAUNCH_GRID((k::cross_entropy_backward<T>), static_cast<unsigned>(std::min<std::int64_t>(N, 65535)), kThreads,
+                     launch.stream, logits, N, C, target, ignore, g, g_stride, grad);
 }
 
 template <class T>
@@ -739,6 +741,10 @@ void adam_step(T* p, const T* g, T* m, T* v, T* vmax, std::int64_t n, double lr,
   CHORUS_LAUNCH(k::adam_step<T>, n, p, g, m, v, vmax, n, T(lr / bc1), T(std::sqrt(bc2)), T(b1), T(b2), T(eps), T(wd),
                 T(1.0 - lr * wd), decoupled, maximize);
 }
+
+#if CHORUS_CUDA_PRECOMPILED  // Note [precompiled CUDA kernels]
+CHORUS_CUDA_KERNELS_INSTANCES(CHORUS_CUDA_EXTERN_INSTANCE)
+#endif
 
 }  // namespace backend::cuda
 CHORUS_NAMESPACE_END

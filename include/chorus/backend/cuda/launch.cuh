@@ -6,6 +6,7 @@
 
 #include "../../core/runtime.hpp"
 #include "../../core/shape.hpp"
+#include "instances.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace backend::cuda {
@@ -44,6 +45,7 @@ inline NdDesc make_desc(const Shape& shape, const Strides& s0, const Strides& s1
   return d;
 }
 
+#if defined(__CUDACC__)  // device code: Note [precompiled CUDA kernels]
 /// Offsets of linear element index `i` (row-major over desc.size) in each operand.
 __device__ inline void nd_offsets(const NdDesc& d, std::int64_t i, std::int64_t off[3]) {
   off[0] = off[1] = off[2] = 0;
@@ -57,14 +59,17 @@ __device__ inline void nd_offsets(const NdDesc& d, std::int64_t i, std::int64_t 
 }
 
 // Launches `kernel` (parenthesised when it has template arguments) over n elements, on the stream of
-// a `launch` in scope (used by every CUDA kernel file of the backend).
-#define CHORUS_LAUNCH(kernel, n, ...)                                         \
-  do {                                                                        \
-    if ((n) > 0) {                                                            \
-      auto* chorus_kernel_ = kernel;                                          \
-      chorus_kernel_<<<blocks_for(n), kThreads, 0, launch.stream>>>(__VA_ARGS__); \
-      ::chorus::cuda::check_launch(#kernel);                                  \
-    }                                                                         \
+// a `launch` in scope (used by every CUDA kernel file of the backend); CHORUS_LAUNCH_GRID with
+// an explicit grid, block and stream.
+#define CHORUS_LAUNCH(kernel, n, ...)                                          \
+  do {                                                                         \
+    if ((n) > 0) CHORUS_LAUNCH_GRID(kernel, blocks_for(n), kThreads, launch.stream, __VA_ARGS__); \
+  } while (0)
+#define CHORUS_LAUNCH_GRID(kernel, grid, block, stream, ...)   \
+  do {                                                         \
+    auto* chorus_kernel_ = kernel;                             \
+    chorus_kernel_<<<grid, block, 0, stream>>>(__VA_ARGS__);   \
+    ::chorus::cuda::check_launch(#kernel);                     \
   } while (0)
 
 #define CHORUS_GRID_STRIDE(i, n) \
@@ -110,6 +115,16 @@ __device__ inline A block_max(A v) {
   __syncthreads();
   return v;
 }
+
+#else  // a C++ translation unit with the precompiled kernels: the launchers' bodies parse, and are
+       // never instantiated (their instances are extern templates)
+/// Never defined: a launcher instantiation missing from instances.hpp, in a translation unit
+/// not compiled by nvcc, fails to link naming the launcher (Note [precompiled CUDA kernels]).
+[[noreturn]] void launcher_missing_from_cuda_kernels_instances_hpp();
+#define CHORUS_LAUNCH(kernel, n, ...) ::chorus::backend::cuda::launcher_missing_from_cuda_kernels_instances_hpp()
+#define CHORUS_LAUNCH_GRID(kernel, grid, block, stream, ...) \
+  ::chorus::backend::cuda::launcher_missing_from_cuda_kernels_instances_hpp()
+#endif  // __CUDACC__
 
 }  // namespace backend::cuda
 CHORUS_NAMESPACE_END

@@ -12,6 +12,7 @@ CHORUS_NAMESPACE_BEGIN
 namespace backend::cuda {
 namespace k {
 
+#if defined(__CUDACC__)  // device code (Note [precompiled CUDA kernels])
 template <class T>
 __global__ void im2col(const T* x, Window2d g, T* col) {
   const std::int64_t L = g.OH * g.OW;
@@ -134,6 +135,8 @@ __global__ void adaptive_avg_pool2d_backward(const T* gy, std::int64_t planes, W
   }
 }
 
+#endif  // __CUDACC__
+
 // ---- batch normalisation (Note [batch-norm statistics]) ----
 
 /// The values the per-channel reductions combine: Welford statistics (forward) or two sums
@@ -142,6 +145,7 @@ template <class A>
 struct Sum2 {
   A a = 0, b = 0;
 };
+#if defined(__CUDACC__)  // device code (Note [precompiled CUDA kernels])
 template <class A>
 __device__ inline Welford<A> shfl_down(const Welford<A>& w, int o) {
   Welford<A> r;
@@ -190,6 +194,8 @@ __device__ inline V block_combine(V v) {
   if (warp == 0) v = warp_combine(lane < warps ? buf[lane] : V{});
   return v;
 }
+
+#endif  // __CUDACC__
 
 /// Forward statistics of x: each thread sums its values around the first one it sees.
 template <class T, class A>
@@ -260,6 +266,7 @@ struct SumOp {
   __device__ V finish(const State& st) const { return st.s; }
 };
 
+#if defined(__CUDACC__)  // device code (Note [precompiled CUDA kernels])
 /// Planar layout: block (x, y) reduces values [x*chunk, (x+1)*chunk) of channel y (and of
 /// y + gridDim.y, … when C > 65535).
 template <class Op>
@@ -312,6 +319,8 @@ __global__ void channel_combine(const V* partial, BnReducePlan p, Epilogue epi) 
   }
 }
 
+#endif  // __CUDACC__
+
 template <class T, class A>
 struct StatsEpilogue {
   A* mean;
@@ -343,6 +352,7 @@ struct SumEpilogue {
   __device__ void operator()(std::int64_t c, const Sum2<A>& s) const { out[c] = static_cast<T>(s.a); }
 };
 
+#if defined(__CUDACC__)  // device code (Note [precompiled CUDA kernels])
 template <class A>
 __global__ void bn_sync_stats(const A* local_mean, double local_n, double count, A* mean, A* m2, std::int64_t C) {
   CHORUS_GRID_STRIDE(c, C) bn_sync_channel(local_mean[c], local_n, count, mean[c], m2[c]);
@@ -385,6 +395,8 @@ __global__ void dropout(const T* in, T* out, std::int64_t n, PhiloxLayout l, std
                         std::uint64_t threshold, T scale) {
   CHORUS_GRID_STRIDE(t, threads) cpu::dropout_thread(in, out, n, l, gpr, t, threshold, scale);
 }
+
+#endif  // __CUDACC__
 
 }  // namespace k
 
@@ -440,21 +452,18 @@ template <class Op>
 void channel_partials(const Op& op, const BnReducePlan& p, typename Op::V* partial, cudaStream_t s) {
   if (p.planar) {
     const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(std::min<std::int64_t>(p.C, 65535)));
-    k::channel_partials_planar<Op><<<grid, kBnThreads, 0, s>>>(op, p, partial);
-    ::chorus::cuda::check_launch("channel_partials_planar");
+    CHORUS_LAUNCH_GRID((k::channel_partials_planar<Op>), grid, kBnThreads, s, op, p, partial);
   } else {
     const dim3 grid(static_cast<unsigned>(std::min<std::int64_t>(p.tiles, std::int64_t{1} << 20)),
                     static_cast<unsigned>(p.splits));
-    k::channel_partials_columns<Op><<<grid, dim3(kBnColTile, kBnColLanes), 0, s>>>(op, p, partial);
-    ::chorus::cuda::check_launch("channel_partials_columns");
+    CHORUS_LAUNCH_GRID((k::channel_partials_columns<Op>), grid, dim3(kBnColTile, kBnColLanes), s, op, p, partial);
   }
 }
 
 template <class V, class Epilogue>
 void channel_combine(const V* partial, const BnReducePlan& p, const Epilogue& epi, cudaStream_t s) {
   const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>((p.C + 7) / 8, 65535));  // a warp per channel
-  k::channel_combine<V, Epilogue><<<blocks, kBnThreads, 0, s>>>(partial, p, epi);
-  ::chorus::cuda::check_launch("channel_combine");
+  CHORUS_LAUNCH_GRID((k::channel_combine<V, Epilogue>), blocks, kBnThreads, s, partial, p, epi);
 }
 
 /// Σ x (mean == nullptr) or Σ (x - mean)^2 per channel (the convolution's bias gradient).
@@ -547,6 +556,10 @@ void dropout_apply(const T* in, T* out, std::int64_t n, const PhiloxLayout& l, s
   const auto grid = cpu::dropout_grid(n, l);
   CHORUS_LAUNCH(k::dropout<T>, grid.threads, in, out, n, l, grid.gpr, grid.threads, threshold, scale);
 }
+
+#if CHORUS_CUDA_PRECOMPILED  // Note [precompiled CUDA kernels]
+CHORUS_CUDA_NN_INSTANCES(CHORUS_CUDA_EXTERN_INSTANCE)
+#endif
 
 }  // namespace backend::cuda
 CHORUS_NAMESPACE_END

@@ -1,0 +1,41 @@
+# Note [precompiled CUDA kernels]: the nvcc objects in OBJECTS (linking chorus::cuda_kernels)
+# must hold no kernel of chorus (a launcher instantiation missing from
+# include/chorus/backend/cuda/instances.hpp shows up as its kernels' host stubs here), and the
+# library's objects in LIBRARY must hold them (so that this check can see a kernel at all).
+function(chorus_kernel_stubs object out)
+  execute_process(COMMAND ${NM} ${object} OUTPUT_VARIABLE syms RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${NM} ${object} failed (${rc})")
+  endif()
+  # The host stub of each kernel named chorus::... (a test's own kernels live elsewhere).
+  string(REGEX MATCHALL "__device_stub__ZN6chorus[A-Za-z0-9_]*" stubs "${syms}")
+  list(TRANSFORM stubs REPLACE "^__device_stub__" "_")
+  list(TRANSFORM stubs REPLACE "E(5__tmp|8__handle)$" "")  # the stub's local statics
+  list(REMOVE_DUPLICATES stubs)
+  set(${out} "${stubs}" PARENT_SCOPE)
+endfunction()
+
+foreach(object IN LISTS LIBRARY)
+  chorus_kernel_stubs(${object} stubs)
+  list(LENGTH stubs n)
+  if(n EQUAL 0)
+    message(FATAL_ERROR "${object}: no chorus kernel in the library's object")
+  endif()
+  message(STATUS "${object}: ${n} chorus kernels")
+endforeach()
+set(failed FALSE)
+foreach(object IN LISTS OBJECTS)
+  chorus_kernel_stubs(${object} stubs)
+  list(LENGTH stubs n)
+  if(n GREATER 0)
+    execute_process(COMMAND c++filt ${stubs} OUTPUT_VARIABLE names)
+    message(SEND_ERROR "${object}: compiled ${n} chorus kernels itself; add their launchers to "
+                       "include/chorus/backend/cuda/instances.hpp:\n${names}")
+    set(failed TRUE)
+  else()
+    message(STATUS "${object}: no chorus kernel of its own")
+  endif()
+endforeach()
+if(failed)
+  message(FATAL_ERROR "translation units linking chorus::cuda_kernels compiled chorus kernels")
+endif()
