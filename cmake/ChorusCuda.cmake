@@ -10,7 +10,8 @@
 set(chorus_cuda_FOUND FALSE)
 get_property(_chorus_languages GLOBAL PROPERTY ENABLED_LANGUAGES)
 set(_chorus_want_cuda FALSE)
-if("cuda" IN_LIST chorus_FIND_COMPONENTS OR "CUDA" IN_LIST _chorus_languages)
+if("cuda" IN_LIST chorus_FIND_COMPONENTS OR "cuda_kernels" IN_LIST chorus_FIND_COMPONENTS
+   OR "CUDA" IN_LIST _chorus_languages)
   set(_chorus_want_cuda TRUE)
 endif()
 if(DEFINED CHORUS_ENABLE_CUDA AND NOT CHORUS_ENABLE_CUDA)
@@ -43,6 +44,37 @@ elseif(_chorus_want_cuda)
 endif()
 if(chorus_cuda_NOT_FOUND_MESSAGE AND NOT chorus_cuda_FOUND AND "cuda" IN_LIST chorus_FIND_COMPONENTS)
   set(chorus_NOT_FOUND_MESSAGE "${chorus_cuda_NOT_FOUND_MESSAGE}")
+endif()
+
+# chorus::cuda_kernels (component "cuda_kernels", implies "cuda"): the CUDA kernels compiled once
+# (Note [precompiled CUDA kernels] in include/chorus/backend/cuda/instances.hpp), built in the
+# consumer's project from the installed sources, with the consumer's CUDA language and
+# architectures (CMAKE_CUDA_ARCHITECTURES; enabling CUDA here is what asking for it means). Its
+# users compile their training code as C++.
+set(chorus_cuda_kernels_FOUND FALSE)
+if(TARGET chorus::cuda_kernels)
+  set(chorus_cuda_kernels_FOUND TRUE)
+elseif("cuda_kernels" IN_LIST chorus_FIND_COMPONENTS)
+  if(NOT chorus_cuda_FOUND)
+    set(chorus_cuda_kernels_NOT_FOUND_MESSAGE "chorus::cuda_kernels needs chorus::cuda: ${chorus_cuda_NOT_FOUND_MESSAGE}")
+  else()
+    if(NOT CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX} AND EXISTS "${CUDAToolkit_NVCC_EXECUTABLE}")
+      set(CMAKE_CUDA_COMPILER "${CUDAToolkit_NVCC_EXECUTABLE}")
+    endif()
+    enable_language(CUDA)
+    get_filename_component(_chorus_kernels_dir "${CMAKE_CURRENT_LIST_DIR}/../cuda_kernels" ABSOLUTE)
+    add_library(chorus_cuda_kernels STATIC EXCLUDE_FROM_ALL ${_chorus_kernels_dir}/kernels.cu
+                                           ${_chorus_kernels_dir}/nn_kernels.cu ${_chorus_kernels_dir}/index_kernels.cu)
+    target_link_libraries(chorus_cuda_kernels PUBLIC chorus::cuda)
+    target_compile_definitions(chorus_cuda_kernels PUBLIC CHORUS_CUDA_PRECOMPILED=1)
+    target_compile_options(chorus_cuda_kernels PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>)
+    add_library(chorus::cuda_kernels ALIAS chorus_cuda_kernels)
+    set(chorus_cuda_kernels_FOUND TRUE)
+    unset(_chorus_kernels_dir)
+  endif()
+  if(NOT chorus_cuda_kernels_FOUND)
+    set(chorus_NOT_FOUND_MESSAGE "${chorus_cuda_kernels_NOT_FOUND_MESSAGE}")
+  endif()
 endif()
 unset(_chorus_languages)
 unset(_chorus_want_cuda)

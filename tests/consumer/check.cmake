@@ -4,7 +4,8 @@
 #                      a build that found nvcc (when the machine has one), yet the consumer's
 #                      configure must not enable CUDA nor see the installing build's toolkit paths.
 #   find_package_cuda  (machines with nvcc) the cuda component comes from the consumer's own
-#                      configure, and -DCHORUS_ENABLE_CUDA=OFF switches it off.
+#                      configure, and -DCHORUS_ENABLE_CUDA=OFF switches it off; the cuda_kernels
+#                      component builds the kernels library there and a C++ program against it.
 #   find_package_distributed  (machines with MPI) the distributed component comes from the
 #                      consumer's own MPI; the consumer runs as a world of 1.
 #   add_subdirectory   chorus as a subproject, with -DCHORUS_ENABLE_CUDA=OFF honoured.
@@ -67,6 +68,16 @@ if(MODE MATCHES "^find_package")
     run(${CMAKE_COMMAND} -S ${consumer} -B ${WORK_DIR}/build-cuda -G ${GENERATOR}
         -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCONSUMER_WANTS_CUDA=ON -DCONSUMER_EXPECT_CUDA_TARGET=${nvcc_here})
     expect_no_cuda_language(${WORK_DIR}/build-cuda)
+    if(nvcc_here)
+      # The cuda_kernels component: the kernels library built in the consumer's project from the
+      # installed sources, and a C++ program with the CUDA backend linked against it (it runs on
+      # the CPU where there is no GPU).
+      run(${CMAKE_COMMAND} -S ${consumer} -B ${WORK_DIR}/build-kernels -G ${GENERATOR}
+          -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCONSUMER_WANTS_CUDA_KERNELS=ON -DCMAKE_CUDA_ARCHITECTURES=90
+          -DCMAKE_BUILD_TYPE=Release)
+      run(${CMAKE_COMMAND} --build ${WORK_DIR}/build-kernels --target consumer_cuda)
+      run(${WORK_DIR}/build-kernels/consumer_cuda)
+    endif()
     # Asked for but switched off by the consumer: not made.
     run(${CMAKE_COMMAND} -S ${consumer} -B ${WORK_DIR}/build -G ${GENERATOR} -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix
         -DCONSUMER_WANTS_CUDA=ON -DCHORUS_ENABLE_CUDA=OFF -DCONSUMER_EXPECT_CUDA_TARGET=OFF)
