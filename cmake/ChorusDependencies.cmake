@@ -59,6 +59,6 @@ if(NOT DEFINED CHORUS_ENABLE_MPI OR CHORUS_ENABLE_MPI)
 endif()
 message(STATUS "chorus: MPI ${CHORUS_HAS_MPI}")
 
-# oneDNN for CPU convolutions (optional): found in ChorusOneDNN.cmake, which the installed
-# package runs again in the consumer's configure.
+# libgomp (intra-op threads) and oneDNN for CPU convolutions (optional): found in
+# ChorusOneDNN.cmake, which the installed package runs again in the consumer's configure.
 include(${CMAKE_CURRENT_LIST_DIR}/ChorusOneDNN.cmake)

@@ -2,6 +2,8 @@
 // forward values against direct loops, gradients against float64 central differences,
 // PyTorch's initialisation, parameter/buffer names and running statistics.
 #include <cmath>
+#include <mutex>
+#include <set>
 #include <thread>
 
 #include "test_util.hpp"
@@ -456,6 +458,63 @@ TEST(Layers, SetNumThreadsSizesThisThreadsOnednnTeamAndBlas) {
   set_num_threads(1);
   EXPECT_EQ(p1, &backend::cpu::onednn::plan(c));
 #endif
+  set_num_threads(before);
+  backend::cpu::set_blas_threads(1);
+}
+
+// Note [intra-op threads]: with set_num_threads(2) chorus's own loops run on an OpenMP team of
+// two (the calling thread and one more), and every result is bit for bit the one-thread result:
+// batch norm's statistics, running statistics and gradients, pooling, elementwise ops.
+TEST(Layers, IntraOpThreadsRunChorusLoopsOnATeamWithOneThreadsResults) {
+  const int before = get_num_threads();
+  auto threads_used = [](std::int64_t n, std::int64_t grain) {
+    std::mutex m;
+    std::set<std::thread::id> ids;
+    std::int64_t covered = 0;
+    backend::cpu::parallel_for(n, grain, [&](std::int64_t b, std::int64_t e) {
+      std::lock_guard<std::mutex> lock(m);
+      ids.insert(std::this_thread::get_id());
+      covered += e - b;
+    });
+    EXPECT_EQ(covered, n);
+    return ids.size();
+  };
+  set_num_threads(1);
+  EXPECT_EQ(threads_used(std::int64_t{1} << 20, backend::cpu::kParallelGrain), 1u);
+  set_num_threads(2);
+  EXPECT_EQ(threads_used(std::int64_t{1} << 20, backend::cpu::kParallelGrain), CHORUS_HAS_GOMP ? 2u : 1u);
+  EXPECT_EQ(threads_used(16, 8), CHORUS_HAS_GOMP ? 2u : 1u);  // 16 items of a grain of 8
+  EXPECT_EQ(threads_used(15, 8), 1u);                           // less than two grains: the caller alone
+
+  // A ResNet block's worth of work, once per thread count: [32, 16, 24, 24] has 2^17 values per
+  // 8 channels, enough to split every loop below.
+  auto step = [](int threads) {
+    set_num_threads(threads);
+    auto x = r<float>({32, 16, 24, 24}, 7).requires_grad_(true);
+    auto w = r<float>({16}, 8).requires_grad_(true), b = r<float>({16}, 9).requires_grad_(true);
+    auto rm = zeros<float>({16}), rv = ones<float>({16});
+    auto y = relu(batch_norm(x, rm, rv, w, b, true, 0.1, 1e-5));
+    auto z = max_pool2d(y, 2) + avg_pool2d(y, 2) * 0.5;
+    auto loss = (adaptive_avg_pool2d(z, 3) * r<float>({32, 16, 3, 3}, 10)).sum();
+    loss.backward();
+    return std::vector<Tensor<float>>{y.detach(), z.detach(), rm, rv, x.grad(), w.grad(), b.grad()};
+  };
+  const auto one = step(1), two = step(2);
+  for (std::size_t i = 0; i < one.size(); ++i)
+    EXPECT_EQ(one[i].to_vector(), two[i].to_vector()) << "result " << i;
+  // Float products of a thread with two intra-op threads run in oneDNN's sgemm on the same team
+  // (Note [one pool of threads]): every transpose combination and a strided operand against
+  // OpenBLAS's one-thread products (their sums are ordered differently: close, not equal).
+  auto products = [](int threads) {
+    set_num_threads(threads);
+    auto a = r<float>({37, 53}, 11), b = r<float>({53, 29}, 12), c = r<float>({29, 53}, 13), d = r<float>({37, 29}, 14);
+    auto wide = r<float>({53, 60}, 15);
+    return std::vector<Tensor<float>>{a.matmul(b), a.t().contiguous().t().matmul(b), a.matmul(c.t()),
+                                      a.t().matmul(d), a.matmul(wide.narrow(1, 3, 29)),
+                                      r<float>({4, 37, 53}, 16).matmul(r<float>({4, 53, 29}, 17))};
+  };
+  const auto p1 = products(1), p2 = products(2);
+  for (std::size_t i = 0; i < p1.size(); ++i) EXPECT_TRUE(all_close(p2[i], p1[i], 1e-5, 1e-5)) << "product " << i;
   set_num_threads(before);
   backend::cpu::set_blas_threads(1);
 }

@@ -1,5 +1,17 @@
 #pragma once
-// BLAS for the CPU backend: OpenBLAS through its CBLAS interface.
+// BLAS for the CPU backend: OpenBLAS through its CBLAS interface, and oneDNN's sgemm for float
+// products of a thread with several intra-op threads.
+//
+// Note [one pool of threads]
+// With set_num_threads(n > 1), chorus's loops and oneDNN's convolutions run on the calling
+// thread's OpenMP team (Note [intra-op threads]). OpenBLAS's pthreads build keeps threads of
+// its own, and both pools spin-wait between calls: a team thread spinning after an elementwise
+// loop holds the core that OpenBLAS's helper needs for the next product, and the other way
+// round. On 2 cores that made the mlp-medium step at 2 threads as slow as one thread (139.7 ms
+// against 75.0 ms with libgomp told not to spin, OMP_WAIT_POLICY=passive). So a float product
+// of a thread with n > 1 intra-op threads runs in oneDNN's sgemm (dnnl_sgemm, row-major, on
+// the same team), and OpenBLAS serves the rest: one thread's products, double, and builds
+// without oneDNN. PyTorch runs its products on its OpenMP pool the same way (MKL).
 // OpenBLAS's openblas_config.h declares a global `typedef uint16_t bfloat16;` (its sbgemm
 // storage), which would make `bfloat16` ambiguous for a user of `using namespace chorus;`.
 // Its prototypes are C functions, so the typedef is renamed while the header is read. (A
@@ -19,9 +31,29 @@
 
 #include "../../core/half.hpp"
 #include "../../error.hpp"
+#include "parallel.hpp"
+
+#ifndef CHORUS_HAS_ONEDNN
+#define CHORUS_HAS_ONEDNN 0
+#endif
+// oneDNN's sgemm on the intra-op team (Note [one pool of threads]): where chorus calls oneDNN
+// (onednn.hpp: not in translation units with the CUDA backend) and oneDNN runs on libgomp.
+#if CHORUS_HAS_ONEDNN && !CHORUS_CUDA && CHORUS_HAS_GOMP
+#include <oneapi/dnnl/dnnl.h>
+#if DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
+#define CHORUS_GEMM_ON_TEAM 1
+extern "C" void omp_set_num_threads(int);  // libgomp
+extern "C" int omp_get_max_threads();
+#endif
+#endif
+#ifndef CHORUS_GEMM_ON_TEAM
+#define CHORUS_GEMM_ON_TEAM 0
+#endif
 
 CHORUS_NAMESPACE_BEGIN
 namespace backend::cpu {
+
+inline CBLAS_TRANSPOSE cblas_op(bool trans) { return trans ? CblasTrans : CblasNoTrans; }
 
 /// Row-major C[M,N] = alpha * op(A)[M,K] @ op(B)[K,N] + beta * C.
 template <class T>
@@ -33,8 +65,6 @@ void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64
       for (std::int64_t j = 0; j < N; ++j) C[i * ldc + j] = beta == T(0) ? T(0) : beta * C[i * ldc + j];
     return;
   }
-  auto ta = trans_a ? CblasTrans : CblasNoTrans;
-  auto tb = trans_b ? CblasTrans : CblasNoTrans;
   if constexpr (is_reduced_floating_v<T>) {
     // Debian's OpenBLAS has no sbgemm/hgemm: widen the operands to float, multiply with sgemm
     // (float accumulation, as cuBLAS's 16-bit GEMMs with a float compute type), round C once.
@@ -48,14 +78,26 @@ void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64
     const auto b = trans_b ? widen(B, N, K, ldb) : widen(B, K, N, ldb);
     const float fb = static_cast<float>(beta);
     std::vector<float> c = fb == 0.0f ? std::vector<float>(static_cast<std::size_t>(M * N)) : widen(C, M, N, ldc);
-    cblas_sgemm(CblasRowMajor, ta, tb, (int)M, (int)N, (int)K, static_cast<float>(alpha), a.data(),
-                (int)(trans_a ? M : K), b.data(), (int)(trans_b ? K : N), fb, c.data(), (int)N);
+    gemm<float>(trans_a, trans_b, M, N, K, static_cast<float>(alpha), a.data(), trans_a ? M : K, b.data(),
+                trans_b ? K : N, fb, c.data(), N);
     for (std::int64_t i = 0; i < M; ++i)
       for (std::int64_t j = 0; j < N; ++j) C[i * ldc + j] = T(c[i * N + j]);
   } else if constexpr (std::is_same_v<T, float>) {
-    cblas_sgemm(CblasRowMajor, ta, tb, (int)M, (int)N, (int)K, alpha, A, (int)lda, B, (int)ldb, beta, C, (int)ldc);
+#if CHORUS_GEMM_ON_TEAM
+    if (const int threads = detail::intra_op_threads(); threads > 1) {  // Note [one pool of threads]
+      if (omp_get_max_threads() != threads) omp_set_num_threads(threads);  // the team dnnl_sgemm runs on
+      const dnnl_status_t st = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb,
+                                          beta, C, ldc);
+      CHORUS_CHECK(st == dnnl_success, "oneDNN sgemm failed (status ", static_cast<int>(st), ") for ", M, "x", K,
+                   " @ ", K, "x", N);
+      return;
+    }
+#endif
+    cblas_sgemm(CblasRowMajor, cblas_op(trans_a), cblas_op(trans_b), (int)M, (int)N, (int)K, alpha, A, (int)lda, B,
+                (int)ldb, beta, C, (int)ldc);
   } else {
-    cblas_dgemm(CblasRowMajor, ta, tb, (int)M, (int)N, (int)K, alpha, A, (int)lda, B, (int)ldb, beta, C, (int)ldc);
+    cblas_dgemm(CblasRowMajor, cblas_op(trans_a), cblas_op(trans_b), (int)M, (int)N, (int)K, alpha, A, (int)lda, B,
+                (int)ldb, beta, C, (int)ldc);
   }
 }
 

@@ -62,7 +62,7 @@ void nd_apply(const Shape& shape, const std::array<Strides, K>& strides, Inner&&
 
 template <class T>
 void fill(T* out, std::int64_t n, T value) {
-  std::fill(out, out + n, value);
+  parallel_for(n, [&](std::int64_t begin, std::int64_t end) { std::fill(out + begin, out + end, value); });
 }
 
 template <class T>
@@ -97,13 +97,17 @@ void convert(const T* src, U* dst, std::int64_t n) {
       dst[i] = v != v ? U(0) : v <= static_cast<F>(lo) ? lo : v >= static_cast<F>(hi) ? hi : static_cast<U>(v);
     }
   } else {
-    for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<U>(src[i]);
+    parallel_for(n, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t i = begin; i < end; ++i) dst[i] = static_cast<U>(src[i]);
+    });
   }
 }
 
 template <class T, class Op>
 void unary(const T* in, T* out, std::int64_t n, Op op) {
-  for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(op(load(in[i])));
+  parallel_for(n, [&](std::int64_t begin, std::int64_t end) {
+    for (std::int64_t i = begin; i < end; ++i) out[i] = static_cast<T>(op(load(in[i])));
+  });
 }
 
 /// out[i] = op(a[i], b[i]) for contiguous operands of equal size.

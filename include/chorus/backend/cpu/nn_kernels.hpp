@@ -75,40 +75,44 @@ void col2im(const T* col, const Window2d& g, T* x) {
 /// Max pooling over `planes` planes of [H, W]: out and the argmax (flat index in its plane).
 template <class T>
 void max_pool2d(const T* x, std::int64_t planes, const Window2d& g, T* out, std::int64_t* idx) {
-  for (std::int64_t p = 0; p < planes; ++p) {
-    const T* xp = x + p * g.H * g.W;
-    for (std::int64_t oh = 0; oh < g.OH; ++oh)
-      for (std::int64_t ow = 0; ow < g.OW; ++ow) {
-        T best = -std::numeric_limits<T>::infinity();
-        std::int64_t arg = -1;
-        for (std::int64_t i = 0; i < g.kh; ++i) {
-          const std::int64_t h = oh * g.sh - g.ph + i * g.dh;
-          if (h < 0 || h >= g.H) continue;
-          for (std::int64_t j = 0; j < g.kw; ++j) {
-            const std::int64_t w = ow * g.sw - g.pw + j * g.dw;
-            if (w < 0 || w >= g.W) continue;
-            const T v = xp[h * g.W + w];
-            if (arg < 0 || v > best || std::isnan(v)) {  // NaN propagates, as in PyTorch
-              best = v;
-              arg = h * g.W + w;
-              if (std::isnan(v)) break;
+  parallel_for(planes, grain_for(g.H * g.W + g.OH * g.OW), [&](std::int64_t p0, std::int64_t p1) {
+    for (std::int64_t p = p0; p < p1; ++p) {
+      const T* xp = x + p * g.H * g.W;
+      for (std::int64_t oh = 0; oh < g.OH; ++oh)
+        for (std::int64_t ow = 0; ow < g.OW; ++ow) {
+          T best = -std::numeric_limits<T>::infinity();
+          std::int64_t arg = -1;
+          for (std::int64_t i = 0; i < g.kh; ++i) {
+            const std::int64_t h = oh * g.sh - g.ph + i * g.dh;
+            if (h < 0 || h >= g.H) continue;
+            for (std::int64_t j = 0; j < g.kw; ++j) {
+              const std::int64_t w = ow * g.sw - g.pw + j * g.dw;
+              if (w < 0 || w >= g.W) continue;
+              const T v = xp[h * g.W + w];
+              if (arg < 0 || v > best || std::isnan(v)) {  // NaN propagates, as in PyTorch
+                best = v;
+                arg = h * g.W + w;
+                if (std::isnan(v)) break;
+              }
             }
           }
+          const std::int64_t o = (p * g.OH + oh) * g.OW + ow;
+          out[o] = best;
+          idx[o] = arg;
         }
-        const std::int64_t o = (p * g.OH + oh) * g.OW + ow;
-        out[o] = best;
-        idx[o] = arg;
-      }
-  }
+    }
+  });
 }
 
 /// gx (zeroed) += gy scattered to the argmax positions.
 template <class T>
 void max_pool2d_backward(const T* gy, const std::int64_t* idx, std::int64_t planes, const Window2d& g, T* gx) {
   const std::int64_t L = g.OH * g.OW;
-  for (std::int64_t p = 0; p < planes; ++p)
-    for (std::int64_t o = 0; o < L; ++o)
-      if (idx[p * L + o] >= 0) gx[p * g.H * g.W + idx[p * L + o]] += gy[p * L + o];
+  parallel_for(planes, grain_for(g.H * g.W + g.OH * g.OW), [&](std::int64_t p0, std::int64_t p1) {
+    for (std::int64_t p = p0; p < p1; ++p)
+      for (std::int64_t o = 0; o < L; ++o)
+        if (idx[p * L + o] >= 0) gx[p * g.H * g.W + idx[p * L + o]] += gy[p * L + o];
+  });
 }
 
 /// The window of output (oh, ow) of an average pool, clipped to the image, and its divisor
@@ -136,32 +140,36 @@ CHORUS_HOST_DEVICE inline AvgWindow avg_window(const Window2d& g, std::int64_t o
 template <class T>
 void avg_pool2d(const T* x, std::int64_t planes, const Window2d& g, bool count_include_pad,
                 std::int64_t divisor_override, T* out) {
-  for (std::int64_t p = 0; p < planes; ++p) {
-    const T* xp = x + p * g.H * g.W;
-    for (std::int64_t oh = 0; oh < g.OH; ++oh)
-      for (std::int64_t ow = 0; ow < g.OW; ++ow) {
-        const auto win = avg_window(g, oh, ow, count_include_pad, divisor_override);
-        acc_t<T> s = 0;
-        for (std::int64_t h = win.h0; h < win.h1; ++h)
-          for (std::int64_t w = win.w0; w < win.w1; ++w) s += xp[h * g.W + w];
-        out[(p * g.OH + oh) * g.OW + ow] = static_cast<T>(s / win.divisor);
-      }
-  }
+  parallel_for(planes, grain_for(g.H * g.W + g.OH * g.OW), [&](std::int64_t p0, std::int64_t p1) {
+    for (std::int64_t p = p0; p < p1; ++p) {
+      const T* xp = x + p * g.H * g.W;
+      for (std::int64_t oh = 0; oh < g.OH; ++oh)
+        for (std::int64_t ow = 0; ow < g.OW; ++ow) {
+          const auto win = avg_window(g, oh, ow, count_include_pad, divisor_override);
+          acc_t<T> s = 0;
+          for (std::int64_t h = win.h0; h < win.h1; ++h)
+            for (std::int64_t w = win.w0; w < win.w1; ++w) s += xp[h * g.W + w];
+          out[(p * g.OH + oh) * g.OW + ow] = static_cast<T>(s / win.divisor);
+        }
+    }
+  });
 }
 
 template <class T>
 void avg_pool2d_backward(const T* gy, std::int64_t planes, const Window2d& g, bool count_include_pad,
                          std::int64_t divisor_override, T* gx) {
-  for (std::int64_t p = 0; p < planes; ++p) {
-    T* gp = gx + p * g.H * g.W;
-    for (std::int64_t oh = 0; oh < g.OH; ++oh)
-      for (std::int64_t ow = 0; ow < g.OW; ++ow) {
-        const auto win = avg_window(g, oh, ow, count_include_pad, divisor_override);
-        const T v = static_cast<T>(gy[(p * g.OH + oh) * g.OW + ow] / win.divisor);
-        for (std::int64_t h = win.h0; h < win.h1; ++h)
-          for (std::int64_t w = win.w0; w < win.w1; ++w) gp[h * g.W + w] += v;
-      }
-  }
+  parallel_for(planes, grain_for(g.H * g.W + g.OH * g.OW), [&](std::int64_t p0, std::int64_t p1) {
+    for (std::int64_t p = p0; p < p1; ++p) {
+      T* gp = gx + p * g.H * g.W;
+      for (std::int64_t oh = 0; oh < g.OH; ++oh)
+        for (std::int64_t ow = 0; ow < g.OW; ++ow) {
+          const auto win = avg_window(g, oh, ow, count_include_pad, divisor_override);
+          const T v = static_cast<T>(gy[(p * g.OH + oh) * g.OW + ow] / win.divisor);
+          for (std::int64_t h = win.h0; h < win.h1; ++h)
+            for (std::int64_t w = win.w0; w < win.w1; ++w) gp[h * g.W + w] += v;
+        }
+    }
+  });
 }
 
 /// Adaptive pooling windows: [floor(i*H/OH), ceil((i+1)*H/OH)).
@@ -172,35 +180,39 @@ inline std::int64_t adaptive_end(std::int64_t i, std::int64_t in, std::int64_t o
 
 template <class T>
 void adaptive_avg_pool2d(const T* x, std::int64_t planes, const Window2d& g, T* out) {
-  for (std::int64_t p = 0; p < planes; ++p) {
-    const T* xp = x + p * g.H * g.W;
-    for (std::int64_t oh = 0; oh < g.OH; ++oh) {
-      const auto h0 = adaptive_start(oh, g.H, g.OH), h1 = adaptive_end(oh, g.H, g.OH);
-      for (std::int64_t ow = 0; ow < g.OW; ++ow) {
-        const auto w0 = adaptive_start(ow, g.W, g.OW), w1 = adaptive_end(ow, g.W, g.OW);
-        acc_t<T> s = 0;
-        for (std::int64_t h = h0; h < h1; ++h)
-          for (std::int64_t w = w0; w < w1; ++w) s += xp[h * g.W + w];
-        out[(p * g.OH + oh) * g.OW + ow] = static_cast<T>(s / double((h1 - h0) * (w1 - w0)));
+  parallel_for(planes, grain_for(g.H * g.W + g.OH * g.OW), [&](std::int64_t p0, std::int64_t p1) {
+    for (std::int64_t p = p0; p < p1; ++p) {
+      const T* xp = x + p * g.H * g.W;
+      for (std::int64_t oh = 0; oh < g.OH; ++oh) {
+        const auto h0 = adaptive_start(oh, g.H, g.OH), h1 = adaptive_end(oh, g.H, g.OH);
+        for (std::int64_t ow = 0; ow < g.OW; ++ow) {
+          const auto w0 = adaptive_start(ow, g.W, g.OW), w1 = adaptive_end(ow, g.W, g.OW);
+          acc_t<T> s = 0;
+          for (std::int64_t h = h0; h < h1; ++h)
+            for (std::int64_t w = w0; w < w1; ++w) s += xp[h * g.W + w];
+          out[(p * g.OH + oh) * g.OW + ow] = static_cast<T>(s / double((h1 - h0) * (w1 - w0)));
+        }
       }
     }
-  }
+  });
 }
 
 template <class T>
 void adaptive_avg_pool2d_backward(const T* gy, std::int64_t planes, const Window2d& g, T* gx) {
-  for (std::int64_t p = 0; p < planes; ++p) {
-    T* gp = gx + p * g.H * g.W;
-    for (std::int64_t oh = 0; oh < g.OH; ++oh) {
-      const auto h0 = adaptive_start(oh, g.H, g.OH), h1 = adaptive_end(oh, g.H, g.OH);
-      for (std::int64_t ow = 0; ow < g.OW; ++ow) {
-        const auto w0 = adaptive_start(ow, g.W, g.OW), w1 = adaptive_end(ow, g.W, g.OW);
-        const T v = static_cast<T>(gy[(p * g.OH + oh) * g.OW + ow] / double((h1 - h0) * (w1 - w0)));
-        for (std::int64_t h = h0; h < h1; ++h)
-          for (std::int64_t w = w0; w < w1; ++w) gp[h * g.W + w] += v;
+  parallel_for(planes, grain_for(g.H * g.W + g.OH * g.OW), [&](std::int64_t p0, std::int64_t p1) {
+    for (std::int64_t p = p0; p < p1; ++p) {
+      T* gp = gx + p * g.H * g.W;
+      for (std::int64_t oh = 0; oh < g.OH; ++oh) {
+        const auto h0 = adaptive_start(oh, g.H, g.OH), h1 = adaptive_end(oh, g.H, g.OH);
+        for (std::int64_t ow = 0; ow < g.OW; ++ow) {
+          const auto w0 = adaptive_start(ow, g.W, g.OW), w1 = adaptive_end(ow, g.W, g.OW);
+          const T v = static_cast<T>(gy[(p * g.OH + oh) * g.OW + ow] / double((h1 - h0) * (w1 - w0)));
+          for (std::int64_t h = h0; h < h1; ++h)
+            for (std::int64_t w = w0; w < w1; ++w) gp[h * g.W + w] += v;
+        }
       }
     }
-  }
+  });
 }
 
 }  // namespace cpu
@@ -412,32 +424,35 @@ CHORUS_HOST_DEVICE inline void column_walk(const BnReducePlan& p, std::int64_t t
 namespace cpu {
 
 /// Per-channel statistics of x: mean[c] and m2[c] = Σ (x - mean[c])² over n and s; with `fin`,
-/// also the finished statistics. One pass in row-major order (each channel's sums around its
-/// first value).
+/// also the finished statistics. One pass in row-major order over a range of channels per
+/// intra-op thread (each channel's sums around its first value).
 template <class T, class A>
 void bn_stats(const T* x, std::int64_t N, std::int64_t C, std::int64_t S, A* mean, A* m2, const BnFinish<T>* fin) {
-  std::vector<A> pivot(static_cast<std::size_t>(C), A(0)), s1(pivot), s2(pivot);
-  if (N * S > 0)
-    for (std::int64_t c = 0; c < C; ++c) pivot[c] = static_cast<A>(x[c * S]);
-  for (std::int64_t n = 0; n < N; ++n)
-    for (std::int64_t c = 0; c < C; ++c) {
-      const T* p = x + (n * C + c) * S;
-      const A k = pivot[c];
-      A a = 0, b = 0;
-      for (std::int64_t i = 0; i < S; ++i) {
-        const A d = static_cast<A>(p[i]) - k;
-        a += d;
-        b += d * d;
+  parallel_for(C, grain_for(N * S), [&](std::int64_t c0, std::int64_t c1) {
+    const auto k = static_cast<std::size_t>(c1 - c0);
+    std::vector<A> pivot(k, A(0)), s1(pivot), s2(pivot);
+    if (N * S > 0)
+      for (std::int64_t c = c0; c < c1; ++c) pivot[c - c0] = static_cast<A>(x[c * S]);
+    for (std::int64_t n = 0; n < N; ++n)
+      for (std::int64_t c = c0; c < c1; ++c) {
+        const T* p = x + (n * C + c) * S;
+        const A piv = pivot[c - c0];
+        A a = 0, b = 0;
+        for (std::int64_t i = 0; i < S; ++i) {
+          const A d = static_cast<A>(p[i]) - piv;
+          a += d;
+          b += d * d;
+        }
+        s1[c - c0] += a;
+        s2[c - c0] += b;
       }
-      s1[c] += a;
-      s2[c] += b;
+    for (std::int64_t c = c0; c < c1; ++c) {
+      const auto w = welford_from_shifted<A>(static_cast<double>(N * S), pivot[c - c0], s1[c - c0], s2[c - c0]);
+      if (mean) mean[c] = w.mean;
+      if (m2) m2[c] = w.m2;
+      if (fin) bn_finish_channel(*fin, c, w.mean, w.m2);
     }
-  for (std::int64_t c = 0; c < C; ++c) {
-    const auto w = welford_from_shifted<A>(static_cast<double>(N * S), pivot[c], s1[c], s2[c]);
-    if (mean) mean[c] = w.mean;
-    if (m2) m2[c] = w.m2;
-    if (fin) bn_finish_channel(*fin, c, w.mean, w.m2);
-  }
+  });
 }
 
 template <class T, class A>
@@ -453,33 +468,37 @@ void bn_sync_stats(const A* local_mean, double local_n, double count, A* mean, A
 /// sum[c] = Σ x[n, c, s]; sq[c] = Σ (x[n, c, s] - mean[c])^2 when mean is given.
 template <class T>
 void channel_sums(const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const T* mean, T* out) {
-  for (std::int64_t c = 0; c < C; ++c) {
-    acc_t<T> s = 0;
-    const acc_t<T> m = mean ? mean[c] : 0;
-    for (std::int64_t n = 0; n < N; ++n) {
-      const T* p = x + (n * C + c) * S;
-      if (mean) {
-        for (std::int64_t i = 0; i < S; ++i) s += (p[i] - m) * (p[i] - m);
-      } else {
-        for (std::int64_t i = 0; i < S; ++i) s += p[i];
+  parallel_for(C, grain_for(N * S), [&](std::int64_t c0, std::int64_t c1) {
+    for (std::int64_t c = c0; c < c1; ++c) {
+      acc_t<T> s = 0;
+      const acc_t<T> m = mean ? mean[c] : 0;
+      for (std::int64_t n = 0; n < N; ++n) {
+        const T* p = x + (n * C + c) * S;
+        if (mean) {
+          for (std::int64_t i = 0; i < S; ++i) s += (p[i] - m) * (p[i] - m);
+        } else {
+          for (std::int64_t i = 0; i < S; ++i) s += p[i];
+        }
       }
+      out[c] = static_cast<T>(s);
     }
-    out[c] = static_cast<T>(s);
-  }
+  });
 }
 
 /// y = (x - mean[c]) * invstd[c] * w[c] + b[c] (w, b may be null).
 template <class T>
 void bn_apply(const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const T* mean, const T* invstd, const T* w,
               const T* b, T* y) {
-  for (std::int64_t n = 0; n < N; ++n)
-    for (std::int64_t c = 0; c < C; ++c) {
+  parallel_for(N * C, grain_for(S), [&](std::int64_t p0, std::int64_t p1) {  // planes (n, c)
+    for (std::int64_t nc = p0; nc < p1; ++nc) {
+      const std::int64_t c = nc % C;
       const T scale = invstd[c] * (w ? w[c] : T(1));
       const T shift = (b ? b[c] : T(0)) - mean[c] * scale;
-      const T* p = x + (n * C + c) * S;
-      T* q = y + (n * C + c) * S;
+      const T* p = x + nc * S;
+      T* q = y + nc * S;
       for (std::int64_t i = 0; i < S; ++i) q[i] = p[i] * scale + shift;
     }
+  });
 }
 
 /// sums[c] = Σ gy, sums[C + c] = Σ gy * (x - mean[c]) (accumulator A); gw[c] = sums[C + c] *
@@ -487,24 +506,26 @@ void bn_apply(const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const 
 template <class T, class A>
 void bn_backward_reduce(const T* gy, const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const T* mean,
                         const T* invstd, A* sums, T* gw, T* gb) {
-  for (std::int64_t c = 0; c < 2 * C; ++c) sums[c] = 0;
-  for (std::int64_t n = 0; n < N; ++n)
-    for (std::int64_t c = 0; c < C; ++c) {
-      const T* g = gy + (n * C + c) * S;
-      const T* p = x + (n * C + c) * S;
-      const A m = static_cast<A>(mean[c]);
-      A s = 0, sx = 0;
-      for (std::int64_t i = 0; i < S; ++i) {
-        s += static_cast<A>(g[i]);
-        sx += static_cast<A>(g[i]) * (static_cast<A>(p[i]) - m);
+  parallel_for(C, grain_for(N * S), [&](std::int64_t c0, std::int64_t c1) {  // a range of channels per thread
+    for (std::int64_t c = c0; c < c1; ++c) sums[c] = sums[C + c] = 0;
+    for (std::int64_t n = 0; n < N; ++n)
+      for (std::int64_t c = c0; c < c1; ++c) {
+        const T* g = gy + (n * C + c) * S;
+        const T* p = x + (n * C + c) * S;
+        const A m = static_cast<A>(mean[c]);
+        A s = 0, sx = 0;
+        for (std::int64_t i = 0; i < S; ++i) {
+          s += static_cast<A>(g[i]);
+          sx += static_cast<A>(g[i]) * (static_cast<A>(p[i]) - m);
+        }
+        sums[c] += s;
+        sums[C + c] += sx;
       }
-      sums[c] += s;
-      sums[C + c] += sx;
+    for (std::int64_t c = c0; c < c1; ++c) {
+      if (gw) gw[c] = static_cast<T>(sums[C + c] * static_cast<A>(invstd[c]));
+      if (gb) gb[c] = static_cast<T>(sums[c]);
     }
-  for (std::int64_t c = 0; c < C; ++c) {
-    if (gw) gw[c] = static_cast<T>(sums[C + c] * static_cast<A>(invstd[c]));
-    if (gb) gb[c] = static_cast<T>(sums[c]);
-  }
+  });
 }
 
 /// gx = (gy - sums[c]/count - (x - mean) * invstd^2 * sums[C+c]/count) * invstd * w
@@ -512,16 +533,18 @@ void bn_backward_reduce(const T* gy, const T* x, std::int64_t N, std::int64_t C,
 template <class T, class A>
 void bn_backward_input(const T* gy, const T* x, std::int64_t N, std::int64_t C, std::int64_t S, const T* mean,
                        const T* invstd, const T* w, const A* sums, double inv_count, T* gx) {
-  for (std::int64_t n = 0; n < N; ++n)
-    for (std::int64_t c = 0; c < C; ++c) {
+  parallel_for(N * C, grain_for(S), [&](std::int64_t p0, std::int64_t p1) {  // planes (n, c)
+    for (std::int64_t nc = p0; nc < p1; ++nc) {
+      const std::int64_t c = nc % C;
       const T mdy = static_cast<T>(sums[c] * inv_count);
       const T k = static_cast<T>(sums[C + c] * inv_count) * invstd[c] * invstd[c];
       const T scale = invstd[c] * (w ? w[c] : T(1));
-      const T* g = gy + (n * C + c) * S;
-      const T* p = x + (n * C + c) * S;
-      T* q = gx + (n * C + c) * S;
+      const T* g = gy + nc * S;
+      const T* p = x + nc * S;
+      T* q = gx + nc * S;
       for (std::int64_t i = 0; i < S; ++i) q[i] = (g[i] - mdy - (p[i] - mean[c]) * k) * scale;
     }
+  });
 }
 
 // ---- dropout (Note [dropout random numbers], core/generator.hpp) ----

@@ -20,8 +20,8 @@
 // therefore runs it on one thread by default, like chorus's own CPU kernels: DataParallel's
 // device workers always do. A program that trains on one device asks for more on its own
 // thread with chorus::set_num_threads(n) (backend/cpu/threads.hpp; PyTorch's
-// torch::set_num_threads), which sizes that thread's team; CHORUS_ONEDNN_THREADS sets the
-// default of every thread (ResNet-20 on 2 cores, one device, 2 BLAS threads: 529 ms a step with
+// torch::set_num_threads), which sizes that thread's team, the team chorus's own loops run on
+// too (Note [intra-op threads]); CHORUS_NUM_THREADS sets the default of every thread (ResNet-20 on 2 cores, one device, 2 BLAS threads: 529 ms a step with
 // one thread for oneDNN, 359 ms with two; benchmarks/README.md, "Intra-op threads").
 //
 // Note [oneDNN primitive creation]
@@ -65,6 +65,7 @@
 #include <oneapi/dnnl/dnnl.hpp>
 #if DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
 extern "C" void omp_set_num_threads(int);  // libgomp, which libdnnl links (CMake adds it)
+extern "C" int omp_get_max_threads();
 #endif
 #endif
 
@@ -80,16 +81,6 @@ inline std::atomic<int>& onednn_switch() {
   return on;
 }
 
-/// The threads the calling thread's CPU kernels may use (chorus::set_num_threads in
-/// threads.hpp; Note [oneDNN threads]): 1 unless set, or CHORUS_ONEDNN_THREADS for every thread.
-inline int& intra_op_threads() {
-  static const int fallback = [] {
-    const char* e = std::getenv("CHORUS_ONEDNN_THREADS");
-    return std::max(1, e ? std::atoi(e) : 1);
-  }();
-  thread_local int n = fallback;
-  return n;
-}
 }  // namespace detail
 
 /// True when this build has oneDNN.
@@ -128,12 +119,8 @@ struct Context {
 inline Context& context() {
   thread_local Context c;
 #if DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
-  thread_local int threads = 0;
   const int want = detail::intra_op_threads();
-  if (want != threads) {
-    omp_set_num_threads(want);
-    threads = want;
-  }
+  if (omp_get_max_threads() != want) omp_set_num_threads(want);
 #endif
   return c;
 }
