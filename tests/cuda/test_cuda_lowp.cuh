@@ -124,6 +124,31 @@ void check_ops_against_cpu() {
   auto d = randn<double>({257});
   const auto r = d.to(kGpu).template to<T>().to(Device::cpu()).to_vector(), rc = d.template to<T>().to_vector();
   for (std::size_t i = 0; i < r.size(); ++i) EXPECT_EQ(r[i].bits(), rc[i].bits()) << i;
+  // Note [vectorised 16-bit loads]: pairs where every pointer is aligned, the odd last element,
+  // and views starting at an odd element (the scalar loop) all give the CPU's bits (relu, add
+  // and mul are exact in float, then rounded once on both sides).
+  auto u = randn<T>({259}), v2 = randn<T>({259});
+  auto gu = u.to(kGpu), gv2 = v2.to(kGpu);
+  for (std::int64_t off : {0, 1, 2}) {
+    for (std::int64_t len : {256, 257}) {
+      SCOPED_TRACE("offset " + std::to_string(off) + ", length " + std::to_string(len));
+      auto cu = u.narrow(0, off, len), cv = v2.narrow(0, off, len);
+      auto ga = gu.narrow(0, off, len), gb = gv2.narrow(0, off, len);
+      auto same = [](const Tensor<T>& g, const Tensor<T>& c) {
+        const auto a = g.to(Device::cpu()).to_vector(), b = c.to_vector();
+        if (a.size() != b.size()) return false;
+        for (std::size_t i = 0; i < a.size(); ++i)
+          if (a[i].bits() != b[i].bits()) return false;
+        return true;
+      };
+      EXPECT_TRUE(same(relu(ga), relu(cu))) << "unary";
+      EXPECT_TRUE(same(ga + gb, cu + cv)) << "binary";
+      EXPECT_TRUE(same(ga * gb, cu * cv)) << "binary";
+      EXPECT_EQ(ga.template to<float>().to(Device::cpu()).to_vector(), cu.template to<float>().to_vector());
+      auto fl = randn<float>({len});
+      EXPECT_TRUE(same(fl.to(kGpu).template to<T>(), fl.template to<T>())) << "float to 16 bits";
+    }
+  }
   // Backward through a broadcast (the bias gradient: atomics in float) and an embedding-like
   // index_select (index_add in float).
   auto bias = v.to(kGpu).detach().requires_grad_();
@@ -137,10 +162,36 @@ void check_ops_against_cpu() {
   table.index_select(0, idx).sum().backward();
   gtable.index_select(0, idx.to(kGpu)).sum().backward();
   EXPECT_TRUE(near_in(gtable.grad(), table.grad(), "index_select backward"));
-  // The CNN operators (Note [16-bit CNN operators]): float32 kernels (cuDNN) on float32 copies.
+  // The CNN operators (Note [16-bit CNN operators]). conv2d: cuDNN convolves the 16-bit tensors
+  // (float32 accumulation), then the bias is added in 16 bits: against the CPU's float32 route,
+  // rounded once without the bias, plus the bias. Without cuDNN: the float32 route on the GPU.
   auto img = randn<T>({2, 4, 7, 7}), ker = randn<T>({6, 2, 3, 3}), kb = randn<T>({6});
   auto gimg = img.to(kGpu), gker = ker.to(kGpu), gkb = kb.to(kGpu);
-  EXPECT_TRUE(near_in(conv2d(gimg, gker, gkb, 2, 1, 1, 2), conv2d(img, ker, kb, 2, 1, 1, 2), "conv2d"));
+  const auto conv_cpu = conv2d(img, ker, Tensor<T>(), 2, 1, 1, 2) + kb.view({1, 6, 1, 1});
+#if CHORUS_HAS_CUDNN
+  for (bool use_cudnn : {true, false}) {
+    backend::cuda::cudnn::set_enabled(use_cudnn);
+    SCOPED_TRACE(use_cudnn ? "cuDNN in 16 bits" : "float32 route");
+#else
+  for (bool use_cudnn : {false}) {
+#endif
+    EXPECT_TRUE(near_in(conv2d(gimg, gker, gkb, 2, 1, 1, 2),
+                        use_cudnn ? conv_cpu : conv2d(img, ker, kb, 2, 1, 1, 2), "conv2d"));
+    auto cimg = img.detach().requires_grad_(), cgimg = gimg.detach().requires_grad_();
+    auto cker = ker.detach().requires_grad_(), cgker = gker.detach().requires_grad_();
+    auto ckb = kb.detach().requires_grad_(), cgkb = gkb.detach().requires_grad_();
+    auto gout = conv2d(cgimg, cgker, cgkb, 2, 1, 1, 2);
+    // The node tells the route: the 16-bit convolution itself, or the conversion after float32.
+    EXPECT_EQ(gout.grad_fn()->name(), use_cudnn ? "Conv2dBackward" : "ToCopyBackward");
+    conv2d(cimg, cker, ckb, 2, 1, 1, 2).sum().backward();
+    gout.sum().backward();
+    EXPECT_TRUE(near_in(cgimg.grad(), cimg.grad(), "conv2d grad input"));
+    EXPECT_TRUE(near_in(cgker.grad(), cker.grad(), "conv2d grad weight"));
+    EXPECT_TRUE(near_in(cgkb.grad(), ckb.grad(), "conv2d grad bias"));
+  }
+#if CHORUS_HAS_CUDNN
+  backend::cuda::cudnn::set_enabled(true);
+#endif
   EXPECT_TRUE(near_in(max_pool2d(gimg, 3, 2, 1), max_pool2d(img, 3, 2, 1), "max_pool2d"));
   EXPECT_TRUE(near_in(avg_pool2d(gimg, 2), avg_pool2d(img, 2), "avg_pool2d"));
   EXPECT_TRUE(near_in(adaptive_avg_pool2d(gimg, {1, 1}), adaptive_avg_pool2d(img, {1, 1}), "adaptive_avg_pool2d"));
@@ -149,12 +200,6 @@ void check_ops_against_cpu() {
   EXPECT_TRUE(near_in(batch_norm(gimg, grm, grv), batch_norm(img, rm, rv), "batch_norm"));
   EXPECT_TRUE(near_in(grm, rm, "batch_norm running_mean"));
   EXPECT_TRUE(near_in(grv, rv, "batch_norm running_var"));
-  auto cimg = img.detach().requires_grad_(), cgimg = gimg.detach().requires_grad_();
-  auto cker = ker.detach().requires_grad_(), cgker = gker.detach().requires_grad_();
-  conv2d(cimg, cker, kb, 2, 1, 1, 2).sum().backward();
-  conv2d(cgimg, cgker, gkb, 2, 1, 1, 2).sum().backward();
-  EXPECT_TRUE(near_in(cgimg.grad(), cimg.grad(), "conv2d grad input"));
-  EXPECT_TRUE(near_in(cgker.grad(), cker.grad(), "conv2d grad weight"));
 }
 }  // namespace
 

@@ -10,7 +10,11 @@
 // once, as PyTorch's CPU bf16 convolutions do; backward runs in float32 too and each gradient
 // is rounded once when it flows back through the conversion. batch_norm's running statistics
 // are updated in float32 and rounded once into the 16-bit buffers. This costs a float32 copy of
-// the saved activations; on CUDA, cuDNN's 16-bit convolutions (tensor cores) are the next step.
+// the saved activations. conv2d on a GPU with cuDNN is the exception: cuDNN convolves 16-bit
+// tensors as they are (tensor cores, float32 accumulation, Note [cuDNN convolutions]) and saves
+// the 16-bit input and weight for backward; the bias is added to the rounded output in 16 bits
+// and its gradient summed in float32, as PyTorch's cuDNN convolutions do. Without cuDNN (or for
+// sizes cuDNN's int descriptors cannot take) a 16-bit convolution takes the float32 route.
 #include <array>
 #include <limits>
 #include <memory>
@@ -146,16 +150,24 @@ class Conv2dBackward final : public autograd::Node<T> {
     const auto gy = contiguous_data(grads[0]);
     const auto& e = this->next_edges();
     const Device dev = gy.device();
-    const auto& g = geo_.g;
-    const std::int64_t L = geo_.L(), K = geo_.cols(), G = geo_.groups, Og = geo_.O / G, Kg = K / G;
+    const std::int64_t L = geo_.L();
     Tensor<T> gx, gw, gb;
     if (bias_ && e[2].valid()) {
       gb = Tensor<T>::empty(Shape{geo_.O}, dev);
-      backend::channel_sums(gy.data(), geo_.N, geo_.O, L, static_cast<const T*>(nullptr), gb.data(), dev);
+      if constexpr (is_reduced_floating_v<T>) {  // summed in float32, rounded once
+        auto gyf = backend::detail::widened("conv2d bias gradient", gy);
+        auto gbf = Tensor<float>::empty(Shape{geo_.O}, dev);
+        backend::channel_sums(gyf.data(), geo_.N, geo_.O, L, static_cast<const float*>(nullptr), gbf.data(), dev);
+        backend::detail::round_into(gbf, gb);
+      } else {
+        backend::channel_sums(gy.data(), geo_.N, geo_.O, L, static_cast<const T*>(nullptr), gb.data(), dev);
+      }
     }
     const bool want_x = e[0].valid(), want_w = e[1].valid();
 #if CHORUS_CUDA && CHORUS_HAS_CUDNN
     if (geo_.cudnn) {
+      const auto& g = geo_.g;
+      const std::int64_t G = geo_.groups;
       if (want_x) {
         gx = Tensor<T>::empty(x_.shape(), dev);
         backend::cuda::cudnn::conv_backward_data(g, geo_.N, geo_.O, G, gy.data(), w_.data(), gx.data(), dev);
@@ -185,6 +197,20 @@ class Conv2dBackward final : public autograd::Node<T> {
       }
     }
 #endif
+    if constexpr (is_reduced_floating_v<T>) {
+      // conv2d records a 16-bit node only for cuDNN (Note [16-bit CNN operators]).
+      CHORUS_FAIL("conv2d backward: a 16-bit convolution node without cuDNN");
+    } else {
+      im2col_backward(gy, want_x, want_w, gx, gw);
+    }
+    if (bias_) return {gx, gw, gb};
+    return {gx, gw};
+  }
+  /// gx and gw by im2col + GEMM (Note [convolution by im2col]); gy contiguous.
+  void im2col_backward(const Tensor<T>& gy, bool want_x, bool want_w, Tensor<T>& gx, Tensor<T>& gw) const {
+    const Device dev = gy.device();
+    const auto& g = geo_.g;
+    const std::int64_t L = geo_.L(), K = geo_.cols(), G = geo_.groups, Og = geo_.O / G, Kg = K / G;
     if (want_x) gx = zeros<T>(x_.shape(), dev);
     if (want_w) gw = zeros<T>(w_.shape(), dev);
     Tensor<T> col = geo_.direct ? Tensor<T>() : Tensor<T>::empty(Shape{K, L}, dev);
@@ -209,8 +235,6 @@ class Conv2dBackward final : public autograd::Node<T> {
         if (!geo_.direct) backend::col2im(col.data(), g, gx.data() + n * img, dev);
       }
     }
-    if (bias_) return {gx, gw, gb};
-    return {gx, gw};
   }
   void release_saved() override {
     x_ = Tensor<T>();
@@ -320,72 +344,76 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
                  Pair padding = 0, Pair dilation = 1, std::int64_t groups = 1) {
   static_assert(is_floating_v<T>, "conv2d: floating-point tensors only");
   using namespace ops::detail;
+  check_4d("conv2d", x);
+  check_defined("conv2d", weight, "weight");
+  check_same_device("conv2d", x, weight);
+  CHORUS_CHECK(weight.dim() == 4, "conv2d: weight must be 4-D [out, in/groups, kh, kw], got shape ", weight.shape());
+  check_window("conv2d", {weight.shape()[2], weight.shape()[3]}, stride, padding, dilation);
+  CHORUS_CHECK(groups > 0, "conv2d: groups must be positive, got ", groups);
+  const std::int64_t N = x.shape()[0], C = x.shape()[1], O = weight.shape()[0];
+  std::int64_t expected = 0;  // checked: a huge groups must not wrap to C (Note [checked sizes])
+  const bool wraps = __builtin_mul_overflow(weight.shape()[1], groups, &expected);
+  CHORUS_CHECK(!wraps && expected == C, "conv2d: input of shape ", x.shape(), " has ", C,
+               " channels, but weight of shape ", weight.shape(), " with groups=", groups, " expects ",
+               wraps ? std::string("more than int64 holds") : std::to_string(expected));
+  CHORUS_CHECK(O % groups == 0, "conv2d: ", C, " input and ", O, " output channels must both be divisible by groups=",
+               groups);
+  if (bias.defined()) {
+    check_same_device("conv2d", x, bias);
+    CHORUS_CHECK(bias.dim() == 1 && bias.shape()[0] == O, "conv2d: bias of shape ", bias.shape(),
+                 " does not match ", O, " output channels");
+  }
+  ConvGeometry geo;
+  auto& g = geo.g;
+  g.kh = weight.shape()[2], g.kw = weight.shape()[3];
+  g.sh = stride[0], g.sw = stride[1], g.ph = padding[0], g.pw = padding[1], g.dh = dilation[0], g.dw = dilation[1];
+  set_window_out("conv2d", x, g, false);
+  CHORUS_CHECK(g.OH > 0 && g.OW > 0, "conv2d: input of shape ", x.shape(), " (padding ", padding,
+               ") is smaller than the dilated kernel of weight ", weight.shape());
+  // The column matrix has C*kh*kw rows; the weight bounds kh*kw and C/groups*kh*kw, not C*kh*kw.
+  CHORUS_CHECK(!__builtin_mul_overflow(C, g.kh * g.kw, &geo.K), "conv2d: ", C, " channels times kernel ",
+               Pair{g.kh, g.kw}, " have more elements than an int64 can count");
+  geo.N = N, geo.O = O, geo.groups = groups;
+  geo.direct = g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0;
+  geo.has_bias = bias.defined();
+  const Device dev = x.device();
+#if CHORUS_CUDA && CHORUS_HAS_CUDNN
+  geo.cudnn = dev.is_cuda() && N > 0 && backend::cuda::cudnn::enabled() && geo.fits_int();
+#endif
   if constexpr (is_reduced_floating_v<T>) {  // Note [16-bit CNN operators]
-    return conv2d(float_copy(x), float_copy(weight), float_copy(bias), stride, padding, dilation, groups)
-        .template to<T>();
-  } else {
-    check_4d("conv2d", x);
-    check_defined("conv2d", weight, "weight");
-    check_same_device("conv2d", x, weight);
-    CHORUS_CHECK(weight.dim() == 4, "conv2d: weight must be 4-D [out, in/groups, kh, kw], got shape ", weight.shape());
-    check_window("conv2d", {weight.shape()[2], weight.shape()[3]}, stride, padding, dilation);
-    CHORUS_CHECK(groups > 0, "conv2d: groups must be positive, got ", groups);
-    const std::int64_t N = x.shape()[0], C = x.shape()[1], O = weight.shape()[0];
-    std::int64_t expected = 0;  // checked: a huge groups must not wrap to C (Note [checked sizes])
-    const bool wraps = __builtin_mul_overflow(weight.shape()[1], groups, &expected);
-    CHORUS_CHECK(!wraps && expected == C, "conv2d: input of shape ", x.shape(), " has ", C,
-                 " channels, but weight of shape ", weight.shape(), " with groups=", groups, " expects ",
-                 wraps ? std::string("more than int64 holds") : std::to_string(expected));
-    CHORUS_CHECK(O % groups == 0, "conv2d: ", C, " input and ", O, " output channels must both be divisible by groups=",
-                 groups);
-    if (bias.defined()) {
-      check_same_device("conv2d", x, bias);
-      CHORUS_CHECK(bias.dim() == 1 && bias.shape()[0] == O, "conv2d: bias of shape ", bias.shape(),
-                   " does not match ", O, " output channels");
-    }
-    ConvGeometry geo;
-    auto& g = geo.g;
-    g.kh = weight.shape()[2], g.kw = weight.shape()[3];
-    g.sh = stride[0], g.sw = stride[1], g.ph = padding[0], g.pw = padding[1], g.dh = dilation[0], g.dw = dilation[1];
-    set_window_out("conv2d", x, g, false);
-    CHORUS_CHECK(g.OH > 0 && g.OW > 0, "conv2d: input of shape ", x.shape(), " (padding ", padding,
-                 ") is smaller than the dilated kernel of weight ", weight.shape());
-    // The column matrix has C*kh*kw rows; the weight bounds kh*kw and C/groups*kh*kw, not C*kh*kw.
-    CHORUS_CHECK(!__builtin_mul_overflow(C, g.kh * g.kw, &geo.K), "conv2d: ", C, " channels times kernel ",
-                 Pair{g.kh, g.kw}, " have more elements than an int64 can count");
-    geo.N = N, geo.O = O, geo.groups = groups;
-    geo.direct = g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0;
-    geo.has_bias = bias.defined();
-    const Device dev = x.device();
-    auto xc = contiguous_data(x.detach());
-    auto wc = contiguous_data(weight.detach());
-    auto out = Tensor<T>::empty(Shape{N, O, g.OH, g.OW}, dev);
+    if (!geo.cudnn)
+      return conv2d(float_copy(x), float_copy(weight), float_copy(bias), stride, padding, dilation, groups)
+          .template to<T>();
+  }
+  auto xc = contiguous_data(x.detach());
+  auto wc = contiguous_data(weight.detach());
+  auto out = Tensor<T>::empty(Shape{N, O, g.OH, g.OW}, dev);
 #if CHORUS_ONEDNN_API
-    if constexpr (std::is_same_v<T, float>) {
-      geo.onednn = dev.is_cpu() && backend::cpu::onednn_enabled() && geo.onednn_conv().supported();
-      if (geo.onednn) {
-        auto bc = bias.defined() ? contiguous_data(bias.detach()) : Tensor<T>();
-        backend::cpu::onednn::conv_forward(geo.onednn_conv(), xc.data(), wc.data(), bc.defined() ? bc.data() : nullptr,
-                                           out.data());
-      }
+  if constexpr (std::is_same_v<T, float>) {
+    geo.onednn = dev.is_cpu() && backend::cpu::onednn_enabled() && geo.onednn_conv().supported();
+    if (geo.onednn) {
+      auto bc = bias.defined() ? contiguous_data(bias.detach()) : Tensor<T>();
+      backend::cpu::onednn::conv_forward(geo.onednn_conv(), xc.data(), wc.data(), bc.defined() ? bc.data() : nullptr,
+                                         out.data());
     }
+  }
 #endif
 #if CHORUS_CUDA && CHORUS_HAS_CUDNN
-    geo.cudnn = dev.is_cuda() && N > 0 && backend::cuda::cudnn::enabled() && geo.fits_int();
-    if (geo.cudnn) {
-      backend::cuda::cudnn::conv_forward(g, N, O, groups, xc.data(), wc.data(), out.data(), dev);
-      if (bias.defined()) conv2d_add_bias(bias, geo, out);
-    }
-#endif
-    if (!geo.onednn && !geo.cudnn) conv2d_im2col(xc, wc, bias, geo, out);
-    if (autograd::needs_grad(x, weight, bias)) {
-      auto node = autograd::make_node<Conv2dBackward<T>, T>({&x, &weight, bias.defined() ? &bias : nullptr}, xc, wc,
-                                                            bias.defined(), geo);
-      if (!bias.defined()) node->mutable_next_edges().pop_back();
-      autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
-    }
-    return out;
+  if (geo.cudnn) {
+    backend::cuda::cudnn::conv_forward(g, N, O, groups, xc.data(), wc.data(), out.data(), dev);
+    if (bias.defined()) conv2d_add_bias(bias, geo, out);
   }
+#endif
+  if constexpr (!is_reduced_floating_v<T>) {
+    if (!geo.onednn && !geo.cudnn) conv2d_im2col(xc, wc, bias, geo, out);
+  }
+  if (autograd::needs_grad(x, weight, bias)) {
+    auto node = autograd::make_node<Conv2dBackward<T>, T>({&x, &weight, bias.defined() ? &bias : nullptr}, xc, wc,
+                                                          bias.defined(), geo);
+    if (!bias.defined()) node->mutable_next_edges().pop_back();
+    autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(node));
+  }
+  return out;
 }
 
 /// Max pooling (as torch.nn.functional.max_pool2d); stride defaults to the kernel size.

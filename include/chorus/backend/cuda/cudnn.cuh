@@ -9,7 +9,9 @@
 // host_policy.hpp) are chosen once and cached. Workspaces come from chorus's caching allocator
 // on the calling stream, so a training step allocates nothing new once the pool is warm.
 // float32 uses FMA math (no TF32) unless chorus::cuda::set_allow_tf32(true), as matrix
-// products do; no convolution ever converts float data to half precision.
+// products do; no convolution ever converts float data to half precision. bfloat16 and float16
+// tensors are convolved as they are (tensor cores) with float32 accumulation: the convolution
+// descriptors' compute type is float (PyTorch's choice for both), and so are alpha and beta.
 #include <cudnn.h>
 
 #include <atomic>
@@ -97,8 +99,18 @@ struct ConvPlan {
 
 template <class T>
 constexpr cudnnDataType_t data_type() {
-  return std::is_same_v<T, float> ? CUDNN_DATA_FLOAT : CUDNN_DATA_DOUBLE;
+  if constexpr (std::is_same_v<T, bfloat16>) return CUDNN_DATA_BFLOAT16;
+  else if constexpr (is_reduced_floating_v<T>) return CUDNN_DATA_HALF;
+  else return std::is_same_v<T, float> ? CUDNN_DATA_FLOAT : CUDNN_DATA_DOUBLE;
 }
+/// What a convolution of T accumulates in: double for double, float otherwise (16-bit data too).
+template <class T>
+constexpr cudnnDataType_t compute_type() {
+  return std::is_same_v<T, double> ? CUDNN_DATA_DOUBLE : CUDNN_DATA_FLOAT;
+}
+/// The type of alpha and beta: double for double data, float for every other type.
+template <class T>
+using scale_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 namespace detail {
 template <class Perf>
@@ -162,7 +174,8 @@ std::unique_ptr<ConvPlan> build_plan(cudnnHandle_t h, Device d, const Window2d& 
     CHORUS_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(conv));
     CHORUS_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(*conv, i(g.ph, "padding"), i(g.pw, "padding"),
                                                        i(g.sh, "stride"), i(g.sw, "stride"), i(g.dh, "dilation"),
-                                                       i(g.dw, "dilation"), CUDNN_CROSS_CORRELATION, dt));
+                                                       i(g.dw, "dilation"), CUDNN_CROSS_CORRELATION,
+                                                       compute_type<T>()));
     CHORUS_CUDNN_CHECK(cudnnSetConvolutionGroupCount(*conv, i(groups, "groups")));
     // The ranking is asked for under the widest math chorus allows (Note [cuDNN algorithm choice]).
     CHORUS_CUDNN_CHECK(cudnnSetConvolutionMathType(*conv, static_cast<cudnnMathType_t>(conv_query_math(policy))));
@@ -236,7 +249,7 @@ void conv_forward(const Window2d& g, std::int64_t N, std::int64_t O, std::int64_
   auto h = handle_for(d, launch.stream);
   auto& p = plan<T>(h, d, g, N, O, groups);
   auto ws = workspace(d, p.fwd_ws);
-  const T one = 1, zero = 0;
+  const scale_t<T> one = 1, zero = 0;
   CHORUS_CUDNN_CHECK(
       cudnnConvolutionForward(h, &one, p.x, x, p.w, w, p.conv_fwd, p.fwd, ws_ptr(ws), p.fwd_ws, &zero, p.y, y));
 }
@@ -249,7 +262,7 @@ void conv_backward_data(const Window2d& g, std::int64_t N, std::int64_t O, std::
   auto h = handle_for(d, launch.stream);
   auto& p = plan<T>(h, d, g, N, O, groups);
   auto ws = workspace(d, p.bwd_data_ws);
-  const T one = 1, zero = 0;
+  const scale_t<T> one = 1, zero = 0;
   CHORUS_CUDNN_CHECK(cudnnConvolutionBackwardData(h, &one, p.w, w, p.y, gy, p.conv_bwd_data, p.bwd_data, ws_ptr(ws),
                                                   p.bwd_data_ws, &zero, p.x, gx));
 }
@@ -262,7 +275,7 @@ void conv_backward_filter(const Window2d& g, std::int64_t N, std::int64_t O, std
   auto h = handle_for(d, launch.stream);
   auto& p = plan<T>(h, d, g, N, O, groups);
   auto ws = workspace(d, p.bwd_filter_ws);
-  const T one = 1, zero = 0;
+  const scale_t<T> one = 1, zero = 0;
   CHORUS_CUDNN_CHECK(cudnnConvolutionBackwardFilter(h, &one, p.x, x, p.y, gy, p.conv_bwd_filter, p.bwd_filter, ws_ptr(ws),
                                                     p.bwd_filter_ws, &zero, p.w, gw));
 }

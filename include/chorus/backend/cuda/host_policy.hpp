@@ -69,7 +69,7 @@ enum class ConvMath : int { Default = 0, TensorOp = 1, TensorOpAllowConversion =
 
 /// What chorus lets a cuDNN convolution compute with.
 struct ConvMathPolicy {
-  bool fp32 = true;            // float data (else double)
+  bool fp32 = true;            // float data (else double or 16-bit: the ranking's own math types)
   bool tf32 = false;           // chorus::cuda::allow_tf32()
   bool deterministic = false;  // cudnn::set_deterministic(true)
 };

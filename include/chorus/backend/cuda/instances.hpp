@@ -123,4 +123,4 @@
 
 // ---- backend/cuda/cudnn.cuh (host code around cuDNN) ----
 #define CHORUS_CUDA_CUDNN_INSTANCES(X) \
-  CHORUS_CUDA_WIDE(X, conv_forward) CHORUS_CUDA_WIDE(X, conv_backward_data) CHORUS_CUDA_WIDE(X, conv_backward_filter)
+  CHORUS_CUDA_FLOATS(X, conv_forward) CHORUS_CUDA_FLOATS(X, conv_backward_data) CHORUS_CUDA_FLOATS(X, conv_backward_filter)

@@ -25,6 +25,11 @@ namespace k {
 inline constexpr int kColTile = 32, kColLanes = 8;
 }  // namespace k
 
+/// Whether a contiguous elementwise kernel over these element types moves pairs (Note
+/// [vectorised 16-bit loads]): when one of them is a 16-bit type.
+template <class... P>
+inline constexpr bool kPaired = (is_reduced_floating_v<P> || ...);
+
 #if defined(__CUDACC__)  // device code (Note [precompiled CUDA kernels])
 /// An element in the functors' arithmetic type (float for the 16-bit types, as the CPU kernels'
 /// loads: Note [16-bit kernels]); the result is rounded once when stored.
@@ -32,6 +37,29 @@ template <class T>
 __device__ inline fn::opmath_t<T> opload(T v) {
   return static_cast<fn::opmath_t<T>>(v);
 }
+
+// Note [vectorised 16-bit loads]
+// A warp reading consecutive bfloat16/half values one per thread issues 2-byte loads and
+// stores: every memory instruction moves half of what a 32-bit one would, and the contiguous
+// elementwise kernels of the 16-bit types (bandwidth-bound) pay for it. unary, binary_same and
+// the conversions to and from 16 bits therefore let each thread move two neighbouring values as
+// one 32-bit word (and two floats as one 64-bit word), as PyTorch's vectorised elementwise loop
+// does, when every pointer is aligned to its pair (a view starting at an odd element runs the
+// scalar loop); the first thread does an odd last element. Each value is computed as in the
+// scalar loop and rounded once, so the results are the same bits; the launchers size the grid
+// by pairs.
+
+/// Two neighbouring values, loaded and stored as one word.
+template <class T>
+struct alignas(2 * sizeof(T)) Two {
+  T v[2];
+};
+/// Every pointer aligned to a pair of its type (the same answer in every thread).
+template <class... P>
+__device__ inline bool pair_aligned(const P*... p) {
+  return ((reinterpret_cast<std::uintptr_t>(p) % alignof(Two<P>) == 0) && ...);
+}
+__device__ inline bool first_thread() { return blockIdx.x == 0 && threadIdx.x == 0; }
 
 namespace k {  // the kernels
 
@@ -60,7 +88,16 @@ __global__ void convert(const T* src, U* dst, std::int64_t n) {
     // Through the wider side's arithmetic type (double when one side is double), so that each
     // value rounds once (a 16-bit type converts to and from float and double only).
     using W = std::conditional_t<std::is_same_v<T, double> || std::is_same_v<U, double>, double, float>;
-    CHORUS_GRID_STRIDE(i, n) dst[i] = static_cast<U>(static_cast<W>(src[i]));
+    auto one = [](T v) { return static_cast<U>(static_cast<W>(v)); };
+    if (pair_aligned(src, dst)) {  // Note [vectorised 16-bit loads]
+      CHORUS_GRID_STRIDE(i, n / 2) {
+        const Two<T> x = reinterpret_cast<const Two<T>*>(src)[i];
+        reinterpret_cast<Two<U>*>(dst)[i] = Two<U>{{one(x.v[0]), one(x.v[1])}};
+      }
+      if ((n & 1) && first_thread()) dst[n - 1] = one(src[n - 1]);
+    } else {
+      CHORUS_GRID_STRIDE(i, n) dst[i] = one(src[i]);
+    }
   } else {
     CHORUS_GRID_STRIDE(i, n) dst[i] = static_cast<U>(src[i]);
   }
@@ -68,11 +105,33 @@ __global__ void convert(const T* src, U* dst, std::int64_t n) {
 
 template <class T, class Op>
 __global__ void unary(const T* in, T* out, std::int64_t n, Op op) {
+  if constexpr (kPaired<T>) {
+    if (pair_aligned(in, out)) {  // Note [vectorised 16-bit loads]
+      CHORUS_GRID_STRIDE(i, n / 2) {
+        const Two<T> x = reinterpret_cast<const Two<T>*>(in)[i];
+        reinterpret_cast<Two<T>*>(out)[i] =
+            Two<T>{{static_cast<T>(op(opload(x.v[0]))), static_cast<T>(op(opload(x.v[1])))}};
+      }
+      if ((n & 1) && first_thread()) out[n - 1] = static_cast<T>(op(opload(in[n - 1])));
+      return;
+    }
+  }
   CHORUS_GRID_STRIDE(i, n) out[i] = static_cast<T>(op(opload(in[i])));
 }
 
 template <class T, class Op>
 __global__ void binary_same(const T* a, const T* b, T* out, std::int64_t n, Op op) {
+  if constexpr (kPaired<T>) {
+    if (pair_aligned(a, b, out)) {  // Note [vectorised 16-bit loads]
+      CHORUS_GRID_STRIDE(i, n / 2) {
+        const Two<T> x = reinterpret_cast<const Two<T>*>(a)[i], y = reinterpret_cast<const Two<T>*>(b)[i];
+        reinterpret_cast<Two<T>*>(out)[i] = Two<T>{{static_cast<T>(op(opload(x.v[0]), opload(y.v[0]))),
+                                                    static_cast<T>(op(opload(x.v[1]), opload(y.v[1])))}};
+      }
+      if ((n & 1) && first_thread()) out[n - 1] = static_cast<T>(op(opload(a[n - 1]), opload(b[n - 1])));
+      return;
+    }
+  }
   CHORUS_GRID_STRIDE(i, n) out[i] = static_cast<T>(op(opload(a[i]), opload(b[i])));
 }
 
@@ -491,19 +550,19 @@ void copy_strided(const T* src, const Strides& ss, T* dst, const Strides& ds, co
 template <class T, class U>
 void convert(const T* src, U* dst, std::int64_t n, Device d) {
   Launch launch(d);
-  CHORUS_LAUNCH((k::convert<U, T>), n, src, dst, n);
+  CHORUS_LAUNCH((k::convert<U, T>), (kPaired<T, U> ? (n + 1) / 2 : n), src, dst, n);  // Note [vectorised 16-bit loads]
 }
 
 template <class T, class Op>
 void unary(const T* in, T* out, std::int64_t n, Op op, Device d) {
   Launch launch(d);
-  CHORUS_LAUNCH((k::unary<T, Op>), n, in, out, n, op);
+  CHORUS_LAUNCH((k::unary<T, Op>), (kPaired<T> ? (n + 1) / 2 : n), in, out, n, op);
 }
 
 template <class T, class Op>
 void binary_same(const T* a, const T* b, T* out, std::int64_t n, Op op, Device d) {
   Launch launch(d);
-  CHORUS_LAUNCH((k::binary_same<T, Op>), n, a, b, out, n, op);
+  CHORUS_LAUNCH((k::binary_same<T, Op>), (kPaired<T> ? (n + 1) / 2 : n), a, b, out, n, op);
 }
 
 template <class T, class Op>
