@@ -4,13 +4,13 @@
 //
 // Note [intra-op threads]
 // chorus::set_num_threads(n) (threads.hpp; PyTorch's torch::set_num_threads) gives the CPU
-// work started from the calling thread n threads: OpenBLAS's, oneDNN's OpenMP team (Note
-// [oneDNN threads]) and chorus's own loops (elementwise ops, batch norm, pooling, the
-// optimizer steps): parallel_for below splits [0, n) into one contiguous range per thread and
-// runs them on an OpenMP team of the calling thread's size — the same team oneDNN's
-// convolutions run on, so a step's threads stay hot from one kernel to the next instead of two
-// pools taking turns (and spinning against each other) on the same cores. PyTorch's
-// at::parallel_for does the same. chorus is header-only and is not compiled with -fopenmp (nvcc
+// work started from the calling thread n threads: oneDNN's OpenMP team for convolutions (Note
+// [oneDNN threads]) and float products (Note [one pool of threads] in blas.hpp), and chorus's
+// own loops (elementwise ops, batch norm, pooling, the optimizer steps): parallel_for below
+// splits [0, n) into one contiguous range per thread and runs them on an OpenMP team of the
+// calling thread's size — the same team, so a step's threads stay hot from one kernel to the
+// next instead of two pools taking turns (and spinning against each other) on the same cores.
+// PyTorch's at::parallel_for does the same. chorus is header-only and is not compiled with -fopenmp (nvcc
 // and the user's flags decide that), so it calls libgomp's entry point for a parallel region,
 // GOMP_parallel (the ABI g++ itself emits for `#pragma omp parallel`, stable since GCC 4.9), when
 // CMake found libgomp (CHORUS_HAS_GOMP; cmake/ChorusOneDNN.cmake links it); without it the loops
@@ -139,7 +139,9 @@ void parallel_for(std::int64_t n, const F& f) {
 }
 
 /// The grain, in items, of a loop whose items cost `cost` elements each.
-inline std::int64_t grain_for(std::int64_t cost) { return std::max<std::int64_t>(1, kParallelGrain / std::max<std::int64_t>(cost, 1)); }
+inline std::int64_t grain_for(std::int64_t cost) {
+  return std::max<std::int64_t>(1, kParallelGrain / std::max<std::int64_t>(cost, 1));
+}
 
 }  // namespace backend::cpu
 CHORUS_NAMESPACE_END
