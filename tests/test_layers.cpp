@@ -7,6 +7,9 @@
 #include <thread>
 
 #include "test_util.hpp"
+// After chorus, so that the test does not compile if chorus's libgomp declarations
+// (backend/cpu/parallel.hpp) disagree with <omp.h>'s.
+#include <omp.h>
 
 using namespace chorus;
 using chorus::testing::all_close;
@@ -412,9 +415,6 @@ TEST(Layers, OnednnConvolutionsEqualIm2col) {
   }
 }
 
-#if CHORUS_ONEDNN_API && DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
-extern "C" int omp_get_max_threads();  // libgomp, which libdnnl links
-#endif
 
 // chorus::set_num_threads (Note [oneDNN threads]): the calling thread's oneDNN team and
 // OpenBLAS's threads; another thread keeps its own count; the results equal one thread's.

@@ -42,8 +42,6 @@
 #include <oneapi/dnnl/dnnl.h>
 #if DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
 #define CHORUS_GEMM_ON_TEAM 1
-extern "C" void omp_set_num_threads(int);  // libgomp
-extern "C" int omp_get_max_threads();
 #endif
 #endif
 #ifndef CHORUS_GEMM_ON_TEAM
@@ -85,7 +83,7 @@ void gemm(bool trans_a, bool trans_b, std::int64_t M, std::int64_t N, std::int64
   } else if constexpr (std::is_same_v<T, float>) {
 #if CHORUS_GEMM_ON_TEAM
     if (const int threads = detail::intra_op_threads(); threads > 1) {  // Note [one pool of threads]
-      if (omp_get_max_threads() != threads) omp_set_num_threads(threads);  // the team dnnl_sgemm runs on
+      detail::set_omp_team_size(threads);  // the team dnnl_sgemm runs on
       const dnnl_status_t st = dnnl_sgemm(trans_a ? 'T' : 'N', trans_b ? 'T' : 'N', M, N, K, alpha, A, lda, B, ldb,
                                           beta, C, ldc);
       CHORUS_CHECK(st == dnnl_success, "oneDNN sgemm failed (status ", static_cast<int>(st), ") for ", M, "x", K,

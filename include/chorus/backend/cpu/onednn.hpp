@@ -63,10 +63,6 @@
 
 #if CHORUS_ONEDNN_API
 #include <oneapi/dnnl/dnnl.hpp>
-#if DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
-extern "C" void omp_set_num_threads(int);  // libgomp, which libdnnl links (CMake adds it)
-extern "C" int omp_get_max_threads();
-#endif
 #endif
 
 CHORUS_NAMESPACE_BEGIN
@@ -118,9 +114,8 @@ struct Context {
 /// This thread's oneDNN engine and stream, with its OpenMP team size set (Note [oneDNN threads]).
 inline Context& context() {
   thread_local Context c;
-#if DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP
-  const int want = detail::intra_op_threads();
-  if (omp_get_max_threads() != want) omp_set_num_threads(want);
+#if DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP  // libgomp, which libdnnl links (CMake adds it)
+  detail::set_omp_team_size(detail::intra_op_threads());
 #endif
   return c;
 }

@@ -43,14 +43,17 @@
 #ifndef CHORUS_HAS_GOMP
 #define CHORUS_HAS_GOMP 0
 #endif
-#if CHORUS_HAS_GOMP
-extern "C" {  // libgomp (Note [intra-op threads])
+// libgomp's entry points chorus calls (Note [intra-op threads]; onednn.hpp and blas.hpp size
+// the team oneDNN runs on), declared once. The omp_* ones are declared noexcept, as <omp.h>
+// declares them (`throw ()`), so a program may include <omp.h> before or after chorus.
+extern "C" {
 void GOMP_parallel(void (*fn)(void*), void* data, unsigned num_threads, unsigned flags);
-int omp_get_thread_num();
-int omp_get_num_threads();
-int omp_in_parallel();
+int omp_get_thread_num() noexcept;
+int omp_get_num_threads() noexcept;
+int omp_in_parallel() noexcept;
+int omp_get_max_threads() noexcept;
+void omp_set_num_threads(int) noexcept;
 }
-#endif
 
 CHORUS_NAMESPACE_BEGIN
 namespace backend::cpu {
@@ -65,6 +68,11 @@ inline int& intra_op_threads() {
   }();
   thread_local int n = fallback;
   return n;
+}
+
+/// Makes the calling thread's next OpenMP team (oneDNN's primitives and sgemm) n threads.
+inline void set_omp_team_size(int n) {
+  if (omp_get_max_threads() != n) omp_set_num_threads(n);
 }
 
 #if CHORUS_HAS_GOMP
