@@ -4,6 +4,8 @@
 
 #include <chorus/chorus.hpp>
 
+#include "test_util.hpp"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -275,6 +277,7 @@ TYPED_TEST(LowpTypes, PrintsAsItsFloatValue) {
 
 namespace {
 using namespace chorus;
+using chorus::testing::throws_with;
 
 template <class T>
 std::vector<T> lowp_vector(std::initializer_list<float> v) {
@@ -705,4 +708,86 @@ TEST(LowpTensor, ALinearLayerIn16BitsFromAFloatCheckpoint) {
       EXPECT_EQ(gw[j * 4 + k].bits(),
                 bfloat16(static_cast<float>(xv[k]) + static_cast<float>(xv[4 + k])).bits());
   EXPECT_EQ(as_floats(b->bias.grad()), std::vector<float>(3, 2.0f));
+}
+
+// A model's dtype changes by loading its state into the same architecture built for the other
+// type (Note [changing a model's dtype] in io/state.hpp).
+template <class T>
+struct TinyImpl : nn::Module {
+  nn::LinearT<T> fc{nullptr};
+  nn::BatchNorm1dT<T> bn{nullptr};
+  TinyImpl() {
+    fc = register_module("fc", nn::LinearT<T>(4, 3));
+    bn = register_module("bn", nn::BatchNorm1dT<T>(3));
+  }
+  Tensor<T> forward(const Tensor<T>& x) { return bn(fc(x)); }
+};
+
+template <class T>
+std::vector<std::vector<double>> state_values(const nn::Module& m) {
+  std::vector<std::vector<double>> out;
+  for (const auto& t : m.named_tensors())
+    t.tensor.visit([&](const auto& x) {
+      std::vector<double> v;
+      for (auto e : x.to_vector()) v.push_back(static_cast<double>(e));
+      out.push_back(std::move(v));
+    });
+  return out;
+}
+
+TEST(LowpTensor, AModelChangesDtypeByLoadingAnotherModelsState) {
+  manual_seed(11);
+  auto f = std::make_shared<TinyImpl<float>>();
+  f->forward(randn<float>({5, 4}));  // training mode: the running statistics move off 0 and 1
+  auto b = std::make_shared<TinyImpl<bfloat16>>();
+  const auto before = state_values<bfloat16>(*b);
+  // A dtype change has to be asked for; the refusal writes nothing.
+  EXPECT_TRUE(throws_with([&] { load(b, f); }, {"'fc.weight' is float32 in the source module (Module)",
+                                                "but bfloat16 in the module", "convert_dtype = true"}));
+  EXPECT_EQ(state_values<bfloat16>(*b), before);
+
+  load(b, f, io::LoadOptions{.convert_dtype = true});
+  const auto fs = f->named_tensors(), bs = b->named_tensors();
+  ASSERT_EQ(fs.size(), bs.size());
+  for (std::size_t i = 0; i < fs.size(); ++i) {
+    ASSERT_EQ(fs[i].name, bs[i].name);
+    if (fs[i].tensor.dtype() == DType::Int64) {  // num_batches_tracked: never converted
+      EXPECT_EQ(bs[i].tensor.dtype(), DType::Int64);
+      EXPECT_EQ(bs[i].tensor.as<std::int64_t>().to_vector(), fs[i].tensor.as<std::int64_t>().to_vector());
+      EXPECT_EQ(bs[i].tensor.as<std::int64_t>().to_vector(), std::vector<std::int64_t>{1});
+      continue;
+    }
+    const auto fv = fs[i].tensor.as<float>().to_vector();
+    const auto bv = bs[i].tensor.as<bfloat16>().to_vector();
+    ASSERT_EQ(fv.size(), bv.size()) << fs[i].name;
+    for (std::size_t k = 0; k < fv.size(); ++k) EXPECT_EQ(bv[k].bits(), bfloat16(fv[k]).bits()) << fs[i].name;
+  }
+  // The 16-bit model computes with what it got; its parameters are still trained leaves.
+  auto y = b->forward(randn<bfloat16>({5, 4}));
+  y.sum().backward();
+  EXPECT_TRUE(b->fc->weight.grad().defined());
+
+  // And back: float32 holds every bfloat16 value exactly.
+  auto g = std::make_shared<TinyImpl<float>>();
+  load(g, b, {.convert_dtype = true});  // the README's spelling
+  EXPECT_EQ(state_values<float>(*g), state_values<bfloat16>(*b));
+
+  // Same dtype: a plain copy, no option needed; loading a module from itself changes nothing.
+  auto h = std::make_shared<TinyImpl<float>>();
+  load(h, f);
+  EXPECT_EQ(state_values<float>(*h), state_values<float>(*f));
+  load(f, f);
+  EXPECT_EQ(state_values<float>(*h), state_values<float>(*f));
+  // The copy is a copy: training h leaves f alone.
+  h->fc->weight.data()[0] += 1.0f;
+  EXPECT_NE(state_values<float>(*h), state_values<float>(*f));
+
+  // Mismatches are checked as a checkpoint's are: shapes, and names on both sides.
+  nn::Linear wide(5, 3), lin(4, 3);
+  EXPECT_TRUE(throws_with([&] { load(lin, wide); }, {"'weight' has shape [3, 5] in the source module", "[3, 4]"}));
+  EXPECT_TRUE(throws_with([&] { load(lin, f); }, {"the source module lacks 2 tensor(s) of the module: 'weight', 'bias'",
+                                                  "the source module has 7 tensor(s) the module lacks: 'bn.bias'"}));
+  // A submodule loads from the matching submodule of another model.
+  load(lin, f->fc);
+  EXPECT_EQ(lin->weight.to_vector(), f->fc->weight.to_vector());
 }

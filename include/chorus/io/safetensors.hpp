@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "../nn/module.hpp"
+#include "state.hpp"
 #include "../optim/optimizer.hpp"  // save(module) steps aside for save(optimizer) (io/optimizer.hpp)
 
 CHORUS_NAMESPACE_BEGIN
@@ -347,13 +348,6 @@ Tensor<T> host_tensor(const File& f, const TensorRecord& r) {
   return t;
 }
 
-inline std::string join(const std::vector<std::string>& v) {
-  std::string s;
-  for (std::size_t i = 0; i < v.size() && i < 8; ++i) s += (i ? ", " : "") + ("'" + v[i] + "'");
-  if (v.size() > 8) s += ", … (" + std::to_string(v.size()) + " in all)";
-  return s;
-}
-
 }  // namespace detail
 
 /// Reads and validates a safetensors file's header; tensors are read from the (open) file
@@ -365,104 +359,18 @@ inline File parse(std::span<const std::uint8_t> bytes) {
   return detail::parse(std::vector<std::uint8_t>(bytes.begin(), bytes.end()), "buffer");
 }
 
-/// How load() matches a file's tensor names to the module's.
-struct LoadOptions {
-  /// Removed from the front of every file name that starts with it before matching, as
-  /// PyTorch's consume_prefix_in_state_dict_if_present does: "module." loads a file saved
-  /// from a model wrapped in PyTorch's nn.DataParallel into the bare module.
-  std::string strip_prefix = {};
-  /// Converts a floating-point tensor whose dtype in the file differs from the module's (a
-  /// bfloat16 checkpoint into a float32 module, or back), each value rounded once to nearest
-  /// even. Off by default: a mismatch is an error naming both dtypes. Integer tensors are
-  /// never converted.
-  bool convert_dtype = false;
-};
-
-namespace detail {
-/// A prefix p (ending in '.') such that the file's names are exactly p + the module's names,
-/// or the other way round; empty when there is none. `from` is the side that has the prefix.
-inline std::string common_prefix(const std::set<std::string>& from, const std::set<std::string>& to) {
-  if (from.empty() || from.size() != to.size()) return {};
-  const std::string& first = *from.begin();
-  for (std::size_t dot = first.find('.'); dot != std::string::npos; dot = first.find('.', dot + 1)) {
-    const std::string p = first.substr(0, dot + 1);
-    bool all = true;
-    for (const auto& k : from) {
-      if (k.compare(0, p.size(), p) != 0 || !to.count(k.substr(p.size()))) {
-        all = false;
-        break;
-      }
-    }
-    if (all) return p;
-  }
-  return {};
-}
-}  // namespace detail
-
 /// Copies a file's tensors into `module`'s parameters and buffers (matched by dotted name,
 /// dtype and shape; every tensor of each side must be matched). On any mismatch it throws
 /// and leaves the module unchanged (Note [checkpoint safety]).
 inline void load_into(nn::Module& module, const File& f, const std::string& what = "checkpoint",
                       const LoadOptions& options = {}) {
-  auto named = module.named_tensors();
-  // The file's tensors under the names they are matched by (strip_prefix applied).
-  std::map<std::string, const TensorRecord*> file;
-  std::map<std::string, std::string> original;  // matched name -> name in the file
-  const std::string& prefix = options.strip_prefix;
-  for (const auto& [name, r] : f.tensors) {
-    std::string key = !prefix.empty() && name.compare(0, prefix.size(), prefix) == 0 ? name.substr(prefix.size()) : name;
-    auto [it, fresh] = original.emplace(key, name);
-    CHORUS_CHECK(fresh, "load: ", what, ": '", it->second, "' and '", name, "' both load into '", key,
-                 "' once the prefix '", prefix, "' is stripped");
-    file.emplace(key, &r);
-  }
-  std::vector<std::string> missing, unexpected;
-  std::set<std::string> names, file_names;
-  for (const auto& t : named) {
-    names.insert(t.name);
-    if (!file.count(t.name)) missing.push_back(t.name);
-  }
-  for (const auto& [name, r] : file) {
-    file_names.insert(name);
-    if (!names.count(name)) unexpected.push_back(original.at(name));
-  }
-  if (!missing.empty() || !unexpected.empty()) {
-    // Name both sides, and the likely cause when the names differ only by a prefix.
-    std::string msg = "load: the tensor names of " + what + " do not match the module's:";
-    if (!missing.empty())
-      msg += " the file lacks " + std::to_string(missing.size()) + " tensor(s) of the module: " +
-             detail::join(missing) + ";";
-    if (!unexpected.empty())
-      msg += " the file has " + std::to_string(unexpected.size()) + " tensor(s) the module lacks: " +
-             detail::join(unexpected) + ";";
-    if (auto p = detail::common_prefix(file_names, names); !p.empty()) {
-      msg += " every name in the file is the module's name prefixed with '" + p + "'" +
-             (p == "module." ? " (as saved from a model wrapped in PyTorch's nn.DataParallel)" : "") +
-             ": load with io::LoadOptions{.strip_prefix = \"" + prefix + p + "\"}";
-    } else if (auto q = detail::common_prefix(names, file_names); !q.empty()) {
-      msg += " every name of the module is the file's name prefixed with '" + q +
-             "': load the file into that submodule instead";
-    }
-    if (msg.back() == ';') msg.pop_back();
-    CHORUS_FAIL(msg);
-  }
-  for (const auto& t : named) {
-    const auto& r = *file.at(t.name);
-    const DType md = t.tensor.dtype();
-    const bool convertible = is_floating_dtype(r.dtype) && is_floating_dtype(md);
-    CHORUS_CHECK(r.dtype == md || (convertible && options.convert_dtype), "load: '", t.name, "' is ",
-                 dtype_name(r.dtype), " in ", what, " but ", dtype_name(md), " in the module",
-                 convertible ? "; load with io::LoadOptions{.convert_dtype = true} to convert it" : "");
-    CHORUS_CHECK(r.shape == t.tensor.shape(), "load: '", t.name, "' has shape ", r.shape, " in ", what,
-                 " but shape ", t.tensor.shape(), " in the module");
-  }
-  NoGradGuard g;  // everything checked: now write
-  try {
-    for (auto& t : named) {
-      const auto& r = *file.at(t.name);
-      t.tensor.visit([&](auto& x) {
+  std::vector<std::pair<std::string, detail::Source>> sources;
+  for (const auto& [name, rec] : f.tensors) {
+    detail::Source s{rec.dtype, rec.shape, nullptr};
+    s.write = [&f, &r = rec](AnyTensor& t) {
+      t.visit([&](auto& x) {
         using T = typename std::decay_t<decltype(x)>::value_type;
-        if (r.dtype != x.dtype()) {  // checked above: both floating, convert_dtype asked
+        if (r.dtype != x.dtype()) {  // checked: both floating, convert_dtype asked
           visit_dtype(r.dtype, [&](auto tag) {
             using F = decltype(tag);
             if constexpr (is_floating_v<F> && is_floating_v<T>)
@@ -473,13 +381,11 @@ inline void load_into(nn::Module& module, const File& f, const std::string& what
         } else {
           backend::copy(x, detail::host_tensor<T>(f, r));
         }
-        x.bump_version();  // Note [version counter]
       });
-    }
-  } catch (const Error& e) {
-    CHORUS_FAIL("load: ", what, ": ", e.what(), "; the file was valid when checked, so the module may now be "
-                "partly loaded");
+    };
+    sources.emplace_back(name, std::move(s));
   }
+  detail::load_named(module, sources, {what, "the file"}, options);
 }
 
 }  // namespace io

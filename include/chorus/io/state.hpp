@@ -1,0 +1,209 @@
+#pragma once
+// Loading a module's state (parameters and buffers) by name: from a checkpoint file
+// (safetensors.hpp) or from another module in memory. Both go through load_named below, so
+// both match names, dtypes and shapes the same way, fail with the same messages, and check
+// everything before writing anything (Note [checkpoint safety] in safetensors.hpp).
+//
+// Note [changing a model's dtype]
+// PyTorch changes a model's dtype in place (`model.to(torch.bfloat16)`): its layers hold
+// untyped tensors. A chorus layer's scalar type is its C++ type (nn::LinearT<bfloat16> is
+// another class than nn::LinearT<float>; its forward is compiled for that type), so a model
+// cannot become 16-bit in place without every typed handle in it going stale. The chorus
+// spelling is therefore the one PyTorch users write to copy weights between two models,
+// `b.load_state_dict(a.state_dict())`, as chorus spells checkpoint loading:
+//
+//     Net<bfloat16> low(...);                            // the same architecture, 16-bit
+//     load(low, model, {.convert_dtype = true});         // model's values, each rounded once
+//
+// Like loading a bf16 checkpoint into a float32 module, a dtype change has to be asked for
+// (`convert_dtype`); without it a mismatch is an error naming both dtypes, so an accidental
+// narrowing is never silent. Integer tensors are never converted.
+#include <concepts>
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <type_traits>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "../nn/module.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace io {
+
+/// How a load matches the source's tensor names to the module's (files and modules alike).
+struct LoadOptions {
+  /// Removed from the front of every source name that starts with it before matching, as
+  /// PyTorch's consume_prefix_in_state_dict_if_present does: "module." loads a file saved
+  /// from a model wrapped in PyTorch's nn.DataParallel into the bare module.
+  std::string strip_prefix = {};
+  /// Converts a floating-point tensor whose dtype in the source differs from the module's (a
+  /// bfloat16 checkpoint into a float32 module, or back), each value rounded once to nearest
+  /// even. Off by default: a mismatch is an error naming both dtypes. Integer tensors are
+  /// never converted (Note [changing a model's dtype]).
+  bool convert_dtype = false;
+};
+
+namespace detail {
+
+inline std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (std::size_t i = 0; i < v.size() && i < 8; ++i) s += (i ? ", " : "") + ("'" + v[i] + "'");
+  if (v.size() > 8) s += ", … (" + std::to_string(v.size()) + " in all)";
+  return s;
+}
+
+/// A prefix p (ending in '.') such that the source's names are exactly p + the module's names,
+/// or the other way round; empty when there is none. `from` is the side that has the prefix.
+inline std::string common_prefix(const std::set<std::string>& from, const std::set<std::string>& to) {
+  if (from.empty() || from.size() != to.size()) return {};
+  const std::string& first = *from.begin();
+  for (std::size_t dot = first.find('.'); dot != std::string::npos; dot = first.find('.', dot + 1)) {
+    const std::string p = first.substr(0, dot + 1);
+    bool all = true;
+    for (const auto& k : from) {
+      if (k.compare(0, p.size(), p) != 0 || !to.count(k.substr(p.size()))) {
+        all = false;
+        break;
+      }
+    }
+    if (all) return p;
+  }
+  return {};
+}
+
+/// One tensor of a load's source: its dtype and shape, and how to write its values into the
+/// module's tensor (already checked to have its shape, and its dtype unless converting).
+struct Source {
+  DType dtype;
+  Shape shape;
+  std::function<void(AnyTensor&)> write;
+};
+
+/// The words a load's messages use for its source.
+struct SourceWords {
+  std::string what;  ///< e.g. "'ckpt.safetensors'", "the source module"
+  std::string noun;  ///< e.g. "the file", "the source module"
+  std::string hint_unconvertible = {};  ///< appended to an error a conversion cannot fix
+};
+
+/// Matches `sources` (keyed by their own names) to `module`'s parameters and buffers, checks
+/// that every tensor of each side is matched with the same shape and dtype (or a convertible
+/// one, when options.convert_dtype), and only then writes. A failure while writing says that
+/// the module may be partly loaded.
+inline void load_named(nn::Module& module, const std::vector<std::pair<std::string, Source>>& sources,
+                       const SourceWords& words, const LoadOptions& options) {
+  const std::string& what = words.what;
+  auto named = module.named_tensors();
+  std::map<std::string, const Source*> by_name;  // under the names they are matched by
+  std::map<std::string, std::string> original;   // matched name -> the source's own name
+  const std::string& prefix = options.strip_prefix;
+  for (const auto& [name, s] : sources) {
+    std::string key = !prefix.empty() && name.compare(0, prefix.size(), prefix) == 0 ? name.substr(prefix.size()) : name;
+    auto [it, fresh] = original.emplace(key, name);
+    CHORUS_CHECK(fresh, "load: ", what, ": '", it->second, "' and '", name, "' both load into '", key,
+                 "' once the prefix '", prefix, "' is stripped");
+    by_name.emplace(key, &s);
+  }
+  std::vector<std::string> missing, unexpected;
+  std::set<std::string> names, source_names;
+  for (const auto& t : named) {
+    names.insert(t.name);
+    if (!by_name.count(t.name)) missing.push_back(t.name);
+  }
+  for (const auto& [name, s] : by_name) {
+    source_names.insert(name);
+    if (!names.count(name)) unexpected.push_back(original.at(name));
+  }
+  if (!missing.empty() || !unexpected.empty()) {
+    // Name both sides, and the likely cause when the names differ only by a prefix.
+    std::string msg = "load: the tensor names of " + what + " do not match the module's:";
+    if (!missing.empty())
+      msg += " " + words.noun + " lacks " + std::to_string(missing.size()) + " tensor(s) of the module: " +
+             join(missing) + ";";
+    if (!unexpected.empty())
+      msg += " " + words.noun + " has " + std::to_string(unexpected.size()) + " tensor(s) the module lacks: " +
+             join(unexpected) + ";";
+    if (auto p = common_prefix(source_names, names); !p.empty()) {
+      msg += " every name in " + words.noun + " is the module's name prefixed with '" + p + "'" +
+             (p == "module." ? " (as saved from a model wrapped in PyTorch's nn.DataParallel)" : "") +
+             ": load with io::LoadOptions{.strip_prefix = \"" + prefix + p + "\"}";
+    } else if (auto q = common_prefix(names, source_names); !q.empty()) {
+      msg += " every name of the module is the name in " + words.noun + " prefixed with '" + q +
+             "': load into that submodule instead";
+    }
+    if (msg.back() == ';') msg.pop_back();
+    CHORUS_FAIL(msg);
+  }
+  for (const auto& t : named) {
+    const auto& s = *by_name.at(t.name);
+    const DType md = t.tensor.dtype();
+    const bool convertible = is_floating_dtype(s.dtype) && is_floating_dtype(md);
+    CHORUS_CHECK(s.dtype == md || (convertible && options.convert_dtype), "load: '", t.name, "' is ",
+                 dtype_name(s.dtype), " in ", what, " but ", dtype_name(md), " in the module",
+                 convertible ? "; load with io::LoadOptions{.convert_dtype = true} to convert it"
+                             : words.hint_unconvertible);
+    CHORUS_CHECK(s.shape == t.tensor.shape(), "load: '", t.name, "' has shape ", s.shape, " in ", what,
+                 " but shape ", t.tensor.shape(), " in the module");
+  }
+  NoGradGuard g;  // everything checked: now write
+  try {
+    for (auto& t : named) {
+      by_name.at(t.name)->write(t.tensor);
+      t.tensor.visit([](auto& x) { x.bump_version(); });  // Note [version counter]
+    }
+  } catch (const Error& e) {
+    CHORUS_FAIL("load: ", what, ": ", e.what(), "; the source was valid when checked, so the module may now be "
+                "partly loaded");
+  }
+}
+
+}  // namespace detail
+}  // namespace io
+
+/// Copies another module's parameters and buffers into `module`, matched by dotted name as a
+/// checkpoint is (every tensor of each side matched, shapes equal); a dtype change only with
+/// `.convert_dtype = true` (Note [changing a model's dtype]: how chorus changes a model's
+/// dtype). Either side may be a holder, an Impl or a DataParallel (its wrapped module), and
+/// the two may live on different devices. Everything is checked before the first value is
+/// written; a module loaded from itself is left as it is.
+namespace io::detail {
+/// What nn::module_of accepts: a Module, a holder, a std::shared_ptr to one, or a wrapper with
+/// module() (DataParallel).
+template <class M>
+concept module_like = std::is_base_of_v<nn::Module, M> || requires { typename M::ImplType; } ||
+                      requires(const M& m) {
+                        { *m } -> std::convertible_to<const nn::Module&>;
+                      } || requires(const M& m) { m.module(); };
+}  // namespace io::detail
+
+template <class M, class S>
+  requires io::detail::module_like<M> && io::detail::module_like<S>
+void load(M& module, const S& source, const io::LoadOptions& options = {}) {
+  const nn::Module& src = nn::module_of(source);
+  std::vector<std::pair<std::string, io::detail::Source>> sources;
+  for (auto& t : src.named_tensors()) {
+    io::detail::Source s{t.tensor.dtype(), t.tensor.shape(), nullptr};
+    s.write = [from = t.tensor](AnyTensor& dst) {
+      dst.visit([&](auto& x) {
+        using T = typename std::decay_t<decltype(x)>::value_type;
+        from.visit([&](const auto& y) {
+          using F = typename std::decay_t<decltype(y)>::value_type;
+          if constexpr (std::is_same_v<T, F>) {
+            if (x.same_storage(y) && x.storage_offset() == y.storage_offset() && x.strides() == y.strides()) return;
+            backend::copy(x, y.device() == x.device() ? y : y.to(x.device()));
+          } else if constexpr (is_floating_v<T> && is_floating_v<F>) {  // checked: convert_dtype asked
+            backend::copy(x, y.template to<T>().to(x.device()));
+          }
+        });
+      });
+    };
+    sources.emplace_back(std::move(t.name), std::move(s));
+  }
+  io::detail::load_named(nn::module_of(module), sources,
+                 {"the source module (" + src.name() + ")", "the source module"}, options);
+}
+
+CHORUS_NAMESPACE_END
