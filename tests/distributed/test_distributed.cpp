@@ -36,6 +36,25 @@ TEST(ProcessGroup, RanksAreConsistent) {
   for (int k = 0; k < w; ++k) EXPECT_EQ(ranks.to_vector()[k], k);
 }
 
+#ifdef OPEN_MPI
+// Note [ring all-reduce]: chorus initialised MPI here, so Open MPI's non-blocking all-reduce
+// runs the ring (the test's environment does not choose an algorithm itself).
+TEST(ProcessGroup, OpenMpiRunsTheRingAllReduce) {
+  int provided = 0;
+  ASSERT_EQ(MPI_T_init_thread(MPI_THREAD_MULTIPLE, &provided), MPI_SUCCESS);
+  int index = -1;
+  ASSERT_EQ(MPI_T_cvar_get_index("coll_libnbc_iallreduce_algorithm", &index), MPI_SUCCESS);
+  MPI_T_cvar_handle handle;
+  int count = 0;
+  ASSERT_EQ(MPI_T_cvar_handle_alloc(index, nullptr, &handle, &count), MPI_SUCCESS);
+  int algorithm = -1;
+  EXPECT_EQ(MPI_T_cvar_read(handle, &algorithm), MPI_SUCCESS);
+  EXPECT_EQ(algorithm, 1) << "1 is the ring";
+  MPI_T_cvar_handle_free(&handle);
+  MPI_T_finalize();
+}
+#endif
+
 template <class T>
 class Collectives : public ::testing::Test {};
 using Scalars = ::testing::Types<float, double, std::int64_t>;
