@@ -38,8 +38,16 @@ TEST(ProcessGroup, RanksAreConsistent) {
 
 #ifdef OPEN_MPI
 // Note [ring all-reduce]: chorus initialised MPI here, so Open MPI's non-blocking all-reduce
-// runs the ring (the test's environment does not choose an algorithm itself).
+// runs the ring, unless the environment chose or the release's ring is wrong in place.
 TEST(ProcessGroup, OpenMpiRunsTheRingAllReduce) {
+  EXPECT_TRUE(dist::detail::ring_allreduce_in_place_fixed({4, 1, 2}));
+  EXPECT_TRUE(dist::detail::ring_allreduce_in_place_fixed({4, 0, 7}));
+  EXPECT_TRUE(dist::detail::ring_allreduce_in_place_fixed({5, 0, 0}));
+  EXPECT_FALSE(dist::detail::ring_allreduce_in_place_fixed({4, 1, 1}));
+  EXPECT_FALSE(dist::detail::ring_allreduce_in_place_fixed({4, 0, 6}));
+  EXPECT_FALSE(dist::detail::ring_allreduce_in_place_fixed({3, 1, 6}));
+  const std::string choice = dist::detail::iallreduce_choice();
+  if (choice != "ring") GTEST_SKIP() << "chorus did not choose: " << choice;
   int provided = 0;
   ASSERT_EQ(MPI_T_init_thread(MPI_THREAD_MULTIPLE, &provided), MPI_SUCCESS);
   int index = -1;

@@ -28,7 +28,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdio>
+#include <cstdlib>
 #include <deque>
+#include <optional>
 #include <thread>
 
 #include "../core/stream.hpp"
@@ -84,6 +87,60 @@ void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
   const T* a = static_cast<const T*>(in);
   T* b = static_cast<T*>(inout);
   for (int i = 0; i < *len; ++i) b[i] = T(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+}
+
+// Note [ring all-reduce]
+// Gradient buckets are all-reduced with MPI_Iallreduce in place. Open MPI 4.1's non-blocking
+// collectives (coll/libnbc) take a binomial tree for every in-place all-reduce (and for any
+// below 64 KiB or on fewer than 4 ranks), whatever its size: on this project's 2-core machine
+// with 2 ranks a 16.8 MB float32 all-reduce (mlp-medium's gradients) took 14.2 ms, the ring
+// 5.5 ms (rabenseifner 6.0 ms, recursive doubling 9.9 ms; medians of 12; with 3 ranks 16 ms
+// against 21 ms), because a ring moves and sums each element once per rank instead of the
+// whole buffer per level of the tree. Before initialising MPI itself, chorus therefore asks
+// Open MPI for the ring through its environment (OMPI_MCA_coll_libnbc_iallreduce_algorithm: 1
+// ring, 2 binomial, 3 rabenseifner, 4 recursive doubling), except:
+// - when the variable is already set: the user's choice stands (a choice made only in a site's
+//   mca-params.conf does not: the environment outranks that file);
+// - before Open MPI 4.0.7 and 4.1.2, whose ring gave wrong sums in place from 4 ranks on
+//   (open-mpi/ompi#9385, fixed in October 2021);
+// - under another MPI (the variable would mean nothing), or when the program initialised MPI
+//   before chorus (it can set the variable itself, or pass mpirun --mca).
+// The ring's cost is latency: 2(p - 1) steps against a tree's ~2 log p, which shows only for
+// small all-reduces on many ranks, not for gradient buckets.
+
+/// The Open MPI release running (major, minor, release), or nothing under another MPI.
+/// MPI_Get_library_version may be called before MPI_Init.
+inline std::optional<std::array<int, 3>> open_mpi_version() {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+  int len = 0;
+  if (MPI_Get_library_version(text, &len) != MPI_SUCCESS) return std::nullopt;
+  std::array<int, 3> v{};
+  if (std::sscanf(text, "Open MPI v%d.%d.%d", &v[0], &v[1], &v[2]) != 3) return std::nullopt;
+  return v;
+}
+/// Whether that release's ring all-reduce is right in place (Note [ring all-reduce]).
+inline bool ring_allreduce_in_place_fixed(const std::array<int, 3>& v) {
+  if (v[0] != 4) return v[0] > 4;
+  if (v[1] == 0) return v[2] >= 7;
+  if (v[1] == 1) return v[2] >= 2;
+  return true;
+}
+/// What chorus chose for Open MPI's non-blocking all-reduce, and why (Note [ring all-reduce]):
+/// "ring", or the reason it left the choice alone; empty until chorus initialises MPI.
+inline std::string& iallreduce_choice() {
+  static std::string choice;
+  return choice;
+}
+inline std::string choose_iallreduce_algorithm() {
+  static constexpr const char* kVar = "OMPI_MCA_coll_libnbc_iallreduce_algorithm";
+  if (std::getenv(kVar)) return std::string("left to the environment (") + kVar + " is set)";
+  const auto v = open_mpi_version();
+  if (!v) return "left alone: not Open MPI";
+  if (!ring_allreduce_in_place_fixed(*v))
+    return "left alone: Open MPI " + std::to_string((*v)[0]) + "." + std::to_string((*v)[1]) + "." +
+           std::to_string((*v)[2]) + "'s ring all-reduce is wrong in place (open-mpi/ompi#9385)";
+  ::setenv(kVar, "1", 0);
+  return "ring";
 }
 
 /// The tag of the leaving notices on the exit communicator (Note [leaving notice]).
@@ -303,7 +360,7 @@ class MpiBackend final : public Backend {
     CHORUS_MPI_CHECK(MPI_Initialized(&initialized));
     int provided = 0;
     if (!initialized) {
-      choose_iallreduce_algorithm();  // Note [ring all-reduce]
+      iallreduce_choice() = choose_iallreduce_algorithm();  // Note [ring all-reduce]
       CHORUS_MPI_CHECK(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided));
       owns_mpi_ = true;
     } else {
@@ -453,19 +510,6 @@ class MpiBackend final : public Backend {
     }
     comm_thread_->submit(std::move(start), work);
   }
-
-  // Note [ring all-reduce]
-  // Gradient buckets are all-reduced with MPI_Iallreduce in place. Open MPI 4.1's non-blocking
-  // collectives (coll/libnbc) choose a binomial tree for every in-place all-reduce, whatever its
-  // size: on one machine with 2 ranks a 16.8 MB float32 all-reduce (mlp-medium's gradients)
-  // took 14.2 ms, the ring algorithm 5.5 ms (rabenseifner 6.0 ms, recursive doubling 9.9 ms;
-  // 12 repetitions, median; with 3 ranks 16 ms against 21 ms), because a ring moves and sums
-  // each element once per rank instead of a tree's whole buffer per level. Before initialising
-  // MPI itself, chorus therefore asks Open MPI for the ring through its environment, unless the
-  // user chose an algorithm (OMPI_MCA_coll_libnbc_iallreduce_algorithm: 1 ring, 2 binomial,
-  // 3 rabenseifner, 4 recursive doubling). Other MPIs ignore the variable, and a program that
-  // initialises MPI before chorus sets it itself (in its environment or with mpirun --mca).
-  static void choose_iallreduce_algorithm() { ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", 0); }
 
   GroupState& state_;
   MPI_Comm comm_ = MPI_COMM_NULL;

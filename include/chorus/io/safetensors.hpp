@@ -382,6 +382,7 @@ inline void load_into(nn::Module& module, const File& f, const std::string& what
           backend::copy(x, detail::host_tensor<T>(f, r));
         }
       });
+      return true;
     };
     sources.emplace_back(name, std::move(s));
   }

@@ -12,7 +12,7 @@
 // spelling is therefore the one PyTorch users write to copy weights between two models,
 // `b.load_state_dict(a.state_dict())`, as chorus spells checkpoint loading:
 //
-//     Net<bfloat16> low(...);                            // the same architecture, 16-bit
+//     NetT<bfloat16> low(...);                           // the same architecture, 16-bit
 //     load(low, model, {.convert_dtype = true});         // model's values, each rounded once
 //
 // Like loading a bf16 checkpoint into a float32 module, a dtype change has to be asked for
@@ -24,7 +24,6 @@
 #include <set>
 #include <string>
 #include <type_traits>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -75,18 +74,18 @@ inline std::string common_prefix(const std::set<std::string>& from, const std::s
 }
 
 /// One tensor of a load's source: its dtype and shape, and how to write its values into the
-/// module's tensor (already checked to have its shape, and its dtype unless converting).
+/// module's tensor (already checked to have its shape, and its dtype unless converting);
+/// `write` returns false when there was nothing to write (the tensor is the source itself).
 struct Source {
   DType dtype;
   Shape shape;
-  std::function<void(AnyTensor&)> write;
+  std::function<bool(AnyTensor&)> write;
 };
 
 /// The words a load's messages use for its source.
 struct SourceWords {
   std::string what;  ///< e.g. "'ckpt.safetensors'", "the source module"
   std::string noun;  ///< e.g. "the file", "the source module"
-  std::string hint_unconvertible = {};  ///< appended to an error a conversion cannot fix
 };
 
 /// Matches `sources` (keyed by their own names) to `module`'s parameters and buffers, checks
@@ -128,7 +127,8 @@ inline void load_named(nn::Module& module, const std::vector<std::pair<std::stri
              join(unexpected) + ";";
     if (auto p = common_prefix(source_names, names); !p.empty()) {
       msg += " every name in " + words.noun + " is the module's name prefixed with '" + p + "'" +
-             (p == "module." ? " (as saved from a model wrapped in PyTorch's nn.DataParallel)" : "") +
+             (p == "module." && words.noun == "the file" ? " (as saved from a model wrapped in PyTorch's nn.DataParallel)"
+                                                        : "") +
              ": load with io::LoadOptions{.strip_prefix = \"" + prefix + p + "\"}";
     } else if (auto q = common_prefix(names, source_names); !q.empty()) {
       msg += " every name of the module is the name in " + words.noun + " prefixed with '" + q +
@@ -143,16 +143,15 @@ inline void load_named(nn::Module& module, const std::vector<std::pair<std::stri
     const bool convertible = is_floating_dtype(s.dtype) && is_floating_dtype(md);
     CHORUS_CHECK(s.dtype == md || (convertible && options.convert_dtype), "load: '", t.name, "' is ",
                  dtype_name(s.dtype), " in ", what, " but ", dtype_name(md), " in the module",
-                 convertible ? "; load with io::LoadOptions{.convert_dtype = true} to convert it"
-                             : words.hint_unconvertible);
+                 convertible ? "; load with io::LoadOptions{.convert_dtype = true} to convert it" : "");
     CHORUS_CHECK(s.shape == t.tensor.shape(), "load: '", t.name, "' has shape ", s.shape, " in ", what,
                  " but shape ", t.tensor.shape(), " in the module");
   }
   NoGradGuard g;  // everything checked: now write
   try {
     for (auto& t : named) {
-      by_name.at(t.name)->write(t.tensor);
-      t.tensor.visit([](auto& x) { x.bump_version(); });  // Note [version counter]
+      if (by_name.at(t.name)->write(t.tensor))
+        t.tensor.visit([](auto& x) { x.bump_version(); });  // Note [version counter]
     }
   } catch (const Error& e) {
     CHORUS_FAIL("load: ", what, ": ", e.what(), "; the source was valid when checked, so the module may now be "
@@ -163,22 +162,22 @@ inline void load_named(nn::Module& module, const std::vector<std::pair<std::stri
 }  // namespace detail
 }  // namespace io
 
+namespace io::detail {
+/// What nn::module_of accepts: a Module, a holder, a std::shared_ptr to a Module, or a wrapper
+/// with module() (DataParallel).
+template <class M>
+concept module_like =
+    std::is_base_of_v<nn::Module, M> || requires { typename M::ImplType; } ||
+    (requires { typename M::element_type; } && std::is_base_of_v<nn::Module, std::remove_cv_t<typename M::element_type>>) ||
+    requires(const M& m) { m.module(); };
+}  // namespace io::detail
+
 /// Copies another module's parameters and buffers into `module`, matched by dotted name as a
 /// checkpoint is (every tensor of each side matched, shapes equal); a dtype change only with
 /// `.convert_dtype = true` (Note [changing a model's dtype]: how chorus changes a model's
 /// dtype). Either side may be a holder, an Impl or a DataParallel (its wrapped module), and
 /// the two may live on different devices. Everything is checked before the first value is
 /// written; a module loaded from itself is left as it is.
-namespace io::detail {
-/// What nn::module_of accepts: a Module, a holder, a std::shared_ptr to one, or a wrapper with
-/// module() (DataParallel).
-template <class M>
-concept module_like = std::is_base_of_v<nn::Module, M> || requires { typename M::ImplType; } ||
-                      requires(const M& m) {
-                        { *m } -> std::convertible_to<const nn::Module&>;
-                      } || requires(const M& m) { m.module(); };
-}  // namespace io::detail
-
 template <class M, class S>
   requires io::detail::module_like<M> && io::detail::module_like<S>
 void load(M& module, const S& source, const io::LoadOptions& options = {}) {
@@ -187,23 +186,28 @@ void load(M& module, const S& source, const io::LoadOptions& options = {}) {
   for (auto& t : src.named_tensors()) {
     io::detail::Source s{t.tensor.dtype(), t.tensor.shape(), nullptr};
     s.write = [from = t.tensor](AnyTensor& dst) {
+      bool wrote = true;
       dst.visit([&](auto& x) {
         using T = typename std::decay_t<decltype(x)>::value_type;
         from.visit([&](const auto& y) {
           using F = typename std::decay_t<decltype(y)>::value_type;
           if constexpr (std::is_same_v<T, F>) {
-            if (x.same_storage(y) && x.storage_offset() == y.storage_offset() && x.strides() == y.strides()) return;
+            if (x.same_storage(y) && x.storage_offset() == y.storage_offset() && x.strides() == y.strides()) {
+              wrote = false;  // the module's own tensor
+              return;
+            }
             backend::copy(x, y.device() == x.device() ? y : y.to(x.device()));
           } else if constexpr (is_floating_v<T> && is_floating_v<F>) {  // checked: convert_dtype asked
             backend::copy(x, y.template to<T>().to(x.device()));
           }
         });
       });
+      return wrote;
     };
     sources.emplace_back(std::move(t.name), std::move(s));
   }
-  io::detail::load_named(nn::module_of(module), sources,
-                 {"the source module (" + src.name() + ")", "the source module"}, options);
+  const std::string kind = src.name() == "Module" ? std::string() : " (" + src.name() + ")";
+  io::detail::load_named(nn::module_of(module), sources, {"the source module" + kind, "the source module"}, options);
 }
 
 CHORUS_NAMESPACE_END
