@@ -90,15 +90,15 @@ void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
 }
 
 // Note [ring all-reduce]
-// Gradient buckets are all-reduced with MPI_Iallreduce in place. Open MPI 4.1's non-blocking
-// collectives (coll/libnbc) take a binomial tree for every in-place all-reduce (and for any
-// below 64 KiB or on fewer than 4 ranks), whatever its size: on this project's 2-core machine
-// with 2 ranks a 16.8 MB float32 all-reduce (mlp-medium's gradients) took 14.2 ms, the ring
-// 5.5 ms (rabenseifner 6.0 ms, recursive doubling 9.9 ms; medians of 12; with 3 ranks 16 ms
-// against 21 ms), because a ring moves and sums each element once per rank instead of the
-// whole buffer per level of the tree. Before initialising MPI itself, chorus therefore asks
-// Open MPI for the ring through its environment (OMPI_MCA_coll_libnbc_iallreduce_algorithm: 1
-// ring, 2 binomial, 3 rabenseifner, 4 recursive doubling), except:
+// Gradient buckets are all-reduced with MPI_Iallreduce in place. With Open MPI 4.1's default
+// choice in its non-blocking collectives (coll/libnbc), on this project's 2-core machine with 2
+// ranks, a 16.8 MB float32 all-reduce (mlp-medium's gradients) took 14.2 ms, as long as its
+// binomial tree (14.8 ms); the ring took 5.5 ms (rabenseifner 6.5 ms, recursive doubling 9.9 ms;
+// medians of 12 calls each; with 3 ranks 16 ms against 21 ms): a ring moves and sums each
+// element once per rank, a tree the whole buffer per level. Before initialising MPI itself,
+// chorus therefore asks Open MPI for the ring through its environment
+// (OMPI_MCA_coll_libnbc_iallreduce_algorithm: 1 ring, 2 binomial, 3 rabenseifner, 4 recursive
+// doubling), except:
 // - when the variable is already set: the user's choice stands (a choice made only in a site's
 //   mca-params.conf does not: the environment outranks that file);
 // - before Open MPI 4.0.7 and 4.1.2, whose ring gave wrong sums in place from 4 ranks on
@@ -318,9 +318,9 @@ class CommThread {
   // to sleeps of up to 200 us after 16 idle polls; in mlp-medium's DDP step on 2 ranks (2 cores)
   // the two buckets' all-reduces (16.8 MB, 7.4 ms alone) then added 20 ms to the step (96 ms,
   // 76 ms under no_sync). Polling with sched_yield between tests made it 83-89 ms: a yield still
-  // lets the computation threads of the same core run. The sleeps stay
-  // for a collective that has not moved for kSpin: a peer that is still computing its step, or
-  // one that hangs, so that a waiting rank does not hold a core for long.
+  // lets the computation threads of the same core run. The sleeps stay for a collective that has
+  // not moved for kSpin (a peer still computing its step, or one that hangs), so that a waiting
+  // rank does not hold a core for long.
   static constexpr std::chrono::milliseconds kSpin{20};
 
   void complete(Op& op, std::string error) {
