@@ -159,10 +159,6 @@ inline void load_named(nn::Module& module, const std::vector<std::pair<std::stri
   }
 }
 
-}  // namespace detail
-}  // namespace io
-
-namespace io::detail {
 /// What nn::module_of accepts: a Module, a holder, a std::shared_ptr to a Module, or a wrapper
 /// with module() (DataParallel).
 template <class M>
@@ -170,7 +166,9 @@ concept module_like =
     std::is_base_of_v<nn::Module, M> || requires { typename M::ImplType; } ||
     (requires { typename M::element_type; } && std::is_base_of_v<nn::Module, std::remove_cv_t<typename M::element_type>>) ||
     requires(const M& m) { m.module(); };
-}  // namespace io::detail
+
+}  // namespace detail
+}  // namespace io
 
 /// Copies another module's parameters and buffers into `module`, matched by dotted name as a
 /// checkpoint is (every tensor of each side matched, shapes equal); a dtype change only with
