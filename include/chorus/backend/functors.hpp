@@ -159,6 +159,26 @@ struct Div {
   CHORUS_HOST_DEVICE T operator()(T a, T b) const { return a / b; }
 };
 
+/// x * s and (a + b) * s computed in T's opmath and rounded once (a 16-bit T's s is not first
+/// rounded to 16 bits): DistributedDataParallel dividing by the world size while it copies or
+/// adds a gradient into its bucket (Note [DDP pre-division] in distributed/reducer.hpp).
+struct Scale {
+  double s;
+  template <class T>
+  CHORUS_HOST_DEVICE T operator()(T x) const {
+    using O = opmath_t<T>;
+    return T(O(x) * O(s));
+  }
+};
+struct AddThenScale {
+  double s;
+  template <class T>
+  CHORUS_HOST_DEVICE T operator()(T a, T b) const {
+    using O = opmath_t<T>;
+    return T((O(a) + O(b)) * O(s));
+  }
+};
+
 // ---- backward: (grad, saved) -> grad_input ----
 struct ReluBackward {  // saved: the output; PyTorch's threshold_backward passes g where y is NaN
   template <class T>
