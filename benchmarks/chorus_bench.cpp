@@ -7,6 +7,8 @@
 //                [--rounds R (7)] [--repeats N (timed steps per round)] [--json FILE] [--peer LIBTORCH_BENCH]
 //                [--bf16]  (mlp-medium and transformer-lm also in bfloat16 with float32 master weights)
 //                [--sharded]  (DataParallel over k > 1 devices also with parallel::ShardedOptimizer)
+// Each DataParallel over k > 1 devices also gets its ceiling (class Ceiling): k threads each
+// stepping a model of its own on 1/k of the batch, the computation alone.
 //
 // Workloads (see benchmarks/README.md): tutorial = Linear(5, 2) forward over 100 samples in
 // batches of 30, data on the host, time per epoch; mlp-small = 784-512-512-10 ReLU MLP,
@@ -16,12 +18,14 @@
 // transformer-lm = the language models of lm_models.hpp (Adam), time per step.
 #include <chorus/chorus.hpp>
 
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -130,8 +134,9 @@ std::function<void()> make_bf16_workload(const std::string& workload, const std:
 }
 
 /// One step (or epoch, for the tutorial) of `workload`; the returned function runs it once.
+/// `split` > 1: the step on 1/split of the batch (the share of one device; see make_ceiling).
 std::function<void()> make_workload(const std::string& workload, const std::vector<Device>& devices,
-                                    bool sharded = false) {
+                                    bool sharded = false, std::int64_t split = 1) {
   if (workload == "tutorial") {
     auto model = std::make_shared<Runner<Tutorial>>(devices);
     auto loader = std::make_shared<data::DataLoader<data::TensorDataset<float, float>>>(
@@ -144,8 +149,8 @@ std::function<void()> make_workload(const std::string& workload, const std::vect
   if (workload == "mlp-small") {
     auto model = std::make_shared<Runner<MlpSmall>>(devices);
     auto opt = make_optimizer<optim::SGD>(*model, {.lr = 0.01}, sharded);
-    auto x = randn<float>({256, 784});
-    auto y = randint(0, 10, {256});
+    auto x = randn<float>({256 / split, 784});
+    auto y = randint(0, 10, {256 / split});
     return [model, opt, x, y] {
       auto loss = F::cross_entropy((*model)(x), y);
       opt->zero_grad();
@@ -156,8 +161,8 @@ std::function<void()> make_workload(const std::string& workload, const std::vect
   if (workload == "mlp-medium") {
     auto model = std::make_shared<Runner<MlpMedium>>(devices);
     auto opt = make_optimizer<optim::SGD>(*model, {.lr = 0.01}, sharded);
-    auto x = randn<float>({512, 1024});
-    auto y = randn<float>({512, 1024});
+    auto x = randn<float>({512 / split, 1024});
+    auto y = randn<float>({512 / split, 1024});
     return [model, opt, x, y] {
       auto loss = F::mse_loss((*model)(x), y);
       opt->zero_grad();
@@ -168,8 +173,8 @@ std::function<void()> make_workload(const std::string& workload, const std::vect
   if (workload == "resnet20-cifar") {
     auto model = std::make_shared<Runner<examples::ResNet20<float>>>(devices);
     auto opt = make_optimizer<optim::SGD>(*model, {.lr = 0.01, .momentum = 0.9}, sharded);
-    auto x = randn<float>({128, 3, 32, 32});
-    auto y = randint(0, 10, {128});
+    auto x = randn<float>({128 / split, 3, 32, 32});
+    auto y = randint(0, 10, {128 / split});
     return [model, opt, x, y] {
       auto loss = F::cross_entropy((*model)(x), y);
       opt->zero_grad();
@@ -179,7 +184,7 @@ std::function<void()> make_workload(const std::string& workload, const std::vect
   }
   if (workload == "lstm-lm" || workload == "transformer-lm") {
     const bool lstm = workload == "lstm-lm";
-    const std::int64_t batch = lstm ? 64 : 32, len = lstm ? 64 : bench::TransformerLm::kSeq;
+    const std::int64_t batch = (lstm ? 64 : 32) / split, len = lstm ? 64 : bench::TransformerLm::kSeq;
     auto x = randint(0, bench::kLmVocab, {batch, len});
     auto y = randint(0, bench::kLmVocab, {batch * len});
     auto step = [x, y](auto model, auto opt) {
@@ -199,6 +204,64 @@ std::function<void()> make_workload(const std::string& workload, const std::vect
   }
   CHORUS_FAIL("unknown workload '", workload, "'");
 }
+
+/// DataParallel's ceiling over k CPU devices: the computation alone, as k devices would do it
+/// with nothing to share. k threads (the caller and k - 1 others, woken for each step) each run
+/// the plain step on 1/k of the batch with a model and optimizer of their own, one BLAS thread
+/// each: no scatter, no gather, no gradient sum, each optimizer step on its own thread. It and
+/// DataParallel over k devices share the machine's memory bandwidth and caches alike, which the
+/// one-device baseline does not.
+class Ceiling {
+ public:
+  Ceiling(const std::string& workload, int k) {
+    for (int i = 0; i < k; ++i) parts_.push_back(make_workload(workload, {}, false, k));
+    for (int i = 1; i < k; ++i)
+      threads_.emplace_back([this, i] {
+        set_num_threads(1);
+        for (std::uint64_t seen = 0;;) {
+          {
+            std::unique_lock<std::mutex> lk(m_);
+            cv_.wait(lk, [&] { return stop_ || step_ != seen; });
+            if (stop_) return;
+            seen = step_;
+          }
+          parts_[static_cast<std::size_t>(i)]();
+          std::lock_guard<std::mutex> lk(m_);
+          if (++done_ == threads_.size()) cv_.notify_all();
+        }
+      });
+  }
+  ~Ceiling() {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  Ceiling(const Ceiling&) = delete;
+  Ceiling& operator=(const Ceiling&) = delete;
+  void operator()() {
+    {
+      std::lock_guard<std::mutex> lk(m_);
+      done_ = 0;
+      ++step_;
+    }
+    cv_.notify_all();
+    parts_[0]();
+    std::unique_lock<std::mutex> lk(m_);
+    cv_.wait(lk, [&] { return done_ == threads_.size(); });
+  }
+
+ private:
+  std::vector<std::function<void()>> parts_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::uint64_t step_ = 0;
+  std::size_t done_ = 0;
+  bool stop_ = false;
+  std::vector<std::thread> threads_;  // last: they start with everything above in place
+};
 
 double workload_flops(const std::string& w) {
   if (w == "mlp-small") return bench::mlp_step_flops(256, {{784, 512}, {512, 512}, {512, 10}});
@@ -285,7 +348,8 @@ int main(int argc, char** argv) try {
       }
 
   using nlohmann::json;
-  json records = json::array(), ratios = json::array(), scaling = json::array(), mixed = json::array();
+  json records = json::array(), ratios = json::array(), scaling = json::array(), mixed = json::array(),
+       overhead = json::array();
   auto write_json = [&] {  // after every workload: an interrupted run keeps what it measured
     json doc = {{"machine", {{"cores", std::thread::hardware_concurrency()}}},
                 {"rounds", rounds},
@@ -293,6 +357,7 @@ int main(int argc, char** argv) try {
                 {"records", records},
                 {"ratios", ratios},
                 {"scaling", scaling},
+                {"over_ceiling", overhead},
                 {"bf16_over_float32", mixed}};
     std::ofstream(json_path) << doc.dump(2) << "\n";
   };
@@ -300,11 +365,15 @@ int main(int argc, char** argv) try {
   for (const auto& w : workloads) {
     const int reps = repeats_for(w, repeats);
     std::vector<bench::Entry> mine, theirs;
+    // kind: 0 plain, 1 bf16, 2 sharded optimizer step, 3 the ceiling of DataParallel (class Ceiling)
     auto add = [&](std::string config, int ndev, int nthreads, int blas, const std::vector<Device>& devs,
-                   bool in_bf16 = false, bool in_shards = false) {
+                   int kind = 0) {
       set_num_threads(blas);  // BLAS and this thread's oneDNN team (DataParallel: 1, its devices are the threads)
-      auto timed = std::make_shared<bench::Timed>(
-          in_bf16 ? make_bf16_workload(w, devs) : make_workload(w, devs, in_shards), 2);
+      std::function<void()> step;
+      if (kind == 1) step = make_bf16_workload(w, devs);
+      else if (kind == 3) step = [c = std::make_shared<Ceiling>(w, ndev)] { (*c)(); };
+      else step = make_workload(w, devs, kind == 2);
+      auto timed = std::make_shared<bench::Timed>(std::move(step), 2);
       json meta = {{"impl", "chorus"}, {"workload", w},         {"config", config},
                    {"devices", ndev},  {"threads", nthreads}, {"flops", workload_flops(w)}};
       mine.push_back({meta, [timed, blas](int n) {
@@ -315,13 +384,15 @@ int main(int argc, char** argv) try {
     for (int t : threads) add(std::to_string(t) + " thread(s)", 1, t, t, {});  // one device, no wrapper
     const bool with_bf16 = bf16 && (w == "mlp-medium" || w == "transformer-lm");
     if (with_bf16)  // the same, mixed precision (bfloat16 model, float32 masters), in the same rounds
-      for (int t : threads) add(std::to_string(t) + " thread(s) bf16", 1, t, t, {}, true);
+      for (int t : threads) add(std::to_string(t) + " thread(s) bf16", 1, t, t, {}, 1);
     for (int k : devices) {  // DataParallel: one BLAS thread per device
       std::vector<Device> devs;
       for (int d = 0; d < k; ++d) devs.push_back(Device::cpu(d));
       add("DataParallel " + std::to_string(k) + " dev x 1 thread", k, k, 1, devs);
       if (sharded && k > 1 && w != "tutorial")  // the same with the optimizer step sharded over the devices
-        add("DataParallel " + std::to_string(k) + " dev x 1 thread sharded", k, k, 1, devs, false, true);
+        add("DataParallel " + std::to_string(k) + " dev x 1 thread sharded", k, k, 1, devs, 2);
+      if (k > 1 && w != "tutorial")  // what k devices' computation alone takes: the scaling's ceiling
+        add("ceiling: " + std::to_string(k) + " threads x 1/" + std::to_string(k) + " batch", k, k, 1, {}, 3);
     }
     for (auto& p : peers)
       for (auto& e : p->entries(w)) theirs.push_back(e);
@@ -354,7 +425,7 @@ int main(int argc, char** argv) try {
                     r["median_ms"].get<double>());
       std::string line = row;
       const int t = r["threads"];
-      if (best.count(t)) {
+      if (best.count(t) && r["config"].get<std::string>().rfind("ceiling", 0) != 0) {  // the ceiling is no rival
         const json& p = peer_records[best[t]];
         json q = {{"workload", w},
                   {"config", r["config"]},
@@ -381,7 +452,8 @@ int main(int argc, char** argv) try {
     for (const auto& r : ours)
       if (r["config"].get<std::string>().rfind("DataParallel 1 ", 0) == 0) one = &r;
     for (const auto& r : ours)
-      if (one && r["config"].get<std::string>().rfind("DataParallel", 0) == 0 && r["devices"].get<int>() > 1) {
+      if (one && r["devices"].get<int>() > 1 &&
+          (r["config"].get<std::string>().rfind("DataParallel", 0) == 0 || r["config"].get<std::string>().rfind("ceiling", 0) == 0)) {
         json q = {{"workload", w},
                   {"devices", r["devices"]},
                   {"one_device_ms", (*one)["median_ms"]},
@@ -392,6 +464,18 @@ int main(int argc, char** argv) try {
                         ", speed-up over DataParallel 1 device: " + fmt_spread(q["speedup"]));
         scaling.push_back(q);
       }
+    // DataParallel against its ceiling at the same device count, round by round: what the
+    // scatter, gather, gradient sums and the optimizer step on the caller add to the computation.
+    for (const auto& r : ours)
+      for (const auto& c : ours)
+        if (r["devices"] == c["devices"] && r["config"].get<std::string>().rfind("DataParallel", 0) == 0 &&
+            c["config"].get<std::string>().rfind("ceiling", 0) == 0) {
+          json q = {{"workload", w}, {"devices", r["devices"]}, {"config", r["config"]}, {"ms", r["median_ms"]},
+                    {"ceiling_ms", c["median_ms"]}, {"ratio", bench::paired_json(r, c)}};
+          table.push_back("overhead " + w + ": " + r["config"].get<std::string>() +
+                          " / its ceiling, step time: " + fmt_spread(q["ratio"]));
+          overhead.push_back(q);
+        }
     // bf16 against float32 at the same thread count, round by round (the honest CPU overhead:
     // this machine has no bf16 instructions, so each product widens its operands to float).
     for (const auto& r : ours) {
