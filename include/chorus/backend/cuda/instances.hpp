@@ -55,13 +55,13 @@
   X(f, T, fn::Neg) X(f, T, fn::Exp) X(f, T, fn::Log) X(f, T, fn::Sqrt) X(f, T, fn::Relu) X(f, T, fn::Gelu) \
   X(f, T, fn::Tanh) X(f, T, fn::Sigmoid) X(f, T, fn::AddScalar) X(f, T, fn::MulScalar)                    \
   X(f, T, fn::PowScalar) X(f, T, fn::Abs) X(f, T, fn::Sign) X(f, T, fn::InfToZero) X(f, T, fn::Sin)      \
-  X(f, T, fn::Cos) X(f, T, fn::Clamp) X(f, T, fn::NonZero) X(f, T, fn::AbsPow)
+  X(f, T, fn::Cos) X(f, T, fn::Clamp) X(f, T, fn::NonZero) X(f, T, fn::AbsPow) X(f, T, fn::Scale)
 #define CHORUS_CUDA_BINARY_OPS(X, f, T)                                                                      \
   X(f, T, fn::Add) X(f, T, fn::Sub) X(f, T, fn::Mul) X(f, T, fn::Div) X(f, T, fn::Maximum)                 \
   X(f, T, fn::ReluBackward) X(f, T, fn::GeluBackward) X(f, T, fn::TanhBackward)                            \
   X(f, T, fn::SigmoidBackward) X(f, T, fn::LogBackward) X(f, T, fn::SqrtBackward) X(f, T, fn::PowBackward) \
   X(f, T, fn::AbsBackward) X(f, T, fn::SinBackward) X(f, T, fn::CosBackward) X(f, T, fn::ClampBackward)    \
-  X(f, T, fn::NormScale)
+  X(f, T, fn::NormScale) X(f, T, fn::AddThenScale)
 #define CHORUS_CUDA_BROADCAST_OPS(X, f, T)                                                                 \
   X(f, T, fn::Add) X(f, T, fn::Sub) X(f, T, fn::Mul) X(f, T, fn::Div) X(f, T, fn::NormGrad)              \
   X(f, T, fn::NormInfMask) X(f, T, fn::SameValue)
