@@ -134,7 +134,7 @@ std::function<void()> make_bf16_workload(const std::string& workload, const std:
 }
 
 /// One step (or epoch, for the tutorial) of `workload`; the returned function runs it once.
-/// `split` > 1: the step on 1/split of the batch (the share of one device; see make_ceiling).
+/// `split` > 1: the step on 1/split of the batch (one device's share; class Ceiling).
 std::function<void()> make_workload(const std::string& workload, const std::vector<Device>& devices,
                                     bool sharded = false, std::int64_t split = 1) {
   if (workload == "tutorial") {

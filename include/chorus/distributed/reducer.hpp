@@ -269,9 +269,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   // Note [DDP pre-division]
   // The average of a bucket is the sum over the ranks of each rank's gradient divided by the
-  // world size. Over MPI (CPU tensors) the division is a pass over the bucket of its own: after
-  // the all-reduce, on the critical path at the end of backward (1.3 ms for mlp-medium's last
-  // 12.6 MB on a 2-core VM). So, as PyTorch's reducer does without a communication hook
+  // world size. Over MPI (CPU tensors) the division was a pass over the bucket of its own, after
+  // the all-reduce: for the last bucket (mlp-medium's 12.6 MB), on the critical path at the end
+  // of backward. So, as PyTorch's reducer does without a communication hook
   // (mark_variable_ready_dense: mul_out(bucket_view, grad, 1 / div_factor)), a CPU bucket is
   // divided while each gradient is copied (or added) into it, in the same pass, and all-reduced
   // by sum. NCCL averages inside its reduction kernel (ncclAvg), so GPU buckets still ask for
