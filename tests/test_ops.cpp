@@ -1,5 +1,6 @@
 // Forward values of the operations, broadcasting and argument errors.
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 
@@ -179,4 +180,139 @@ TEST(VectorizableMath, FloatExpSigmoidTanhWithinThreeUlps) {
   EXPECT_TRUE(std::signbit(vm::tanh(-0.0f)));
   EXPECT_EQ(vm::tanh(1e-30f), 1e-30f);
   EXPECT_EQ(vm::exp(1.0), std::exp(1.0));  // double: the standard function
+}
+
+// ---- in-place arithmetic (Note [in-place arithmetic]) ----
+
+/// The bits of every element of `a` equal those of `b` (NaN payloads included).
+template <class T>
+::testing::AssertionResult same_bits(const Tensor<T>& a, const Tensor<T>& b) {
+  if (a.shape() != b.shape()) return ::testing::AssertionFailure() << a.shape() << " vs " << b.shape();
+  auto x = a.to_vector(), y = b.to_vector();
+  for (std::size_t i = 0; i < x.size(); ++i)
+    if (std::memcmp(&x[i], &y[i], sizeof(T)) != 0)
+      return ::testing::AssertionFailure() << "element " << i << ": " << x[i] << " vs " << y[i];
+  return ::testing::AssertionSuccess();
+}
+
+template <class T>
+class InPlaceTyped : public ::testing::Test {};
+using InPlaceTypes = ::testing::Types<float, double, bfloat16>;
+TYPED_TEST_SUITE(InPlaceTyped, InPlaceTypes);
+
+// x op= y leaves x equal, bit for bit, to x op y: tensor and scalar operands, broadcasts, the
+// compound assignments, and a strided (transposed) x whose base sees the writes.
+TYPED_TEST(InPlaceTyped, EqualsTheOutOfPlaceFormBitForBit) {
+  using T = TypeParam;
+  manual_seed(11);
+  const auto x = randn<T>({4, 6}), y = randn<T>({4, 6}), row = randn<T>({6}), col = randn<T>({4, 1});
+  auto check = [&](auto&& inplace, const Tensor<T>& expected) {
+    auto z = x.clone();
+    Tensor<T>& r = inplace(z);
+    EXPECT_TRUE(is_same(r, z));  // returns the tensor written
+    EXPECT_TRUE(same_bits(z, expected));
+  };
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z.add_(y); }, x + y);
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z.sub_(row); }, x - row);
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z.mul_(col); }, x * col);
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z.div_(y); }, x / y);
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z += row; }, x + row);
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z -= y; }, x - y);
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z *= y; }, x * y);
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z /= col; }, x / col);
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z.add_(0.3); }, x + 0.3);
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z.sub_(0.3); }, x - 0.3);
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z.mul_(0.3); }, x * 0.3);
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z.div_(0.3); }, x / 0.3);
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z /= 3; }, x / 3.0);
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z.add_(x); }, x + x);  // the operand is x itself
+
+  // add_(y, alpha) and sub_(y, alpha): x + alpha*y in opmath, rounded to T once.
+  using O = std::conditional_t<std::is_same_v<T, double>, double, float>;
+  const double alpha = -0.37;
+  std::vector<T> e_add, e_sub;
+  const auto xv = x.to_vector(), rv = row.to_vector();
+  for (std::size_t i = 0; i < xv.size(); ++i) {
+    const O a = O(xv[i]), b = O(rv[i % 6]);
+    e_add.push_back(T(a + O(alpha) * b));
+    e_sub.push_back(T(a + O(-alpha) * b));
+  }
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z.add_(row, alpha); }, from_vector<T>(e_add, {4, 6}));
+  check([&](Tensor<T>& z) -> Tensor<T>& { return z.sub_(row, alpha); }, from_vector<T>(e_sub, {4, 6}));
+
+  // A strided x: written through its strides, so the base holds the transposed result.
+  auto base = x.clone();
+  auto xt = base.t();  // [6, 4], not contiguous
+  xt.mul_(row.reshape({6, 1}));
+  EXPECT_TRUE(same_bits(base, x * row));
+  xt += 1.0;
+  EXPECT_TRUE(same_bits(base, x * row + 1.0));
+  base[1] *= 2.0;  // a row view of a temporary handle writes into base
+  auto expected = x * row + 1.0;
+  expected = cat(std::vector<Tensor<T>>{expected.narrow(0, 0, 1), expected.narrow(0, 1, 1) * 2.0,
+                                        expected.narrow(0, 2, 2)}, 0);
+  EXPECT_TRUE(same_bits(base, expected));
+}
+
+TEST(InPlace, IntegerTensors) {
+  auto x = from_vector<std::int64_t>({1, 2, 3, 4, 5, 6}, {2, 3});
+  x.add_(from_vector<std::int64_t>({10, 20, 30}));
+  x -= from_vector<std::int64_t>({1, 2}, {2, 1});
+  x *= 2;
+  x.add_(1);
+  EXPECT_EQ(x.to_vector(), (std::vector<std::int64_t>{21, 43, 65, 25, 47, 69}));
+  EXPECT_TRUE(throws_with([&] { x.add_(x, 2); }, {"add_", "alpha must be 1", "integer"}));
+  EXPECT_EQ(x.to_vector()[0], 21);  // refused: nothing written
+}
+
+// An operand sharing x's storage is read whole before the first element is written.
+TEST(InPlace, AnOverlappingOperandIsReadBeforeAnyWrite) {
+  auto m = from_vector<double>({1, 2, 3, 4}, {2, 2});
+  m.add_(m[0]);  // row 0 broadcast over m, row 0 included
+  EXPECT_TRUE(values_are(m, {2, 4, 4, 6}));
+  auto v = from_vector<double>({1, 2, 3, 4});
+  v.narrow(0, 1, 3).add_(v.narrow(0, 0, 3));  // a shifted slice of itself
+  EXPECT_TRUE(values_are(v, {1, 3, 5, 7}));
+  v.narrow(0, 0, 3).mul_(v.narrow(0, 1, 3));
+  EXPECT_TRUE(values_are(v, {3, 15, 35, 7}));
+  m.mul_(m);  // the same elements: each reads only itself
+  EXPECT_TRUE(values_are(m, {4, 16, 16, 36}));
+}
+
+// Autograd records no in-place operation: refused where it would have to, with nothing
+// written; allowed under NoGradGuard and on detach(), where a graph that saved the tensor is
+// refused at backward.
+TEST(InPlace, AutogradRefusesWhatItWouldHaveToRecord) {
+  auto w = from_vector<double>({1, 2, 3}).requires_grad_();
+  auto c = from_vector<double>({1, 1, 1});
+  EXPECT_TRUE(throws_with([&] { w.add_(c); }, {"add_", "leaf", "NoGradGuard"}));
+  EXPECT_TRUE(throws_with([&] { w *= 2.0; }, {"mul_", "leaf"}));
+  EXPECT_TRUE(throws_with([&] { c.add_(w); }, {"add_", "other operand requires grad"}));
+  auto h = w * 2.0;
+  EXPECT_TRUE(throws_with([&] { h.sub_(1.0); }, {"sub_", "autograd"}));
+  EXPECT_TRUE(values_are(w, {1, 2, 3}));
+  EXPECT_TRUE(values_are(c, {1, 1, 1}));
+  EXPECT_TRUE(values_are(h, {2, 4, 6}));
+  {
+    NoGradGuard g;
+    w.add_(c, -0.5);  // a manual SGD step
+    c.add_(w);
+  }
+  EXPECT_TRUE(values_are(w, {0.5, 1.5, 2.5}));
+  EXPECT_TRUE(values_are(c, {1.5, 2.5, 3.5}));
+  EXPECT_TRUE(w.requires_grad() && w.is_leaf());
+
+  auto y = (w * w).sum();  // saves w
+  w.detach().mul_(2.0);    // writes w's storage: the saved w is stale
+  EXPECT_TRUE(values_are(w, {1, 3, 5}));
+  EXPECT_TRUE(throws_with([&] { y.backward(); }, {"modified by an inplace operation", "saved by MulBackward"}));
+}
+
+TEST(InPlace, ShapesThatCannotBeWrittenAreErrors) {
+  auto x = zeros<float>({3});
+  EXPECT_TRUE(throws_with([&] { x.add_(ones<float>({2, 3})); }, {"add_", "[2, 3]", "cannot be written", "[3]"}));
+  EXPECT_TRUE(throws_with([&] { x.mul_(ones<float>({4})); }, {"mul_", "[3]", "[4]"}));
+  EXPECT_TRUE(throws_with([&] { x.div_(Tensor<float>()); }, {"div_", "undefined"}));
+  EXPECT_TRUE(throws_with([&] { Tensor<float>().add_(1.0); }, {"add_", "undefined"}));
+  EXPECT_TRUE(values_are(x, {0, 0, 0}));
 }

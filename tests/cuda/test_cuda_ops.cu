@@ -165,6 +165,33 @@ TYPED_TEST(CudaSeqOps, PointwiseAndReductions) {
   EXPECT_EQ(cumsum(ints.to(kGpu), 1).to_vector(), cumsum(ints, 1).to_vector());
 }
 
+// In-place arithmetic (Note [in-place arithmetic]) on the GPU: the CPU's values (add_ with
+// alpha within rounding: nvcc may fuse a + alpha*b), through broadcasts, a strided x and an
+// operand overlapping x.
+TYPED_TEST(CudaSeqOps, InPlaceArithmeticEqualsTheCpu) {
+  REQUIRE_GPU();
+  using T = TypeParam;
+  const auto x = r<T>({40, 30}, 1), y = r<T>({40, 30}, 2, 0.5, 2), row = r<T>({30}, 3, 0.5, 2);
+  using F = std::function<void(Tensor<T>&)>;
+  auto check = [&](const char* name, const F& f, double rtol) {
+    SCOPED_TRACE(name);
+    auto c = x.clone(), g = x.to(kGpu);
+    f(c);
+    f(g);
+    ASSERT_EQ(g.device(), kGpu);
+    EXPECT_TRUE(all_close(g.to(Device::cpu()), c, rtol));
+  };
+  auto on = [](const Tensor<T>& t, const Tensor<T>& like) { return t.to(like.device()); };
+  check("add_", [&](Tensor<T>& z) { z.add_(on(y, z)); }, 0);
+  check("sub_-row", [&](Tensor<T>& z) { z -= on(row, z); }, 0);
+  check("mul_", [&](Tensor<T>& z) { z *= on(y, z); }, 0);
+  check("div_-row", [&](Tensor<T>& z) { z.div_(on(row, z)); }, 0);
+  check("scalars", [&](Tensor<T>& z) { z.add_(0.25).mul_(3.0).sub_(1.0).div_(0.5); }, 0);
+  check("alpha", [&](Tensor<T>& z) { z.add_(on(row, z), -0.37); }, std::is_same_v<T, float> ? 1e-6 : 1e-15);
+  check("strided", [&](Tensor<T>& z) { z.t().mul_(on(row, z).reshape({30, 1})); }, 0);
+  check("overlap", [&](Tensor<T>& z) { z.add_(z[0]); }, 0);
+}
+
 TYPED_TEST(CudaSeqOps, GatherScatterAddOneHot) {
   REQUIRE_GPU();
   using T = TypeParam;

@@ -178,6 +178,15 @@ struct AddThenScale {
     return T((O(a) + O(b)) * O(s));
   }
 };
+/// a + alpha * b computed in T's opmath and rounded to T once (Tensor::add_(other, alpha)).
+struct AddScaled {
+  double alpha;
+  template <class T>
+  CHORUS_HOST_DEVICE T operator()(T a, T b) const {
+    using O = opmath_t<T>;
+    return T(O(a) + O(alpha) * O(b));
+  }
+};
 
 // ---- backward: (grad, saved) -> grad_input ----
 struct ReluBackward {  // saved: the output; PyTorch's threshold_backward passes g where y is NaN

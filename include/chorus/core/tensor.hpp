@@ -251,6 +251,25 @@ class Tensor {
   Tensor& zero_();
   Tensor& fill_(T value);
   Tensor& copy_(const Tensor& src);
+  /// In-place arithmetic, `other` broadcast to this tensor's shape; none is recorded by
+  /// autograd (use them under NoGradGuard or on detach()): Note [in-place arithmetic] in
+  /// ops/inplace.hpp. `add_(other, alpha)` adds alpha * other, as LibTorch's.
+  Tensor& add_(const Tensor& other, double alpha = 1.0);
+  Tensor& sub_(const Tensor& other, double alpha = 1.0);
+  Tensor& mul_(const Tensor& other);
+  Tensor& div_(const Tensor& other);
+  Tensor& add_(double other);
+  Tensor& sub_(double other);
+  Tensor& mul_(double other);
+  Tensor& div_(double other);
+  Tensor& operator+=(const Tensor& other) { return add_(other); }
+  Tensor& operator-=(const Tensor& other) { return sub_(other); }
+  Tensor& operator*=(const Tensor& other) { return mul_(other); }
+  Tensor& operator/=(const Tensor& other) { return div_(other); }
+  Tensor& operator+=(double other) { return add_(other); }
+  Tensor& operator-=(double other) { return sub_(other); }
+  Tensor& operator*=(double other) { return mul_(other); }
+  Tensor& operator/=(double other) { return div_(other); }
 
   /// Computes gradients of this tensor (a scalar, or with `gradient` of its shape) with
   /// respect to the leaves of its graph, accumulating them into their grad().

@@ -3,6 +3,7 @@
 #include "common.hpp"
 #include "elementwise.hpp"
 #include "factory.hpp"
+#include "inplace.hpp"
 #include "linalg.hpp"
 #include "loss.hpp"
 #include "nn.hpp"

@@ -61,10 +61,10 @@
   X(f, T, fn::ReluBackward) X(f, T, fn::GeluBackward) X(f, T, fn::TanhBackward)                            \
   X(f, T, fn::SigmoidBackward) X(f, T, fn::LogBackward) X(f, T, fn::SqrtBackward) X(f, T, fn::PowBackward) \
   X(f, T, fn::AbsBackward) X(f, T, fn::SinBackward) X(f, T, fn::CosBackward) X(f, T, fn::ClampBackward)    \
-  X(f, T, fn::NormScale) X(f, T, fn::AddThenScale)
+  X(f, T, fn::NormScale) X(f, T, fn::AddThenScale) X(f, T, fn::AddScaled)
 #define CHORUS_CUDA_BROADCAST_OPS(X, f, T)                                                                 \
   X(f, T, fn::Add) X(f, T, fn::Sub) X(f, T, fn::Mul) X(f, T, fn::Div) X(f, T, fn::NormGrad)              \
-  X(f, T, fn::NormInfMask) X(f, T, fn::SameValue)
+  X(f, T, fn::NormInfMask) X(f, T, fn::SameValue) X(f, T, fn::AddScaled)
 #define CHORUS_CUDA_EACH_FLOAT_T(M, X, f) M(X, f, float) M(X, f, double) M(X, f, bfloat16) M(X, f, half)
 #define CHORUS_CUDA_CONVERT_FROM(X, f, T) \
   X(f, T, float) X(f, T, double) X(f, T, bfloat16) X(f, T, half) X(f, T, std::int64_t)
