@@ -8,7 +8,8 @@
 // x to y's: the shape written is x's, as in PyTorch), in one pass where x is contiguous. The
 // invariant is bit for bit: `x op= y` leaves x equal to `x op y`, the same functors on the same
 // operands (`x.div_(s)` is `x * (1/s)` as `x / s` is). `add_(y, alpha)` and `sub_(y, alpha)`
-// compute x + alpha*y in the element type's opmath and round once (fn::AddScaled).
+// compute x + alpha*y in the element type's opmath (float for the 16-bit types) and round to the
+// element type once (fn::AddScaled); chorus has no out-of-place add with alpha to equal.
 //
 // Autograd records no in-place operation. Where grad mode would have to record one, the call is
 // refused with an error, and nothing is written: on a leaf that requires grad (PyTorch refuses
