@@ -9,7 +9,8 @@
 // (or a link error where a symbol is expected from the other) instead of an ODR violation.
 // Host translation units built with oneDNN (CHORUS_HAS_ONEDNN, set by CMake where libdnnl is
 // found) take CPU convolutions another way, so they get their own tag too (v0_1_cpu_dnnl);
-// CUDA translation units never use oneDNN (backend/cpu/onednn.hpp).
+// CUDA translation units never use oneDNN (backend/cpu/onednn.hpp). The compiled form carries
+// its own tag (v0_1_cpu_dnnl_compiled, Note [compiled chorus] in compiled.hpp).
 #include "version.hpp"
 
 // The CUDA backend is compiled into a translation unit built by nvcc, or into any C++ one
@@ -23,6 +24,12 @@
 #define CHORUS_CUDA 0
 #endif
 
+// The compiled form (chorus::compiled, Note [compiled chorus] in compiled.hpp) is CPU-only
+// for now: a CUDA program uses the header-only form with chorus::cuda_kernels.
+#if defined(CHORUS_COMPILED) && CHORUS_COMPILED && CHORUS_CUDA
+#error "chorus::compiled is the CPU library: a CUDA translation unit links chorus::cuda_kernels (header-only form) instead"
+#endif
+
 #if CHORUS_CUDA
 #if defined(__CUDACC__)
 #define CHORUS_HOST_DEVICE __host__ __device__
@@ -32,10 +39,18 @@
 #define CHORUS_ABI_NS v0_1_cuda
 #elif defined(CHORUS_HAS_ONEDNN) && CHORUS_HAS_ONEDNN
 #define CHORUS_HOST_DEVICE
+#if defined(CHORUS_COMPILED) && CHORUS_COMPILED
+#define CHORUS_ABI_NS v0_1_cpu_dnnl_compiled
+#else
 #define CHORUS_ABI_NS v0_1_cpu_dnnl
+#endif
 #else
 #define CHORUS_HOST_DEVICE
+#if defined(CHORUS_COMPILED) && CHORUS_COMPILED
+#define CHORUS_ABI_NS v0_1_cpu_compiled
+#else
 #define CHORUS_ABI_NS v0_1_cpu
+#endif
 #endif
 
 #define CHORUS_NAMESPACE_BEGIN \

@@ -32,9 +32,18 @@ endif()
 if(MODE MATCHES "^find_package")
   # Install chorus alone (no tests/examples) into a temporary prefix, CUDA detection left at
   # its default: on a machine with nvcc the installing build enables CUDA.
+  # Only the plain find_package mode builds and installs chorus::compiled (a minute of compiling);
+  # the other modes test the components.
+  set(with_compiled OFF)
+  if(MODE STREQUAL "find_package")
+    set(with_compiled ON)
+  endif()
   run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/chorus-build -G ${GENERATOR} -DCHORUS_BUILD_TESTS=OFF
-      -DCHORUS_BUILD_EXAMPLES=OFF -DCHORUS_BUILD_BENCHMARKS=OFF -DCHORUS_INSTALL=ON
-      -DCMAKE_INSTALL_PREFIX=${WORK_DIR}/prefix)
+      -DCHORUS_BUILD_EXAMPLES=OFF -DCHORUS_BUILD_BENCHMARKS=OFF -DCHORUS_INSTALL=ON -DCHORUS_BUILD_COMPILED=${with_compiled}
+      -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=${WORK_DIR}/prefix)
+  if(with_compiled)
+    run(${CMAKE_COMMAND} --build ${WORK_DIR}/chorus-build --parallel 2)
+  endif()
   run(${CMAKE_COMMAND} --install ${WORK_DIR}/chorus-build)
   # The generated package files carry nothing of the installing build's CUDA (ChorusCuda.cmake,
   # which looks for the consumer's toolkit, is the one place that names CUDA).
@@ -61,7 +70,7 @@ if(MODE MATCHES "^find_package")
     run(${WORK_DIR}/build/consumer_distributed)
   elseif(MODE STREQUAL "find_package")
     run(${CMAKE_COMMAND} -S ${consumer} -B ${WORK_DIR}/build -G ${GENERATOR} -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix
-        -DCONSUMER_EXPECT_CUDA_TARGET=OFF)
+        -DCONSUMER_EXPECT_CUDA_TARGET=OFF -DCONSUMER_EXPECT_COMPILED=ON)
     expect_no_cuda_language(${WORK_DIR}/build)
   else()
     # Asked for: chorus::cuda from this configure's toolkit (still no CUDA language needed).
@@ -85,8 +94,13 @@ if(MODE MATCHES "^find_package")
   endif()
 else()
   run(${CMAKE_COMMAND} -S ${consumer} -B ${WORK_DIR}/build -G ${GENERATOR} -DCHORUS_SOURCE_DIR=${SOURCE_DIR}
-      -DCHORUS_ENABLE_CUDA=OFF -DCONSUMER_EXPECT_CUDA_TARGET=OFF)
+      -DCHORUS_ENABLE_CUDA=OFF -DCONSUMER_EXPECT_CUDA_TARGET=OFF -DCHORUS_BUILD_COMPILED=OFF)
   expect_no_cuda_language(${WORK_DIR}/build)
 endif()
-run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
+run(${CMAKE_COMMAND} --build ${WORK_DIR}/build --parallel 2)
 run(${WORK_DIR}/build/consumer)
+if(EXISTS ${WORK_DIR}/build/consumer_compiled)
+  run(${WORK_DIR}/build/consumer_compiled)
+elseif(MODE STREQUAL "find_package")
+  message(FATAL_ERROR "the find_package consumer built no consumer_compiled")
+endif()

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "../backend/backend.hpp"
+#include "../compiled.hpp"
 #include "node.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -392,3 +393,9 @@ void Tensor<T>::backward(const Tensor<T>& gradient, bool retain_graph) const {
 }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_AUTOGRAD_ENGINE_FLOAT_INSTANCES(X, T)                                             \
+  X(void autograd::backward<T>(const std::vector<Tensor<T>>&, const std::vector<Tensor<T>>&, bool)) \
+  X(class autograd::AccumulateGrad<T>)
+CHORUS_EXTERN_INSTANCES(CHORUS_AUTOGRAD_ENGINE_FLOAT_INSTANCES, CHORUS_FLOATING_DTYPES)

@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../core/any_tensor.hpp"
 #include "../core/runtime.hpp"
 #include "grad_mode.hpp"
@@ -302,3 +303,8 @@ void set_history(Tensor<T>& out, const std::shared_ptr<NodeBase>& node) {
 
 }  // namespace autograd
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_AUTOGRAD_NODE_INSTANCES(X, T)                                     \
+  X(void autograd::set_history<T>(Tensor<T>&, const std::shared_ptr<NodeBase>&))
+CHORUS_EXTERN_INSTANCES(CHORUS_AUTOGRAD_NODE_INSTANCES, CHORUS_ALL_DTYPES)

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../core/generator.hpp"
 #include "../core/tensor.hpp"
 #include "cpu/blas.hpp"
@@ -544,3 +545,77 @@ void foreach_clamp(const std::vector<T*>& ptrs, const std::vector<std::int64_t>&
 
 }  // namespace backend
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_BACKEND_BACKEND_INSTANCES(X, T)                                                                                                                                              \
+  X(void backend::fill<T>(const Tensor<T>&, T))                                                                                                                                             \
+  X(void backend::arange<T>(const Tensor<T>&, double, double))                                                                                                                              \
+  X(void backend::copy<T>(const Tensor<T>&, const Tensor<T>&))                                                                                                                              \
+  X(void backend::reduce_add_broadcast<T>(const Tensor<T>&, const Tensor<T>&, const Strides&))                                                                                              \
+  X(void backend::sum_all<T>(const Tensor<T>&, const Tensor<T>&, double))                                                                                                                   \
+  X(void backend::sum_dim<T>(const Tensor<T>&, std::int64_t, std::int64_t, std::int64_t, const Tensor<T>&, double))                                                                         \
+  X(void backend::expand_dim<T>(const Tensor<T>&, std::int64_t, std::int64_t, std::int64_t, const Tensor<T>&, double))                                                                      \
+  X(void backend::softmax<T>(const Tensor<T>&, std::int64_t, std::int64_t, std::int64_t, const Tensor<T>&, bool, bool))                                                                     \
+  X(void backend::softmax_backward<T>(const Tensor<T>&, const Tensor<T>&, std::int64_t, std::int64_t, std::int64_t, const Tensor<T>&, bool))                                                \
+  X(void backend::index_select<T>(const Tensor<T>&, std::int64_t, std::int64_t, std::int64_t, const Tensor<std::int64_t>&, const Tensor<T>&, int))                                          \
+  X(void backend::index_add<T>(const Tensor<T>&, std::int64_t, std::int64_t, std::int64_t, const Tensor<std::int64_t>&, const Tensor<T>&))                                                  \
+  X(void backend::broadcast_rows<T>(const Tensor<T>&, std::int64_t, std::int64_t, const Tensor<T>&))                                                                                        \
+  X(void backend::squared_error_sum<T>(const Tensor<T>&, const Tensor<T>&, const Tensor<T>&, double))                                                                                       \
+  X(void backend::squared_error_backward<T>(const Tensor<T>&, const Tensor<T>&, const Tensor<T>&, double, const Tensor<T>*, const Tensor<T>*))                                              \
+  X(void backend::count_not_ignored<T>(const Tensor<std::int64_t>&, std::int64_t, const Tensor<T>&))                                                                                        \
+  X(void backend::cross_entropy_forward<T>(const Tensor<T>&, const Tensor<std::int64_t>&, std::int64_t, const Tensor<T>&))                                                                  \
+  X(void backend::cross_entropy_backward<T>(const Tensor<T>&, const Tensor<std::int64_t>&, std::int64_t, const Tensor<T>&, std::int64_t, const Tensor<T>&))                                 \
+  X(void backend::nll_forward<T>(const Tensor<T>&, const Tensor<std::int64_t>&, std::int64_t, const Tensor<T>&))                                                                            \
+  X(void backend::nll_backward<T>(const Tensor<std::int64_t>&, std::int64_t, std::int64_t, const Tensor<T>&, std::int64_t, const Tensor<T>&))                                               \
+  X(void backend::sgd_step<T>(const Tensor<T>&, const Tensor<T>&, const Tensor<T>*, double, double, double, double, bool, bool, bool))                                                      \
+  X(void backend::adam_step<T>(const Tensor<T>&, const Tensor<T>&, const Tensor<T>&, const Tensor<T>&, const Tensor<T>*, double, double, double, double, double, bool, std::int64_t, bool)) \
+  X(void backend::foreach_norm<T>(const std::vector<T*>&, const std::vector<std::int64_t>&, const NormSpec&, double*, Device))                                                              \
+  X(void backend::foreach_scale<T>(const std::vector<T*>&, const std::vector<std::int64_t>&, const double*, Device))                                                                        \
+  X(void backend::foreach_clamp<T>(const std::vector<T*>&, const std::vector<std::int64_t>&, T, Device))
+CHORUS_EXTERN_INSTANCES(CHORUS_BACKEND_BACKEND_INSTANCES, CHORUS_ALL_DTYPES)
+#define CHORUS_BACKEND_BACKEND_FLOAT_INSTANCES(X, T)                                                                                                             \
+  X(void backend::gemm<T>(bool, bool, std::int64_t, std::int64_t, std::int64_t, T, const T*, std::int64_t, const T*, std::int64_t, T, T*, std::int64_t, Device)) \
+  X(void backend::linear_forward<T>(const Tensor<T>&, const Tensor<T>&, const Tensor<T>*, const Tensor<T>&))
+CHORUS_EXTERN_INSTANCES(CHORUS_BACKEND_BACKEND_FLOAT_INSTANCES, CHORUS_FLOATING_DTYPES)
+// The elementwise kernels with their functors (backend/functors.hpp), and the conversions:
+// every floating dtype has every functor of its arity; int64 the few integer ones.
+#define CHORUS_BACKEND_OP(X, f, T, F) X(decltype(backend::f<T, backend::fn::F>) backend::f<T, backend::fn::F>)
+#define CHORUS_BACKEND_UNARY_OPS(X, T)                                                                        \
+  CHORUS_BACKEND_OP(X, unary, T, Neg) CHORUS_BACKEND_OP(X, unary, T, Exp) CHORUS_BACKEND_OP(X, unary, T, Log)  \
+  CHORUS_BACKEND_OP(X, unary, T, Sqrt) CHORUS_BACKEND_OP(X, unary, T, Relu) CHORUS_BACKEND_OP(X, unary, T, Gelu) \
+  CHORUS_BACKEND_OP(X, unary, T, Tanh) CHORUS_BACKEND_OP(X, unary, T, Sigmoid)                                 \
+  CHORUS_BACKEND_OP(X, unary, T, AddScalar) CHORUS_BACKEND_OP(X, unary, T, MulScalar)                          \
+  CHORUS_BACKEND_OP(X, unary, T, PowScalar) CHORUS_BACKEND_OP(X, unary, T, Abs)                                \
+  CHORUS_BACKEND_OP(X, unary, T, Sign) CHORUS_BACKEND_OP(X, unary, T, InfToZero)                               \
+  CHORUS_BACKEND_OP(X, unary, T, Sin) CHORUS_BACKEND_OP(X, unary, T, Cos) CHORUS_BACKEND_OP(X, unary, T, Clamp) \
+  CHORUS_BACKEND_OP(X, unary, T, NonZero) CHORUS_BACKEND_OP(X, unary, T, AbsPow) CHORUS_BACKEND_OP(X, unary, T, Scale)
+#define CHORUS_BACKEND_BINARY_OPS(X, T)                                                                           \
+  CHORUS_BACKEND_OP(X, binary_same, T, Add) CHORUS_BACKEND_OP(X, binary_same, T, Sub)                             \
+  CHORUS_BACKEND_OP(X, binary_same, T, Mul) CHORUS_BACKEND_OP(X, binary_same, T, Div)                             \
+  CHORUS_BACKEND_OP(X, binary_same, T, Maximum) CHORUS_BACKEND_OP(X, binary_same, T, ReluBackward)                \
+  CHORUS_BACKEND_OP(X, binary_same, T, GeluBackward) CHORUS_BACKEND_OP(X, binary_same, T, TanhBackward)           \
+  CHORUS_BACKEND_OP(X, binary_same, T, SigmoidBackward) CHORUS_BACKEND_OP(X, binary_same, T, LogBackward)         \
+  CHORUS_BACKEND_OP(X, binary_same, T, SqrtBackward) CHORUS_BACKEND_OP(X, binary_same, T, PowBackward)            \
+  CHORUS_BACKEND_OP(X, binary_same, T, AbsBackward) CHORUS_BACKEND_OP(X, binary_same, T, SinBackward)             \
+  CHORUS_BACKEND_OP(X, binary_same, T, CosBackward) CHORUS_BACKEND_OP(X, binary_same, T, ClampBackward)           \
+  CHORUS_BACKEND_OP(X, binary_same, T, NormScale) CHORUS_BACKEND_OP(X, binary_same, T, AddThenScale)              \
+  CHORUS_BACKEND_OP(X, binary_same, T, AddScaled) CHORUS_BACKEND_OP(X, binary_broadcast, T, Add)                  \
+  CHORUS_BACKEND_OP(X, binary_broadcast, T, Sub) CHORUS_BACKEND_OP(X, binary_broadcast, T, Mul)                   \
+  CHORUS_BACKEND_OP(X, binary_broadcast, T, Div) CHORUS_BACKEND_OP(X, binary_broadcast, T, NormGrad)              \
+  CHORUS_BACKEND_OP(X, binary_broadcast, T, NormInfMask) CHORUS_BACKEND_OP(X, binary_broadcast, T, SameValue)     \
+  CHORUS_BACKEND_OP(X, binary_broadcast, T, AddScaled)
+#define CHORUS_BACKEND_ELEMENTWISE_FLOAT_INSTANCES(X, T) CHORUS_BACKEND_UNARY_OPS(X, T) CHORUS_BACKEND_BINARY_OPS(X, T)
+CHORUS_EXTERN_INSTANCES(CHORUS_BACKEND_ELEMENTWISE_FLOAT_INSTANCES, CHORUS_FLOATING_DTYPES)
+#define CHORUS_BACKEND_ELEMENTWISE_INT_INSTANCES(X, T)                                                            \
+  CHORUS_BACKEND_OP(X, unary, T, AddScalar) CHORUS_BACKEND_OP(X, unary, T, MulScalar)                             \
+  CHORUS_BACKEND_OP(X, unary, T, Neg) CHORUS_BACKEND_OP(X, binary_same, T, Add) CHORUS_BACKEND_OP(X, binary_same, T, Sub) \
+  CHORUS_BACKEND_OP(X, binary_same, T, Mul) CHORUS_BACKEND_OP(X, binary_broadcast, T, Add)                        \
+  CHORUS_BACKEND_OP(X, binary_broadcast, T, Sub) CHORUS_BACKEND_OP(X, binary_broadcast, T, Mul)
+CHORUS_EXTERN_INSTANCES(CHORUS_BACKEND_ELEMENTWISE_INT_INSTANCES, CHORUS_INT_DTYPES)
+#define CHORUS_BACKEND_CONVERT_INSTANCES(X, T)                                                          \
+  X(void backend::convert<float, T>(const Tensor<float>&, const Tensor<T>&))                            \
+  X(void backend::convert<double, T>(const Tensor<double>&, const Tensor<T>&))                          \
+  X(void backend::convert<bfloat16, T>(const Tensor<bfloat16>&, const Tensor<T>&))                      \
+  X(void backend::convert<half, T>(const Tensor<half>&, const Tensor<T>&))                              \
+  X(void backend::convert<std::int64_t, T>(const Tensor<std::int64_t>&, const Tensor<T>&))
+CHORUS_EXTERN_INSTANCES(CHORUS_BACKEND_CONVERT_INSTANCES, CHORUS_ALL_DTYPES)

@@ -6,6 +6,7 @@
 // validation]); on the CPU the caller has.
 #include <cstdint>
 
+#include "../compiled.hpp"
 #include "backend.hpp"
 #include "cpu/index_kernels.hpp"
 #if CHORUS_CUDA
@@ -120,3 +121,16 @@ void gemm_batched(bool ta, bool tb, std::int64_t M, std::int64_t N, std::int64_t
 
 }  // namespace backend
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_BACKEND_INDEX_INSTANCES(X, T)                                                                                                                       \
+  X(void backend::gather<T>(const Tensor<T>&, int, const Tensor<std::int64_t>&, const Tensor<T>&))                                                                 \
+  X(void backend::scatter_add<T>(const Tensor<T>&, const Strides&, int, const Tensor<std::int64_t>&, const Tensor<T>&))                                            \
+  X(void backend::select_extremum<T>(const Tensor<T>&, std::int64_t, std::int64_t, std::int64_t, T*, std::int64_t*, fn::RankOrder))                                \
+  X(void backend::topk<T>(const Tensor<T>&, std::int64_t, std::int64_t, std::int64_t, std::int64_t, const Tensor<T>&, const Tensor<std::int64_t>&, fn::RankOrder)) \
+  X(void backend::cumsum<T>(const Tensor<T>&, std::int64_t, std::int64_t, std::int64_t, const Tensor<T>&, bool))                                                   \
+  X(void backend::triangle<T>(const Tensor<T>&, const Tensor<T>&, std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool))
+CHORUS_EXTERN_INSTANCES(CHORUS_BACKEND_INDEX_INSTANCES, CHORUS_ALL_DTYPES)
+#define CHORUS_BACKEND_INDEX_FLOAT_INSTANCES(X, T)                                                                                                                                                                               \
+  X(void backend::gemm_batched<T>(bool, bool, std::int64_t, std::int64_t, std::int64_t, T, const T*, std::int64_t, std::int64_t, const T*, std::int64_t, std::int64_t, T, T*, std::int64_t, std::int64_t, std::int64_t, Device))
+CHORUS_EXTERN_INSTANCES(CHORUS_BACKEND_INDEX_FLOAT_INSTANCES, CHORUS_FLOATING_DTYPES)

@@ -1,6 +1,7 @@
 #pragma once
 // Device dispatch of the convolution, pooling and normalisation kernels (NCHW, contiguous
 // tensors). ops/nn.hpp calls these.
+#include "../compiled.hpp"
 #include "backend.hpp"
 #include "cpu/nn_kernels.hpp"
 #include "cpu/onednn.hpp"
@@ -168,3 +169,18 @@ void dropout_apply(const T* in, T* out, std::int64_t n, const PhiloxLayout& layo
 
 }  // namespace backend
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_BACKEND_NN_INSTANCES(X, T)                                                                                              \
+  X(void backend::im2col<T>(const T*, const Window2d&, T*, Device))                                                                    \
+  X(void backend::col2im<T>(const T*, const Window2d&, T*, Device))                                                                    \
+  X(void backend::max_pool2d<T>(const T*, std::int64_t, const Window2d&, T*, std::int64_t*, Device))                                   \
+  X(void backend::max_pool2d_backward<T>(const T*, const std::int64_t*, std::int64_t, const Window2d&, T*, Device))                    \
+  X(void backend::avg_pool2d<T>(const T*, std::int64_t, const Window2d&, bool, std::int64_t, T*, Device))                              \
+  X(void backend::avg_pool2d_backward<T>(const T*, std::int64_t, const Window2d&, bool, std::int64_t, T*, Device))                     \
+  X(void backend::adaptive_avg_pool2d<T>(const T*, std::int64_t, const Window2d&, T*, Device))                                         \
+  X(void backend::adaptive_avg_pool2d_backward<T>(const T*, std::int64_t, const Window2d&, T*, Device))                                \
+  X(void backend::channel_sums<T>(const T*, std::int64_t, std::int64_t, std::int64_t, const T*, T*, Device))                           \
+  X(void backend::bn_apply<T>(const T*, std::int64_t, std::int64_t, std::int64_t, const T*, const T*, const T*, const T*, T*, Device)) \
+  X(void backend::dropout_apply<T>(const T*, T*, std::int64_t, const PhiloxLayout&, std::uint64_t, T, Device))
+CHORUS_EXTERN_INSTANCES(CHORUS_BACKEND_NN_INSTANCES, CHORUS_ALL_DTYPES)

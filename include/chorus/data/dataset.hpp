@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../ops/ops.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -81,3 +82,8 @@ class TensorDataset {
 
 }  // namespace data
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_DATA_DATASET_INSTANCES(X, T)                        \
+  X(Tensor<T> data::stack_batch<T>(const std::vector<Tensor<T>>&))
+CHORUS_EXTERN_INSTANCES(CHORUS_DATA_DATASET_INSTANCES, CHORUS_ALL_DTYPES)

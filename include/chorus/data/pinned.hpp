@@ -4,6 +4,7 @@
 // a CPU-only build, or without a GPU, pinning is a no-op.
 #include <cstring>
 
+#include "../compiled.hpp"
 #include "../core/pinned_allocator.hpp"
 #include "dataset.hpp"
 
@@ -59,3 +60,9 @@ Other pin_batch(Other o) {
 
 }  // namespace data
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_DATA_PINNED_INSTANCES(X, T)    \
+  X(Tensor<T> data::pin<T>(const Tensor<T>&)) \
+  X(Tensor<T> data::pin_batch<T>(Tensor<T>))
+CHORUS_EXTERN_INSTANCES(CHORUS_DATA_PINNED_INSTANCES, CHORUS_ALL_DTYPES)

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <string>
 
+#include "../compiled.hpp"
 #include "../ops/ops.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -111,3 +112,20 @@ Tensor<T>& ones_(Tensor<T>& t) {
 
 }  // namespace nn::init
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_NN_INIT_INSTANCES(X, T)                                         \
+  X(Tensor<T>& nn::init::constant_<T>(Tensor<T>&, T))                          \
+  X(std::pair<std::int64_t, std::int64_t> nn::init::fans<T>(const Tensor<T>&)) \
+  X(Tensor<T>& nn::init::zeros_<T>(Tensor<T>&))                                \
+  X(Tensor<T>& nn::init::ones_<T>(Tensor<T>&))
+CHORUS_EXTERN_INSTANCES(CHORUS_NN_INIT_INSTANCES, CHORUS_ALL_DTYPES)
+#define CHORUS_NN_INIT_FLOAT_INSTANCES(X, T)                                                               \
+  X(Tensor<T>& nn::init::uniform_<T>(Tensor<T>&, double, double, Generator&))                              \
+  X(Tensor<T>& nn::init::normal_<T>(Tensor<T>&, double, double, Generator&))                               \
+  X(Tensor<T>& nn::init::kaiming_uniform_<T>(Tensor<T>&, double, Generator&))                              \
+  X(Tensor<T>& nn::init::xavier_uniform_<T>(Tensor<T>&, double, Generator&))                               \
+  X(Tensor<T>& nn::init::kaiming_uniform_<T>(Tensor<T>&, double, FanMode, const std::string&, Generator&)) \
+  X(Tensor<T>& nn::init::kaiming_normal_<T>(Tensor<T>&, double, FanMode, const std::string&, Generator&))  \
+  X(Tensor<T>& nn::init::xavier_normal_<T>(Tensor<T>&, double, Generator&))
+CHORUS_EXTERN_INSTANCES(CHORUS_NN_INIT_FLOAT_INSTANCES, CHORUS_FLOATING_DTYPES)

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "attention.hpp"
 #include "layers.hpp"
 #include "module.hpp"
@@ -469,3 +470,8 @@ using Transformer = TransformerT<float>;
 
 }  // namespace nn
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_NN_TRANSFORMER_INSTANCES(X, T)                               \
+  X(Tensor<T> nn::generate_square_subsequent_mask<T>(std::int64_t, Device))
+CHORUS_EXTERN_INSTANCES(CHORUS_NN_TRANSFORMER_INSTANCES, CHORUS_ALL_DTYPES)

@@ -5,6 +5,7 @@
 #include <memory>
 #include <utility>
 
+#include "../compiled.hpp"
 #include "../backend/nn.hpp"
 #include "elementwise.hpp"
 #include "view.hpp"
@@ -251,3 +252,8 @@ Tensor<T> batch_norm(const Tensor<T>& x, const Tensor<T>& running_mean, const Te
 }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_BATCH_NORM_FLOAT_INSTANCES(X, T)                                                                                                                         \
+  X(Tensor<T> batch_norm<T>(const Tensor<T>&, const Tensor<T>&, const Tensor<T>&, const Tensor<T>&, const Tensor<T>&, bool, double, double, std::shared_ptr<StatsReducer>))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_BATCH_NORM_FLOAT_INSTANCES, CHORUS_FLOATING_DTYPES)

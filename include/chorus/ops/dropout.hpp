@@ -3,6 +3,7 @@
 // numbers], core/generator.hpp).
 #include <cstdint>
 
+#include "../compiled.hpp"
 #include "../backend/nn.hpp"
 #include "elementwise.hpp"
 #include "factory.hpp"
@@ -76,3 +77,9 @@ Tensor<T> dropout2d(const Tensor<T>& x, double p, bool training, Generator& gen 
 }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_DROPOUT_FLOAT_INSTANCES(X, T)                        \
+  X(Tensor<T> dropout<T>(const Tensor<T>&, double, bool, Generator&))   \
+  X(Tensor<T> dropout2d<T>(const Tensor<T>&, double, bool, Generator&))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_DROPOUT_FLOAT_INSTANCES, CHORUS_FLOATING_DTYPES)

@@ -2,6 +2,7 @@
 // Elementwise operations with NumPy broadcasting, and the activations.
 #include <optional>
 
+#include "../compiled.hpp"
 #include "common.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -297,3 +298,42 @@ template <class T>
 Tensor<T> operator/(double s, const Tensor<T>& a) { return mul(pow(a, -1.0), s); }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_ELEMENTWISE_INSTANCES(X, T)                                          \
+  X(Tensor<T> add<T>(const Tensor<T>&, const Tensor<T>&))                               \
+  X(Tensor<T> sub<T>(const Tensor<T>&, const Tensor<T>&))                               \
+  X(Tensor<T> mul<T>(const Tensor<T>&, const Tensor<T>&))                               \
+  X(Tensor<T> div<T>(const Tensor<T>&, const Tensor<T>&))                               \
+  X(Tensor<T> add<T>(const Tensor<T>&, double))                                         \
+  X(Tensor<T> mul<T>(const Tensor<T>&, double))                                         \
+  X(Tensor<T> neg<T>(const Tensor<T>&))                                                 \
+  X(Tensor<T> exp<T>(const Tensor<T>&))                                                 \
+  X(Tensor<T> log<T>(const Tensor<T>&))                                                 \
+  X(Tensor<T> sqrt<T>(const Tensor<T>&))                                                \
+  X(Tensor<T> pow<T>(const Tensor<T>&, double))                                         \
+  X(Tensor<T> square<T>(const Tensor<T>&))                                              \
+  X(Tensor<T> abs<T>(const Tensor<T>&))                                                 \
+  X(Tensor<T> sin<T>(const Tensor<T>&))                                                 \
+  X(Tensor<T> cos<T>(const Tensor<T>&))                                                 \
+  X(Tensor<T> clamp<T>(const Tensor<T>&, std::optional<double>, std::optional<double>)) \
+  X(Tensor<T> clamp_min<T>(const Tensor<T>&, double))                                   \
+  X(Tensor<T> clamp_max<T>(const Tensor<T>&, double))                                   \
+  X(Tensor<T> relu<T>(const Tensor<T>&))                                                \
+  X(Tensor<T> gelu<T>(const Tensor<T>&))                                                \
+  X(Tensor<T> tanh<T>(const Tensor<T>&))                                                \
+  X(Tensor<T> sigmoid<T>(const Tensor<T>&))                                             \
+  X(Tensor<T> operator+<T>(const Tensor<T>&, const Tensor<T>&))                         \
+  X(Tensor<T> operator-<T>(const Tensor<T>&, const Tensor<T>&))                         \
+  X(Tensor<T> operator*<T>(const Tensor<T>&, const Tensor<T>&))                         \
+  X(Tensor<T> operator/<T>(const Tensor<T>&, const Tensor<T>&))                         \
+  X(Tensor<T> operator-<T>(const Tensor<T>&))                                           \
+  X(Tensor<T> operator+<T>(const Tensor<T>&, double))                                   \
+  X(Tensor<T> operator+<T>(double, const Tensor<T>&))                                   \
+  X(Tensor<T> operator-<T>(const Tensor<T>&, double))                                   \
+  X(Tensor<T> operator-<T>(double, const Tensor<T>&))                                   \
+  X(Tensor<T> operator*<T>(const Tensor<T>&, double))                                   \
+  X(Tensor<T> operator*<T>(double, const Tensor<T>&))                                   \
+  X(Tensor<T> operator/<T>(const Tensor<T>&, double))                                   \
+  X(Tensor<T> operator/<T>(double, const Tensor<T>&))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_ELEMENTWISE_INSTANCES, CHORUS_ALL_DTYPES)

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../backend/backend.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -149,3 +150,24 @@ Tensor<T> randint(std::int64_t low, std::int64_t high, const Shape& shape, Devic
 }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_FACTORY_INSTANCES(X, T)                                              \
+  X(Tensor<T> empty<T>(const Shape&, Device))                                           \
+  X(Tensor<T> full<T>(const Shape&, T, Device))                                         \
+  X(Tensor<T> zeros<T>(const Shape&, Device))                                           \
+  X(Tensor<T> ones<T>(const Shape&, Device))                                            \
+  X(Tensor<T> empty_like<T>(const Tensor<T>&))                                          \
+  X(Tensor<T> zeros_like<T>(const Tensor<T>&))                                          \
+  X(Tensor<T> ones_like<T>(const Tensor<T>&))                                           \
+  X(Tensor<T> scalar_tensor<T>(T, Device))                                              \
+  X(Tensor<T> arange<T>(double, double, double, Device))                                \
+  X(Tensor<T> arange<T>(double, Device))                                                \
+  X(Tensor<T> from_vector<T>(const std::vector<T>&, const Shape&, Device))              \
+  X(Tensor<T> from_vector<T>(const std::vector<T>&, Device))                            \
+  X(Tensor<T> randint<T>(std::int64_t, std::int64_t, const Shape&, Device, Generator&))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_FACTORY_INSTANCES, CHORUS_ALL_DTYPES)
+#define CHORUS_OPS_FACTORY_FLOAT_INSTANCES(X, T)                          \
+  X(Tensor<T> rand<T>(const Shape&, Device, double, double, Generator&))  \
+  X(Tensor<T> randn<T>(const Shape&, Device, double, double, Generator&))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_FACTORY_FLOAT_INSTANCES, CHORUS_FLOATING_DTYPES)

@@ -11,6 +11,7 @@
 // (0 / -inf) is added to the scores, never passed where a boolean mask is meant.
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../backend/index.hpp"
 #include "dims.hpp"
 #include "view.hpp"
@@ -329,3 +330,14 @@ Tensor<T> Tensor<T>::masked_fill(const Tensor<std::int64_t>& mask, double value)
 }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_INDEX_INSTANCES(X, T)                                                                     \
+  X(Tensor<T> where<T>(const Tensor<mask_t>&, const Tensor<T>&, const Tensor<T>&))                           \
+  X(Tensor<T> where<T>(const Tensor<mask_t>&, const Tensor<T>&, double))                                     \
+  X(Tensor<T> where<T>(const Tensor<mask_t>&, double, const Tensor<T>&))                                     \
+  X(Tensor<T> masked_fill<T>(const Tensor<T>&, const Tensor<mask_t>&, double))                               \
+  X(Tensor<T> masked_fill<T>(const Tensor<T>&, const Tensor<mask_t>&, const Tensor<T>&))                     \
+  X(Tensor<T> gather<T>(const Tensor<T>&, std::int64_t, const Tensor<std::int64_t>&))                        \
+  X(Tensor<T> scatter_add<T>(const Tensor<T>&, std::int64_t, const Tensor<std::int64_t>&, const Tensor<T>&))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_INDEX_INSTANCES, CHORUS_ALL_DTYPES)

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../backend/cpu/vmath.hpp"
 #include "elementwise.hpp"
 #include "reduce.hpp"
@@ -166,3 +167,8 @@ Tensor<T> layer_norm(const Tensor<T>& x, const Shape& normalized_shape, const Te
 }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_LAYER_NORM_FLOAT_INSTANCES(X, T)                                                      \
+  X(Tensor<T> layer_norm<T>(const Tensor<T>&, const Shape&, const Tensor<T>&, const Tensor<T>&, double))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_LAYER_NORM_FLOAT_INSTANCES, CHORUS_FLOATING_DTYPES)

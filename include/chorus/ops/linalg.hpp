@@ -4,6 +4,7 @@
 #include <span>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../backend/index.hpp"
 #include "common.hpp"
 
@@ -381,3 +382,10 @@ Tensor<T> Tensor<T>::bmm(const Tensor<T>& other) const {
 }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_LINALG_FLOAT_INSTANCES(X, T)                                \
+  X(Tensor<T> matmul<T>(const Tensor<T>&, const Tensor<T>&))                   \
+  X(Tensor<T> bmm<T>(const Tensor<T>&, const Tensor<T>&))                      \
+  X(Tensor<T> linear<T>(const Tensor<T>&, const Tensor<T>&, const Tensor<T>&))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_LINALG_FLOAT_INSTANCES, CHORUS_FLOATING_DTYPES)

@@ -1,5 +1,6 @@
 #pragma once
 // Loss functions as fused operations: mse_loss, cross_entropy, nll_loss.
+#include "../compiled.hpp"
 #include "elementwise.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -204,3 +205,10 @@ Tensor<T> nll_loss(const Tensor<T>& log_probs, const Tensor<std::int64_t>& targe
 
 }  // namespace nn::functional
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_LOSS_INSTANCES(X, T)                                                                                 \
+  X(Tensor<T> nn::functional::mse_loss<T>(const Tensor<T>&, const Tensor<T>&, Reduction))                               \
+  X(Tensor<T> nn::functional::cross_entropy<T>(const Tensor<T>&, const Tensor<std::int64_t>&, Reduction, std::int64_t)) \
+  X(Tensor<T> nn::functional::nll_loss<T>(const Tensor<T>&, const Tensor<std::int64_t>&, Reduction, std::int64_t))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_LOSS_INSTANCES, CHORUS_ALL_DTYPES)

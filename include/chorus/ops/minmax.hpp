@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../backend/index.hpp"
 #include "dims.hpp"
 #include "index.hpp"
@@ -281,3 +282,12 @@ std::tuple<Tensor<T>, Tensor<std::int64_t>> Tensor<T>::topk(std::int64_t k, std:
 }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_MINMAX_INSTANCES(X, T)                                                                          \
+  X(Tensor<T> min<T>(const Tensor<T>&))                                                                            \
+  X(std::tuple<Tensor<T>, Tensor<std::int64_t>> min<T>(const Tensor<T>&, std::int64_t, bool))                      \
+  X(Tensor<std::int64_t> argmax<T>(const Tensor<T>&, std::optional<std::int64_t>, bool))                           \
+  X(Tensor<std::int64_t> argmin<T>(const Tensor<T>&, std::optional<std::int64_t>, bool))                           \
+  X(std::tuple<Tensor<T>, Tensor<std::int64_t>> topk<T>(const Tensor<T>&, std::int64_t, std::int64_t, bool, bool))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_MINMAX_INSTANCES, CHORUS_ALL_DTYPES)

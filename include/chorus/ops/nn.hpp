@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 
+#include "../compiled.hpp"
 #include "../backend/nn.hpp"
 #include "batch_norm.hpp"
 #include "dropout.hpp"
@@ -536,3 +537,15 @@ Tensor<T> silu(const Tensor<T>& x) {
 }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_NN_INSTANCES(X, T)                                                                   \
+  X(Tensor<T> embedding<T>(const Tensor<std::int64_t>&, const Tensor<T>&, std::optional<std::int64_t>)) \
+  X(Tensor<T> silu<T>(const Tensor<T>&))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_NN_INSTANCES, CHORUS_ALL_DTYPES)
+#define CHORUS_OPS_NN_FLOAT_INSTANCES(X, T)                                                                    \
+  X(Tensor<T> conv2d<T>(const Tensor<T>&, const Tensor<T>&, const Tensor<T>&, Pair, Pair, Pair, std::int64_t)) \
+  X(Tensor<T> max_pool2d<T>(const Tensor<T>&, Pair, std::optional<Pair>, Pair, Pair, bool))                    \
+  X(Tensor<T> avg_pool2d<T>(const Tensor<T>&, Pair, std::optional<Pair>, Pair, bool, bool, std::int64_t))      \
+  X(Tensor<T> adaptive_avg_pool2d<T>(const Tensor<T>&, Pair))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_NN_FLOAT_INSTANCES, CHORUS_FLOATING_DTYPES)

@@ -4,6 +4,7 @@
 #include <ostream>
 #include <sstream>
 
+#include "../compiled.hpp"
 #include "view.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -54,3 +55,8 @@ std::ostream& operator<<(std::ostream& os, const Tensor<T>& t) {
 }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_PRINT_INSTANCES(X, T)                           \
+  X(std::ostream& operator<< <T>(std::ostream&, const Tensor<T>&))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_PRINT_INSTANCES, CHORUS_ALL_DTYPES)

@@ -3,6 +3,7 @@
 #include <initializer_list>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../backend/index.hpp"
 #include "common.hpp"
 #include "dims.hpp"
@@ -261,3 +262,18 @@ Tensor<T> Tensor<T>::cumsum(std::int64_t dim) const {
 }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_REDUCE_INSTANCES(X, T)                                           \
+  X(Tensor<T> sum<T>(const Tensor<T>&))                                             \
+  X(Tensor<T> sum<T>(const Tensor<T>&, std::int64_t, bool))                         \
+  X(Tensor<T> mean<T>(const Tensor<T>&))                                            \
+  X(Tensor<T> mean<T>(const Tensor<T>&, std::int64_t, bool))                        \
+  X(Tensor<T> sum<T>(const Tensor<T>&, const std::vector<std::int64_t>&, bool))     \
+  X(Tensor<T> mean<T>(const Tensor<T>&, const std::vector<std::int64_t>&, bool))    \
+  X(Tensor<T> sum<T>(const Tensor<T>&, std::initializer_list<std::int64_t>, bool))  \
+  X(Tensor<T> mean<T>(const Tensor<T>&, std::initializer_list<std::int64_t>, bool)) \
+  X(Tensor<T> cumsum<T>(const Tensor<T>&, std::int64_t))                            \
+  X(Tensor<T> softmax<T>(const Tensor<T>&, std::int64_t))                           \
+  X(Tensor<T> log_softmax<T>(const Tensor<T>&, std::int64_t))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_REDUCE_INSTANCES, CHORUS_ALL_DTYPES)

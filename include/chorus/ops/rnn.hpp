@@ -20,6 +20,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "../compiled.hpp"
 #include "../backend/cpu/vmath.hpp"
 #include "common.hpp"
 #include "linalg.hpp"
@@ -226,3 +227,8 @@ std::tuple<Tensor<T>, Tensor<T>, Tensor<T>> lstm_layer(const Tensor<T>& gx_in, c
 
 }  // namespace ops
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_RNN_FLOAT_INSTANCES(X, T)                                                                                                                        \
+  X(std::tuple<Tensor<T>, Tensor<T>, Tensor<T>> ops::lstm_layer<T>(const Tensor<T>&, const Tensor<T>&, const Tensor<T>&, const Tensor<T>&, const Tensor<T>&, bool))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_RNN_FLOAT_INSTANCES, CHORUS_FLOATING_DTYPES)

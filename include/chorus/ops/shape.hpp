@@ -3,6 +3,7 @@
 // parts of matrices (tril, triu). Views share the input's data, as in PyTorch.
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../backend/index.hpp"
 #include "dims.hpp"
 #include "view.hpp"
@@ -246,3 +247,16 @@ Tensor<T> Tensor<T>::triu(std::int64_t diagonal) const {
 }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_SHAPE_INSTANCES(X, T)                                                                        \
+  X(Tensor<T> permute<T>(const Tensor<T>&, const std::vector<std::int64_t>&))                                   \
+  X(Tensor<T> movedim<T>(const Tensor<T>&, const std::vector<std::int64_t>&, const std::vector<std::int64_t>&)) \
+  X(Tensor<T> movedim<T>(const Tensor<T>&, std::int64_t, std::int64_t))                                         \
+  X(Tensor<T> transpose<T>(const Tensor<T>&, std::int64_t, std::int64_t))                                       \
+  X(Tensor<T> swapaxes<T>(const Tensor<T>&, std::int64_t, std::int64_t))                                        \
+  X(Tensor<T> swapdims<T>(const Tensor<T>&, std::int64_t, std::int64_t))                                        \
+  X(Tensor<T> expand<T>(const Tensor<T>&, const Shape&))                                                        \
+  X(Tensor<T> tril<T>(const Tensor<T>&, std::int64_t))                                                          \
+  X(Tensor<T> triu<T>(const Tensor<T>&, std::int64_t))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_SHAPE_INSTANCES, CHORUS_ALL_DTYPES)

@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "dims.hpp"
 #include "elementwise.hpp"
 #include "minmax.hpp"
@@ -286,3 +287,22 @@ Tensor<T> Tensor<T>::norm(double p, std::int64_t dim, bool keepdim) const {
 }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_STATISTICS_FLOAT_INSTANCES(X, T)                                         \
+  X(Tensor<T> logsumexp<T>(const Tensor<T>&, const std::vector<std::int64_t>&, bool))       \
+  X(Tensor<T> logsumexp<T>(const Tensor<T>&, std::int64_t, bool))                           \
+  X(Tensor<T> logsumexp<T>(const Tensor<T>&, std::initializer_list<std::int64_t>, bool))    \
+  X(Tensor<T> var<T>(const Tensor<T>&, const std::vector<std::int64_t>&, double, bool))     \
+  X(Tensor<T> var<T>(const Tensor<T>&, std::int64_t, double, bool))                         \
+  X(Tensor<T> var<T>(const Tensor<T>&, std::initializer_list<std::int64_t>, double, bool))  \
+  X(Tensor<T> var<T>(const Tensor<T>&))                                                     \
+  X(Tensor<T> std<T>(const Tensor<T>&, const std::vector<std::int64_t>&, double, bool))     \
+  X(Tensor<T> std<T>(const Tensor<T>&, std::int64_t, double, bool))                         \
+  X(Tensor<T> norm<T>(const Tensor<T>&, double, const std::vector<std::int64_t>&, bool))    \
+  X(Tensor<T> norm<T>(const Tensor<T>&, double, std::int64_t, bool))                        \
+  X(Tensor<T> norm<T>(const Tensor<T>&, double, std::initializer_list<std::int64_t>, bool)) \
+  X(Tensor<T> norm<T>(const Tensor<T>&, double))                                            \
+  X(Tensor<T> std<T>(const Tensor<T>&, std::initializer_list<std::int64_t>, double, bool))  \
+  X(Tensor<T> std<T>(const Tensor<T>&))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_STATISTICS_FLOAT_INSTANCES, CHORUS_FLOATING_DTYPES)

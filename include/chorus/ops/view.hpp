@@ -3,6 +3,7 @@
 // the joining and selecting of tensors (cat, stack, chunk, index_select).
 #include <numeric>
 
+#include "../compiled.hpp"
 #include "common.hpp"
 #include "dims.hpp"
 
@@ -528,3 +529,11 @@ std::vector<Tensor<T>> chunk(const Tensor<T>& t, std::int64_t chunks, std::int64
 }
 
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_OPS_VIEW_INSTANCES(X, T)                                            \
+  X(Tensor<T> cat<T>(const std::vector<Tensor<T>>&, std::int64_t))                 \
+  X(Tensor<T> stack<T>(const std::vector<Tensor<T>>&, std::int64_t))               \
+  X(std::vector<Tensor<T>> split<T>(const Tensor<T>&, std::int64_t, std::int64_t)) \
+  X(std::vector<Tensor<T>> chunk<T>(const Tensor<T>&, std::int64_t, std::int64_t))
+CHORUS_EXTERN_INSTANCES(CHORUS_OPS_VIEW_INSTANCES, CHORUS_ALL_DTYPES)

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../ops/ops.hpp"
 #include "arguments.hpp"
 
@@ -217,3 +218,8 @@ R gather(const std::vector<R>& outputs, Device target_device, std::int64_t dim =
 
 }  // namespace parallel
 CHORUS_NAMESPACE_END
+
+// The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
+#define CHORUS_PARALLEL_GATHER_INSTANCES(X, T)                                          \
+  X(Tensor<T> parallel::gather<T>(const std::vector<Tensor<T>>&, std::int64_t, Device))
+CHORUS_EXTERN_INSTANCES(CHORUS_PARALLEL_GATHER_INSTANCES, CHORUS_ALL_DTYPES)

@@ -125,10 +125,15 @@ class ReplicaScope final : public CloneScope {
 
 }  // namespace detail
 
-/// Replicas of module M on devices[1 …], kept in step with the primary (devices[0]).
-template <class M>
-class Replicator {
- private:
+// Note [replicator core]
+// Nothing of replication but making a replica (a copy of M) and handing out M pointers depends
+// on the module's type: ReplicatorCore holds the flat layout, the buckets and the autograd
+// wiring over nn::Module, and Replicator<M> adds the copies. A program with several models
+// (every test file has a few) then compiles the layout code once, not once per model type.
+
+/// The part of Replicator that works on any module (Note [replicator core]).
+class ReplicatorCore {
+ protected:
   struct Entry {
     std::string name;
     AnyTensor tensor;
@@ -141,33 +146,36 @@ class Replicator {
     std::vector<std::size_t> members;  // indices into tensors_
   };
 
- public:
-  Replicator(M& primary, const std::vector<Device>& devices, std::shared_ptr<Communicator> comm,
-             std::size_t bucket_bytes)
-      : primary_(primary), devices_(devices), comm_(std::move(comm)), bucket_bytes_(bucket_bytes) {
-    auto& root = nn::module_of(primary_);
-    for (auto& p : root.named_parameters()) tensors_.push_back({p.name, p.tensor, true, p.tensor.shape()});
-    for (auto& b : root.named_buffers()) tensors_.push_back({b.name, b.tensor, false, b.tensor.shape()});
+  /// What building replica r needs: its flat buffers, and the tensors its copy made.
+  struct ReplicaBuild {
+    std::vector<AnyTensor> flats;
+    std::unordered_map<const void*, AnyTensor> made;
+  };
+
+  ReplicatorCore(nn::Module& primary, const std::vector<Device>& devices, std::shared_ptr<Communicator> comm,
+                 std::size_t bucket_bytes)
+      : root_(primary), devices_(devices), comm_(std::move(comm)), bucket_bytes_(bucket_bytes) {
+    for (auto& p : root_.named_parameters()) tensors_.push_back({p.name, p.tensor, true, p.tensor.shape()});
+    for (auto& b : root_.named_buffers()) tensors_.push_back({b.name, b.tensor, false, b.tensor.shape()});
     check_on_primary();
     build_layout();
     flatten_primary();
     build_buckets();
-    for (std::size_t r = 1; r < devices_.size(); ++r) build_replica(r);
   }
+  ~ReplicatorCore() = default;
+  ReplicatorCore(const ReplicatorCore&) = delete;
+  ReplicatorCore& operator=(const ReplicatorCore&) = delete;
 
   /// Makes replicas 1 … used-1 current with the primary and wires them into autograd for
-  /// this step; returns the modules of replicas 0 … used-1 (replica 0 is the primary).
-  /// `on_caller`: CPU devices only; the calling thread copies the parameters itself, for a
-  /// step that runs every replica on the calling thread (Note [inline small steps]).
-  std::vector<M*> prepare(std::size_t used, bool on_caller = false) {
+  /// this step (see Replicator::prepare).
+  void prepare_core(std::size_t used, bool on_caller) {
     check_on_primary();
     if (!primary_is_flat()) {  // the user moved or replaced a tensor
       flatten_primary();
       realias();
     }
     if (trainable() != bucketed_) build_buckets();  // requires_grad changed (a layer frozen or unfrozen)
-    std::vector<M*> out{&primary_};
-    if (used <= 1) return out;
+    if (used <= 1) return;
     if (on_caller) {
       refresh_on_caller(used);
     } else {
@@ -181,16 +189,38 @@ class Replicator {
       }
       join_idle(used);
     }
-    const bool training = nn::module_of(primary_).is_training();
+    const bool training = root_.is_training();
     for (std::size_t r = 1; r < used; ++r) {
-      auto& rep = nn::module_of(*replicas_[r - 1]);
+      auto& rep = *replica_roots_[r - 1];
       if (rep.is_training() != training) rep.train(training);
-      out.push_back(replicas_[r - 1].get());
     }
     wire_autograd(used);
-    return out;
   }
 
+  /// The scope a copy of the primary is made under to become replica r (Note [flat
+  /// replication]); `build` receives its flat buffers and the tensors it made.
+  std::unique_ptr<CloneScope> replica_scope(std::size_t r, ReplicaBuild& build) const {
+    for (std::size_t g = 0; g < group_dtypes_.size(); ++g) build.flats.push_back(replica_flat(g, r));
+    return std::make_unique<detail::ReplicaScope>(
+        devices_[r], slots_, [this, r, &build](std::size_t k) { return replica_storage(r, k, build.flats); },
+        build.made);
+  }
+
+  /// Records replica r (made under replica_scope(r, build)), whose root module is `module`.
+  void add_replica(std::size_t r, ReplicaBuild&& build, nn::Module& module) {
+    std::vector<AnyTensor> views;
+    for (const auto& e : tensors_) {
+      auto it = build.made.find(e.tensor.impl_key());
+      CHORUS_CHECK(it != build.made.end(), "DataParallel: replica ", r, " has no copy of '", e.name,
+                   "' (is the tensor registered but not reachable from a copy of the module?)");
+      views.push_back(it->second);
+    }
+    replica_roots_.push_back(&module);
+    replica_flats_.push_back(std::move(build.flats));
+    replica_tensors_.push_back(std::move(views));
+  }
+
+ public:
   /// The version counters of the parameters the replicas alias (Note [host aliases]).
   std::vector<std::uint64_t> aliased_versions() const {
     std::vector<std::uint64_t> v;
@@ -213,8 +243,6 @@ class Replicator {
     for (const auto& e : tensors_) n += e.is_param ? e.tensor.numel() : 0;
     return n;
   }
-
-  const M& replica(std::size_t r) const { return r == 0 ? primary_ : *replicas_[r - 1]; }
 
  private:
   /// Copies the primary's flat buffers into replicas 1 … used-1 on the calling thread, after
@@ -394,26 +422,6 @@ class Replicator {
               [&](auto& t) { t.impl()->storage = replica_storage(r, k, replica_flats_[r - 1]); });
   }
 
-  void build_replica(std::size_t r) {
-    std::vector<AnyTensor> flats;
-    for (std::size_t g = 0; g < group_dtypes_.size(); ++g) flats.push_back(replica_flat(g, r));
-    std::unordered_map<const void*, AnyTensor> made;
-    M copy = nn::detail::copy_checked(primary_, [&] {
-      return std::make_unique<detail::ReplicaScope>(
-          devices_[r], slots_, [&](std::size_t k) { return replica_storage(r, k, flats); }, made);
-    });
-    std::vector<AnyTensor> views;
-    for (const auto& e : tensors_) {
-      auto it = made.find(e.tensor.impl_key());
-      CHORUS_CHECK(it != made.end(), "DataParallel: replica ", r, " has no copy of '", e.name,
-                   "' (is the tensor registered but not reachable from a copy of the module?)");
-      views.push_back(it->second);
-    }
-    replicas_.push_back(std::make_unique<M>(std::move(copy)));
-    replica_flats_.push_back(std::move(flats));
-    replica_tensors_.push_back(std::move(views));
-  }
-
   void wire_autograd(std::size_t used) {
     const bool grad = autograd::is_grad_enabled();
     // Clear last step's wiring (a replica parameter with no bucket this step is a plain leaf).
@@ -454,7 +462,7 @@ class Replicator {
     }
   }
 
-  M& primary_;
+  nn::Module& root_;
   std::vector<Device> devices_;
   std::shared_ptr<Communicator> comm_;
   std::size_t bucket_bytes_;
@@ -469,9 +477,42 @@ class Replicator {
   std::vector<AnyTensor> flats_;                               // [group], on the primary
   std::vector<Bucket> buckets_;
   std::vector<bool> bucketed_;  // [tensor]: trainable() when buckets_ was built
-  std::vector<std::unique_ptr<M>> replicas_;                   // replica r at r - 1
+  std::vector<nn::Module*> replica_roots_;                     // replica r at r - 1
   std::vector<std::vector<AnyTensor>> replica_flats_;          // [r - 1][group] (undefined: aliased)
   std::vector<std::vector<AnyTensor>> replica_tensors_;        // [r - 1][tensor index]
+};
+
+/// Replicas of module M on devices[1 …], kept in step with the primary (devices[0]).
+template <class M>
+class Replicator : public ReplicatorCore {
+ public:
+  Replicator(M& primary, const std::vector<Device>& devices, std::shared_ptr<Communicator> comm,
+             std::size_t bucket_bytes)
+      : ReplicatorCore(nn::module_of(primary), devices, std::move(comm), bucket_bytes), primary_(primary) {
+    for (std::size_t r = 1; r < devices.size(); ++r) {
+      ReplicaBuild build;
+      M copy = nn::detail::copy_checked(primary_, [&] { return replica_scope(r, build); });
+      replicas_.push_back(std::make_unique<M>(std::move(copy)));
+      add_replica(r, std::move(build), nn::module_of(*replicas_.back()));
+    }
+  }
+
+  /// Makes replicas 1 … used-1 current with the primary and wires them into autograd for
+  /// this step; returns the modules of replicas 0 … used-1 (replica 0 is the primary).
+  /// `on_caller`: CPU devices only; the calling thread copies the parameters itself, for a
+  /// step that runs every replica on the calling thread (Note [inline small steps]).
+  std::vector<M*> prepare(std::size_t used, bool on_caller = false) {
+    prepare_core(used, on_caller);
+    std::vector<M*> out{&primary_};
+    for (std::size_t r = 1; r < used; ++r) out.push_back(replicas_[r - 1].get());
+    return out;
+  }
+
+  const M& replica(std::size_t r) const { return r == 0 ? primary_ : *replicas_[r - 1]; }
+
+ private:
+  M& primary_;
+  std::vector<std::unique_ptr<M>> replicas_;  // replica r at r - 1
 };
 
 }  // namespace parallel
