@@ -1,8 +1,9 @@
 # Configures, builds and runs the consumer project.
 # MODE: find_package | find_package_cuda | find_package_distributed | add_subdirectory.
-#   find_package       a C++-only consumer of the installed package: the package was installed by
-#                      a build that found nvcc (when the machine has one), yet the consumer's
-#                      configure must not enable CUDA nor see the installing build's toolkit paths.
+#   find_package       a C++-only consumer of the installed package, in both forms (chorus::chorus
+#                      and chorus::compiled): the package was installed by a build that found nvcc
+#                      (when the machine has one: MAIN_BUILD_DIR, the build running the test), yet
+#                      the consumer's configure must not enable CUDA nor see that toolkit's paths.
 #   find_package_cuda  (machines with nvcc) the cuda component comes from the consumer's own
 #                      configure, and -DCHORUS_ENABLE_CUDA=OFF switches it off; the cuda_kernels
 #                      component builds the kernels library there and a C++ program against it.
@@ -32,19 +33,17 @@ endif()
 if(MODE MATCHES "^find_package")
   # Install chorus alone (no tests/examples) into a temporary prefix, CUDA detection left at
   # its default: on a machine with nvcc the installing build enables CUDA.
-  # Only the plain find_package mode builds and installs chorus::compiled (a minute of compiling);
-  # the other modes test the components.
-  set(with_compiled OFF)
   if(MODE STREQUAL "find_package")
-    set(with_compiled ON)
+    # The plain mode installs the build that runs this test (its chorus::compiled is built
+    # already; it found nvcc where the machine has it).
+    run(${CMAKE_COMMAND} --install ${MAIN_BUILD_DIR} --prefix ${WORK_DIR}/prefix)
+  else()
+    # The components' modes install a fresh configure without the compiled form (nothing to build).
+    run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/chorus-build -G ${GENERATOR} -DCHORUS_BUILD_TESTS=OFF
+        -DCHORUS_BUILD_EXAMPLES=OFF -DCHORUS_BUILD_BENCHMARKS=OFF -DCHORUS_INSTALL=ON -DCHORUS_BUILD_COMPILED=OFF
+        -DCMAKE_INSTALL_PREFIX=${WORK_DIR}/prefix)
+    run(${CMAKE_COMMAND} --install ${WORK_DIR}/chorus-build)
   endif()
-  run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/chorus-build -G ${GENERATOR} -DCHORUS_BUILD_TESTS=OFF
-      -DCHORUS_BUILD_EXAMPLES=OFF -DCHORUS_BUILD_BENCHMARKS=OFF -DCHORUS_INSTALL=ON -DCHORUS_BUILD_COMPILED=${with_compiled}
-      -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=${WORK_DIR}/prefix)
-  if(with_compiled)
-    run(${CMAKE_COMMAND} --build ${WORK_DIR}/chorus-build --parallel 2)
-  endif()
-  run(${CMAKE_COMMAND} --install ${WORK_DIR}/chorus-build)
   # The generated package files carry nothing of the installing build's CUDA (ChorusCuda.cmake,
   # which looks for the consumer's toolkit, is the one place that names CUDA).
   file(GLOB pkg_files ${WORK_DIR}/prefix/share/chorus/cmake/chorusConfig.cmake
