@@ -1,13 +1,14 @@
-// PyTorch's DataParallel tutorial written for LibTorch (torch::nn::parallel::data_parallel): the
-// peer of scripts/compile-times.sh for examples/data_parallel_tutorial.cpp (compiled, not run).
+// PyTorch's DataParallel tutorial written for LibTorch: the peer of scripts/compile-times.sh for
+// examples/data_parallel_tutorial.cpp (compiled, not run). Debian's CPU-only libtorch-dev cannot
+// include torch/nn/parallel/data_parallel.h (it needs CUDA headers), so the model runs whole.
 #include <torch/torch.h>
 
 #include <iostream>
 
-struct RandomDataset : torch::data::datasets::Dataset<RandomDataset, torch::Tensor> {
+struct RandomDataset : torch::data::datasets::Dataset<RandomDataset> {
   torch::Tensor data;
   RandomDataset(int size, int length) : data(torch::randn({length, size})) {}
-  torch::Tensor get(size_t i) override { return data[static_cast<int64_t>(i)]; }
+  torch::data::Example<> get(size_t i) override { return {data[static_cast<int64_t>(i)], torch::zeros({})}; }
   torch::optional<size_t> size() const override { return static_cast<size_t>(data.size(0)); }
 };
 
@@ -26,13 +27,12 @@ TORCH_MODULE(Model);
 
 int main() {
   const int input_size = 5, output_size = 2, batch_size = 30, data_size = 100;
-  auto loader = torch::data::make_data_loader(RandomDataset(input_size, data_size).map(torch::data::transforms::Stack<torch::Tensor>()),
+  auto loader = torch::data::make_data_loader(RandomDataset(input_size, data_size).map(torch::data::transforms::Stack<>()),
                                               torch::data::DataLoaderOptions(batch_size));
   Model model(input_size, output_size);
-  std::vector<torch::Device> devices;
-  for (int i = 0; i < static_cast<int>(torch::cuda::device_count()); ++i) devices.emplace_back(torch::kCUDA, i);
-  for (auto& input : *loader) {
-    auto output = devices.size() > 1 ? torch::nn::parallel::data_parallel(model, input, devices) : model(input);
+  for (auto& batch : *loader) {
+    auto input = batch.data;
+    auto output = model(input);
     std::cout << "Outside: input size " << input.sizes() << " output_size " << output.sizes() << "\n";
   }
   return 0;
