@@ -43,7 +43,8 @@ def time_compile(entry, out_dir):
     args = list(args)
     i = args.index("-o")
     args[i + 1] = os.path.join(out_dir, "out.o")
-    args = [a for a in args if not a.endswith("timeit.sh")]  # a launcher would time itself
+    while args and os.path.basename(args[0]) in ("ccache", "sccache"):  # time the compiler, not a cache
+        args = args[1:]
     res_file = os.path.join(out_dir, "time.txt")
     cmd = ["/usr/bin/time", "-o", res_file, "-f", "%e %M"] + args
     p = subprocess.run(cmd, cwd=entry["directory"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
