@@ -13,6 +13,16 @@ elseif("distributed" IN_LIST chorus_FIND_COMPONENTS)
     add_library(chorus::distributed INTERFACE IMPORTED)
     target_link_libraries(chorus::distributed INTERFACE chorus::chorus MPI::MPI_CXX)
     target_compile_definitions(chorus::distributed INTERFACE CHORUS_WITH_MPI=1)
+    # For units of the compiled form: the distributed layer's MPI part, built here from the
+    # installed source against this MPI (its objects carry the compiled ABI namespace, so a
+    # header-only unit never pulls them in).
+    if(TARGET chorus::compiled AND NOT TARGET chorus_distributed_compiled)
+      get_filename_component(_chorus_dist_src "${CMAKE_CURRENT_LIST_DIR}/../distributed/mpi.cpp" ABSOLUTE)
+      add_library(chorus_distributed_compiled STATIC ${_chorus_dist_src})
+      target_link_libraries(chorus_distributed_compiled PRIVATE chorus::compiled MPI::MPI_CXX)
+      target_compile_definitions(chorus_distributed_compiled PRIVATE CHORUS_WITH_MPI=1)
+      target_link_libraries(chorus::distributed INTERFACE chorus_distributed_compiled)
+    endif()
     set(chorus_distributed_FOUND TRUE)
   else()
     set(chorus_NOT_FOUND_MESSAGE "chorus::distributed needs MPI (Debian: openmpi-bin libopenmpi-dev), which was not found")

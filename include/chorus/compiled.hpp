@@ -26,7 +26,14 @@
 // Non-template code the library holds is declared CHORUS_INLINE in its header and defined in a
 // <name>_impl.hpp beside it, which the header includes only in the header-only form and
 // src/<area>/<name>.cpp compiles into the library: a unit of the compiled form neither parses
-// nor compiles it (io/safetensors_impl.hpp keeps nlohmann::json out of such units).
+// nor compiles it. That holds nn::Module's registry, the optimizers and schedulers, the
+// runtime, DataParallel's type-independent part (DataParallelCore), the replicator and the
+// communicators, the data readers and the checkpoint formats (io/safetensors_impl.hpp keeps
+// nlohmann::json out of such units): a user's unit compiles its own code and the templates
+// over its own types. A template whose every possible instance is listed may keep its
+// definition in an _impl.hpp too (autograd/engine_impl.hpp: backward() takes the four
+// floating dtypes, all listed); there a missing instance would be a link error, so only
+// complete lists qualify.
 //
 // Each list is L(X, T): X(declaration) for one dtype T, the declaration written as an explicit
 // instantiation takes it (template arguments explicit, no default arguments).

@@ -8,7 +8,7 @@
 #include <string_view>
 #include <utility>
 
-#include "config.hpp"
+#include "compiled.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 
@@ -38,15 +38,7 @@ class MessagePart {
   MessagePart(const X& x)
       : value_(&x), print_([](std::ostream& os, const void* v) { os << *static_cast<const X*>(v); }) {}
 
-  void print(std::ostream& os) const {
-    if (print_) {
-      print_(os, value_);
-    } else if (manipulator_) {
-      os << manipulator_;
-    } else {
-      os << text_;
-    }
-  }
+  void print(std::ostream& os) const;
 
  private:
   std::string_view text_;
@@ -55,13 +47,9 @@ class MessagePart {
   void (*print_)(std::ostream&, const void*) = nullptr;
 };
 
-inline std::string join_message(std::initializer_list<MessagePart> parts) {
-  std::ostringstream os;
-  for (const auto& p : parts) p.print(os);
-  return os.str();
-}
+CHORUS_INLINE std::string join_message(std::initializer_list<MessagePart> parts);
 
-[[noreturn]] inline void throw_message(std::initializer_list<MessagePart> parts) { throw Error(join_message(parts)); }
+[[noreturn]] CHORUS_INLINE void throw_message(std::initializer_list<MessagePart> parts);
 
 /// The parts printed one after another, as `(os << ... << args)` prints them.
 template <class... Args>
@@ -87,3 +75,9 @@ CHORUS_NAMESPACE_END
 
 /// CHORUS_FAIL(parts...): throws chorus::Error made of `parts`.
 #define CHORUS_FAIL(...) ::chorus::detail::throw_error(__VA_ARGS__)
+
+// The definitions: compiled into chorus::compiled, or here in the header-only form (Note
+// [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "error_impl.hpp"
+#endif

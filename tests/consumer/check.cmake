@@ -8,7 +8,8 @@
 #                      configure, and -DCHORUS_ENABLE_CUDA=OFF switches it off; the cuda_kernels
 #                      component builds the kernels library there and a C++ program against it.
 #   find_package_distributed  (machines with MPI) the distributed component comes from the
-#                      consumer's own MPI; the consumer runs as a world of 1.
+#                      consumer's own MPI, its compiled-form part built there; the consumer runs
+#                      as a world of 1, in both forms.
 #   add_subdirectory   chorus as a subproject, with -DCHORUS_ENABLE_CUDA=OFF honoured.
 file(REMOVE_RECURSE ${WORK_DIR})
 set(consumer ${SOURCE_DIR}/tests/consumer)
@@ -33,12 +34,12 @@ endif()
 if(MODE MATCHES "^find_package")
   # Install chorus alone (no tests/examples) into a temporary prefix, CUDA detection left at
   # its default: on a machine with nvcc the installing build enables CUDA.
-  if(MODE STREQUAL "find_package")
-    # The plain mode installs the build that runs this test (its chorus::compiled is built
-    # already; it found nvcc where the machine has it).
+  if(MODE STREQUAL "find_package" OR MODE STREQUAL "find_package_distributed")
+    # The plain and distributed modes install the build that runs this test (its chorus::compiled
+    # is built already; it found nvcc where the machine has it).
     run(${CMAKE_COMMAND} --install ${MAIN_BUILD_DIR} --prefix ${WORK_DIR}/prefix)
   else()
-    # The components' modes install a fresh configure without the compiled form (nothing to build).
+    # The cuda mode installs a fresh configure without the compiled form (nothing to build).
     run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/chorus-build -G ${GENERATOR} -DCHORUS_BUILD_TESTS=OFF
         -DCHORUS_BUILD_EXAMPLES=OFF -DCHORUS_BUILD_BENCHMARKS=OFF -DCHORUS_INSTALL=ON -DCHORUS_BUILD_COMPILED=OFF
         -DCMAKE_INSTALL_PREFIX=${WORK_DIR}/prefix)
@@ -67,6 +68,7 @@ if(MODE MATCHES "^find_package")
     expect_no_cuda_language(${WORK_DIR}/build)
     run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
     run(${WORK_DIR}/build/consumer_distributed)
+    run(${WORK_DIR}/build/consumer_distributed_compiled)
   elseif(MODE STREQUAL "find_package")
     run(${CMAKE_COMMAND} -S ${consumer} -B ${WORK_DIR}/build -G ${GENERATOR} -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix
         -DCONSUMER_EXPECT_CUDA_TARGET=OFF -DCONSUMER_EXPECT_COMPILED=ON)

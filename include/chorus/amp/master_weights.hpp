@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../core/any_tensor.hpp"
 #include "../optim/optimizer.hpp"
 #include "grad_scaler.hpp"
@@ -40,85 +41,26 @@ class MasterWeights {
  public:
   /// Float32 master copies of the 16-bit parameters among `model_params` (a float32 or
   /// float64 parameter is its own master: stepped as it is, never copied).
-  explicit MasterWeights(const std::vector<AnyTensor>& model_params) {
-    NoGradGuard no_grad;
-    for (std::size_t i = 0; i < model_params.size(); ++i) {
-      const auto& p = model_params[i];
-      CHORUS_CHECK(p.defined(), "MasterWeights: parameter ", i, " is an undefined tensor");
-      CHORUS_CHECK(p.dtype() != DType::Int64, "MasterWeights: parameter ", i, " is an integer tensor");
-      p.visit([&](const auto& t) {
-        using T = typename std::decay_t<decltype(t)>::value_type;
-        CHORUS_CHECK(t.is_leaf(), "MasterWeights: parameter ", i, " is not a leaf tensor (it was computed by an op)");
-        if constexpr (is_reduced_floating_v<T>) {
-          auto m = t.template to<float>();
-          m.requires_grad_(t.requires_grad());
-          model_.push_back(p);
-          master_.push_back(AnyTensor(std::move(m)));
-        } else {
-          model_.push_back(p);
-          master_.push_back(p);
-        }
-      });
-    }
-  }
+  explicit MasterWeights(const std::vector<AnyTensor>& model_params);
 
   /// What the optimizer steps: the masters, in the order of the model's parameters.
   const std::vector<AnyTensor>& parameters() const { return master_; }
   /// The masters of some of the model's parameters (for an optimizer's parameter groups).
-  std::vector<AnyTensor> of(const std::vector<AnyTensor>& model_params) const {
-    std::vector<AnyTensor> out;
-    for (std::size_t i = 0; i < model_params.size(); ++i) {
-      const void* key = model_params[i].impl_key();
-      std::size_t k = 0;
-      while (k < model_.size() && model_[k].impl_key() != key) ++k;
-      CHORUS_CHECK(k < model_.size(), "MasterWeights::of: parameter ", i, " (", dtype_name(model_params[i].dtype()),
-                   " ", model_params[i].shape(), ") is not one of the model parameters it was made from");
-      out.push_back(master_[k]);
-    }
-    return out;
-  }
+  std::vector<AnyTensor> of(const std::vector<AnyTensor>& model_params) const;
 
   /// Adds each 16-bit parameter's gradient into its master's (converted exactly to float32;
   /// accumulating when the master already has one) and clears it on the model.
-  void grads_to_master() {
-    for_each_copy([](const auto& t, const Tensor<float>& m) {
-      auto g = t.grad();
-      if (!g.defined()) return;
-      auto gf = g.template to<float>();
-      if (m.grad().defined()) {
-        auto acc = m.grad();
-        backend::binary_same(acc, gf, acc, backend::fn::Add{});
-        acc.bump_version();
-      } else {
-        m.set_grad(gf);
-      }
-      t.set_grad({});
-    });
-  }
+  void grads_to_master();
 
   /// Writes each master into its 16-bit parameter, rounded once.
-  void master_to_model() {
-    for_each_copy([](const auto& t, const Tensor<float>& m) {
-      backend::convert(t, m);
-      t.bump_version();
-    });
-  }
+  void master_to_model();
 
   /// grads_to_master(), opt.step(), master_to_model(): `opt` must step parameters() (or of()).
-  void step(optim::Optimizer& opt) {
-    grads_to_master();
-    opt.step();
-    master_to_model();
-  }
+  void step(optim::Optimizer& opt);
   /// The same with loss scaling (float16): the masters' gradients are unscaled and checked,
   /// and the step and the write-back are skipped when one was inf or NaN. Returns whether
   /// the optimizer stepped; call scaler.update() after it, as with scaler.step(opt).
-  bool step(GradScaler& scaler, optim::Optimizer& opt) {
-    grads_to_master();
-    const bool stepped = scaler.step(opt);
-    if (stepped) master_to_model();
-    return stepped;
-  }
+  bool step(GradScaler& scaler, optim::Optimizer& opt);
 
   std::size_t size() const { return model_.size(); }
   /// Whether parameter i has a master copy (false: a float32/float64 parameter, its own master).
@@ -144,3 +86,9 @@ class MasterWeights {
 
 }  // namespace amp
 CHORUS_NAMESPACE_END
+
+// The definitions: compiled into chorus::compiled, or here in the header-only form (Note
+// [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "master_weights_impl.hpp"
+#endif

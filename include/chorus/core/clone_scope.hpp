@@ -16,6 +16,7 @@
 #include <memory>
 #include <unordered_map>
 
+#include "../compiled.hpp"
 #include "dtype.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -26,7 +27,7 @@ struct TensorImpl;
 class CloneScope {
  public:
   CloneScope() : prev_(slot()) { slot() = this; }
-  virtual ~CloneScope() { slot() = prev_; }
+  virtual ~CloneScope();
   CloneScope(const CloneScope&) = delete;
   CloneScope& operator=(const CloneScope&) = delete;
 
@@ -44,12 +45,7 @@ class CloneScope {
 
   /// Memoised copy of an arbitrary object. Module impls use this; their copy constructors
   /// run with the scope active, so everything they hold is mapped too.
-  std::shared_ptr<void> map_object(const void* key, const std::function<std::shared_ptr<void>()>& make) {
-    if (auto it = memo_.find(key); it != memo_.end()) return it->second;
-    auto copy = make();
-    memo_.emplace(key, copy);
-    return copy;
-  }
+  std::shared_ptr<void> map_object(const void* key, const std::function<std::shared_ptr<void>()>& make);
 
   /// Suspends the scope on this thread (the copying code's own handles are plain copies).
   class Pause {
@@ -77,3 +73,9 @@ class CloneScope {
 };
 
 CHORUS_NAMESPACE_END
+
+// The definitions: compiled into chorus::compiled, or here in the header-only form (Note
+// [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "clone_scope_impl.hpp"
+#endif

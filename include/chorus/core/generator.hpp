@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../error.hpp"
 #include "shape.hpp"
 
@@ -132,12 +133,7 @@ class Generator {
   Generator& operator=(const Generator&) = delete;
 
   /// Seeds both engines; the Philox offset restarts at 0 (as PyTorch's manual_seed).
-  void manual_seed(std::uint64_t seed) {
-    std::lock_guard<std::mutex> lk(m_);
-    eng_.seed(seed);
-    seed_ = seed;
-    offset_ = 0;
-  }
+  void manual_seed(std::uint64_t seed);
   std::uint64_t initial_seed() const {
     std::lock_guard<std::mutex> lk(m_);
     return seed_;
@@ -149,11 +145,7 @@ class Generator {
     return offset_;
   }
   /// Sets the Philox offset (a multiple of 4), as PyTorch's Generator::set_offset.
-  void set_offset(std::uint64_t offset) {
-    CHORUS_CHECK(offset % 4 == 0, "Generator::set_offset: the Philox offset must be a multiple of 4, got ", offset);
-    std::lock_guard<std::mutex> lk(m_);
-    offset_ = offset;
-  }
+  void set_offset(std::uint64_t offset);
 
   /// Reserves `increment` numbers (rounded up to a multiple of 4) of every Philox subsequence:
   /// returns the seed and the offset they start at, and advances the offset past them.
@@ -221,29 +213,8 @@ class Generator {
 
   /// The whole state (PyTorch's Generator::get_state): seed, Philox offset and the host
   /// engine's words, to restore with set_state() for a bitwise resume (dist::Checkpointer).
-  std::vector<std::uint64_t> get_state() const {
-    std::lock_guard<std::mutex> lk(m_);
-    std::ostringstream os;
-    os << eng_;
-    std::vector<std::uint64_t> out{seed_, offset_};
-    std::istringstream is(os.str());
-    for (std::uint64_t w; is >> w;) out.push_back(w);
-    return out;
-  }
-  void set_state(const std::vector<std::uint64_t>& state) {
-    const std::size_t words = get_state().size();
-    CHORUS_CHECK(state.size() == words, "Generator::set_state: a state of ", state.size(), " words, expected ", words);
-    std::ostringstream os;
-    for (std::size_t i = 2; i < state.size(); ++i) os << state[i] << ' ';
-    std::mt19937_64 eng;
-    std::istringstream is(os.str());
-    is >> eng;
-    CHORUS_CHECK(!is.fail(), "Generator::set_state: the engine words are not a valid state");
-    std::lock_guard<std::mutex> lk(m_);
-    seed_ = state[0];
-    offset_ = state[1];
-    eng_ = eng;
-  }
+  std::vector<std::uint64_t> get_state() const;
+  void set_state(const std::vector<std::uint64_t>& state);
 
  private:
   double next_unit() { return static_cast<double>(eng_() >> 11) * 0x1.0p-53; }  // [0, 1)
@@ -286,11 +257,7 @@ class ReplicaRandomGroup {
     if (used > e.used) e.used = used;
   }
   /// Advances every generator drawn from past what the replicas used (once; later calls do nothing).
-  void commit() {
-    std::lock_guard<std::mutex> lk(m_);
-    for (auto& e : entries_) e.gen->philox_close_window(e.start, e.used);
-    entries_.clear();
-  }
+  void commit();
 
  private:
   struct Entry {
@@ -298,12 +265,7 @@ class ReplicaRandomGroup {
     PhiloxState start;
     std::uint64_t used;
   };
-  Entry& entry(Generator& gen) {
-    for (auto& e : entries_)
-      if (e.gen == &gen) return e;
-    entries_.push_back({&gen, gen.philox_open_window(), 0});
-    return entries_.back();
-  }
+  Entry& entry(Generator& gen);
   std::mutex m_;
   std::vector<Entry> entries_;
 };
@@ -329,19 +291,7 @@ inline ReplicaRandom*& current_replica_random() {
 class ReplicaRandomScope {
  public:
   ReplicaRandomScope(std::shared_ptr<ReplicaRandomGroup> group, int replica, std::int64_t dim, std::int64_t offset,
-                     std::int64_t size, std::int64_t total)
-      : previous_(detail::current_replica_random()) {
-    CHORUS_CHECK(group && replica >= 0 && dim >= 0 && offset >= 0 && size >= 0 && offset + size <= total,
-                 "ReplicaRandomScope: bad share: replica ", replica, ", dim ", dim, ", rows [", offset, ", ",
-                 offset + size, ") of ", total);
-    mine_.group = std::move(group);
-    mine_.replica = replica;
-    mine_.dim = static_cast<int>(dim);
-    mine_.offset = offset;
-    mine_.size = size;
-    mine_.total = total;
-    detail::current_replica_random() = &mine_;
-  }
+                     std::int64_t size, std::int64_t total);
   ~ReplicaRandomScope() { detail::current_replica_random() = previous_; }
   ReplicaRandomScope(const ReplicaRandomScope&) = delete;
   ReplicaRandomScope& operator=(const ReplicaRandomScope&) = delete;
@@ -353,46 +303,10 @@ class ReplicaRandomScope {
 
 /// Reserves the numbers of one Philox call over a contiguous tensor of `shape` (4 of every
 /// subsequence) and says which stream index each element takes (Note [dropout random numbers]).
-inline PhiloxLayout philox_layout(Generator& gen, const Shape& shape) {
-  const std::int64_t n = numel_of(shape);
-  PhiloxLayout l;
-  l.run = n > 0 ? n : 1;
-  detail::ReplicaRandom* rr = detail::current_replica_random();
-  if (!rr) {
-    const PhiloxState s = gen.philox_engine_inputs(4);
-    l.seed = s.seed;
-    l.offset = s.offset;
-    return l;
-  }
-  std::uint64_t* used = nullptr;
-  for (auto& [g, u] : rr->used)
-    if (g == &gen) used = &u;
-  if (!used) used = &rr->used.emplace_back(&gen, 0).second;
-  const PhiloxState start = rr->group->start(gen);
-  CHORUS_CHECK(*used < Generator::kWindow, "random numbers: a DataParallel forward drew ", *used / 4,
-               " times from one generator, more than its window holds (Note [replica windows])");
-  l.seed = start.seed;
-  l.offset = start.offset + *used;
-  *used += 4;
-  rr->group->note_used(gen, *used);
-  constexpr std::uint64_t kLimit = std::uint64_t{1} << kUnmappedStreamShift;
-  if (rr->dim < shape.size() && shape[rr->dim] == rr->size && rr->size > 0) {
-    std::int64_t outer = 1, inner = 1;
-    for (int i = 0; i < rr->dim; ++i) outer *= shape[i];
-    for (int i = rr->dim + 1; i < shape.size(); ++i) inner *= shape[i];
-    CHORUS_CHECK(static_cast<double>(outer) * static_cast<double>(rr->total) * static_cast<double>(inner) <
-                     static_cast<double>(kLimit),
-                 "random numbers: a batch of ", outer * rr->total * inner, " elements exceeds the stream (2^",
-                 kUnmappedStreamShift, ")");
-    l.run = rr->size * inner;
-    l.base = static_cast<std::uint64_t>(rr->offset * inner);
-    l.stride = static_cast<std::uint64_t>(rr->total * inner);
-    return l;
-  }
-  CHORUS_CHECK(static_cast<std::uint64_t>(n) < kLimit && rr->replica < 255, "random numbers: ", n,
-               " elements in replica ", rr->replica, " exceed the stream");
-  l.base = static_cast<std::uint64_t>(rr->replica + 1) << kUnmappedStreamShift;
-  return l;
-}
+CHORUS_INLINE PhiloxLayout philox_layout(Generator& gen, const Shape& shape);
 
 CHORUS_NAMESPACE_END
+
+#if !CHORUS_COMPILED
+#include "generator_impl.hpp"
+#endif

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "allocator.hpp"
 #include "stream.hpp"
 #if CHORUS_CUDA
@@ -41,11 +42,7 @@ class Runtime {
     return cpu_count_.load();
   }
 
-  void set_cpu_device_count(int n) {
-    CHORUS_CHECK(n >= 1 && n <= kMaxCpuDevices, "set_cpu_device_count(", n,
-                 "): the number of virtual CPU devices must be in [1, ", kMaxCpuDevices, "]");
-    cpu_count_.store(n, std::memory_order_release);
-  }
+  void set_cpu_device_count(int n);
 
   int cuda_device_count() {
 #if CHORUS_CUDA
@@ -63,22 +60,7 @@ class Runtime {
 #endif
   }
 
-  void check(Device d) {
-    if (d.is_cpu()) {
-      int n = cpu_device_count();
-      CHORUS_CHECK(d.index >= 0 && d.index < n, d, " is not available: there ",
-                   n == 1 ? "is 1 virtual CPU device" : "are " + std::to_string(n) + " virtual CPU devices",
-                   " (set CHORUS_CPU_DEVICES or call chorus::set_cpu_device_count)");
-    } else {
-#if CHORUS_CUDA
-      int n = cuda_device_count();
-      CHORUS_CHECK(d.index >= 0 && d.index < n, d, " is not available: ", n, " CUDA device(s) visible");
-#else
-      CHORUS_FAIL(d, " is not available: this translation unit was compiled without CUDA "
-                     "(compile it with nvcc to use the CUDA backend)");
-#endif
-    }
-  }
+  void check(Device d);
 
   Allocator& allocator(Device d) {
     if (d.is_cpu()) {
@@ -87,32 +69,14 @@ class Runtime {
       if (d.index >= 0 && d.index < kMaxCpuDevices && d.index < cpu_count_.load(std::memory_order_acquire)) {
         if (auto* a = cpu_alloc_[d.index].load(std::memory_order_acquire)) return *a;
       }
-      check(d);
-      std::lock_guard<std::mutex> lk(m_);
-      auto* a = cpu_alloc_[d.index].load();
-      if (!a) {
-        a = new CpuAllocator();  // lives as long as the runtime
-        cpu_alloc_[d.index].store(a, std::memory_order_release);
-      }
-      return *a;
+      return create_allocator(d);
     }
 #if CHORUS_CUDA
     if (d.index >= 0 && d.index < kMaxCudaDevices) {
       if (auto* a = cuda_alloc_[d.index].load(std::memory_order_acquire)) return *a;
     }
-    check(d);
-    CHORUS_CHECK(d.index < kMaxCudaDevices, d, ": chorus supports at most ", kMaxCudaDevices, " GPUs");
-    std::lock_guard<std::mutex> lk(m_);
-    auto* a = cuda_alloc_[d.index].load();
-    if (!a) {
-      a = new CudaCachingAllocator(d.index);  // lives as long as the runtime
-      cuda_alloc_[d.index].store(a, std::memory_order_release);
-    }
-    return *a;
-#else
-    check(d);
-    CHORUS_FAIL("unreachable");
 #endif
+    return create_allocator(d);
   }
 
   /// The default stream of a CPU device whose worker is lent and idle right now, and is not
@@ -139,18 +103,7 @@ class Runtime {
       if (auto* s = cuda_streams_[d.index * kSlots + slot].load(std::memory_order_acquire)) return *s;
     }
 #endif
-    check(d);
-    std::lock_guard<std::mutex> lk(m_);
-    auto& p = streams_[{d, slot}];
-    if (!p) {
-      p = std::make_unique<Stream>(d, slot);
-      if (d.is_cpu() && slot == 0) cpu_default_[d.index].store(p.get(), std::memory_order_release);
-#if CHORUS_CUDA
-      if (d.is_cuda() && d.index < kMaxCudaDevices)
-        cuda_streams_[d.index * kSlots + slot].store(p.get(), std::memory_order_release);
-#endif
-    }
-    return *p;
+    return create_stream(d, slot);
   }
 
  private:
@@ -160,15 +113,12 @@ class Runtime {
 #endif
   }
 
-  static int count_from_env() {
-    const char* v = std::getenv("CHORUS_CPU_DEVICES");
-    if (!v || !*v) return 1;
-    char* end = nullptr;
-    long n = std::strtol(v, &end, 10);
-    CHORUS_CHECK(end && *end == '\0' && n >= 1 && n <= kMaxCpuDevices, "CHORUS_CPU_DEVICES='", v,
-                 "' is not a device count in [1, ", kMaxCpuDevices, "]");
-    return static_cast<int>(n);
-  }
+  static int count_from_env();
+
+  // The slow paths of allocator() and stream(), out of line: check `d`, then create the
+  // allocator or stream under the lock if no other thread has.
+  Allocator& create_allocator(Device d);
+  Stream& create_stream(Device d, int slot);
 
   static constexpr int kSlots = 64;
   std::mutex m_;
@@ -196,15 +146,7 @@ inline void set_cpu_device_count(int n) { detail::Runtime::get().set_cpu_device_
 inline int cuda_device_count() { return detail::Runtime::get().cuda_device_count(); }
 
 /// All GPUs when there are any, else the virtual CPU devices.
-inline std::vector<Device> available_devices() {
-  std::vector<Device> out;
-  if (int n = cuda_device_count(); n > 0) {
-    for (int i = 0; i < n; ++i) out.push_back(Device::cuda(i));
-  } else {
-    for (int i = 0, n2 = cpu_device_count(); i < n2; ++i) out.push_back(Device::cpu(i));
-  }
-  return out;
-}
+CHORUS_INLINE std::vector<Device> available_devices();
 
 /// Throws chorus::Error when `d` does not exist in this process.
 inline void check_device(Device d) { detail::Runtime::get().check(d); }
@@ -252,3 +194,7 @@ inline void synchronize(Device d) {
 }
 
 CHORUS_NAMESPACE_END
+
+#if !CHORUS_COMPILED
+#include "runtime_impl.hpp"
+#endif

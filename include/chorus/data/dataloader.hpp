@@ -30,6 +30,7 @@
 #include <type_traits>
 #include <typeinfo>
 
+#include "../compiled.hpp"
 #include "dataset.hpp"
 #include "pinned.hpp"
 
@@ -47,6 +48,12 @@ struct DataLoaderOptions {
   std::optional<std::int64_t> prefetch_factor = std::nullopt;
   bool pin_memory = false;         ///< copy batches into page-locked memory (CUDA builds with a GPU)
 };
+
+namespace detail {
+/// Checks a loader's options and returns the batches its workers may build ahead of the
+/// consumer, num_workers * prefetch_factor saturated (Note [prefetch window]).
+CHORUS_INLINE std::size_t checked_prefetch_window(const DataLoaderOptions& options);
+}  // namespace detail
 
 /// Something that picks the indices of an epoch (data::DistributedSampler, say).
 template <class S>
@@ -72,19 +79,7 @@ class DataLoader {
 
   DataLoader(D dataset, DataLoaderOptions options)
       : dataset_(std::make_shared<D>(std::move(dataset))), options_(options), rng_(options.seed) {
-    CHORUS_CHECK(options_.batch_size > 0, "DataLoader: batch_size must be positive, got ", options_.batch_size);
-    CHORUS_CHECK(options_.num_workers >= 0, "DataLoader: num_workers must not be negative, got ", options_.num_workers,
-                 " (0 builds the batches on the calling thread)");
-    CHORUS_CHECK(options_.num_workers > 0 || !options_.prefetch_factor,
-                 "DataLoader: prefetch_factor (", options_.prefetch_factor.value_or(0),
-                 ") needs num_workers > 0; without workers nothing is prefetched");
-    CHORUS_CHECK(options_.prefetch_factor.value_or(2) > 0, "DataLoader: prefetch_factor must be positive, got ",
-                 options_.prefetch_factor.value_or(0));
-    // Saturating: Note [prefetch window].
-    const auto w = static_cast<std::uint64_t>(options_.num_workers);
-    const auto f = static_cast<std::uint64_t>(options_.prefetch_factor.value_or(2));
-    window_ = w != 0 && f > std::numeric_limits<std::size_t>::max() / w ? std::numeric_limits<std::size_t>::max()
-                                                                         : static_cast<std::size_t>(w * f);
+    window_ = detail::checked_prefetch_window(options_);
   }
   /// Batches of the indices `sampler` picks each epoch, read at every begin() (so a set_epoch()
   /// on it takes effect); the loader owns it (Note [sampler ownership]). Excludes options.shuffle.
@@ -360,3 +355,7 @@ class DataLoader {
 
 }  // namespace data
 CHORUS_NAMESPACE_END
+
+#if !CHORUS_COMPILED
+#include "dataloader_impl.hpp"
+#endif

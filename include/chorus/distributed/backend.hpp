@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../core/any_tensor.hpp"
 #include "../core/runtime.hpp"
 #include "../core/tensor.hpp"
@@ -115,34 +116,15 @@ class Work {
 };
 
 namespace detail {
-inline std::string env(const char* name) {
-  const char* v = std::getenv(name);
-  return v ? std::string(v) : std::string();
-}
-inline int env_int(const char* name, int fallback) {
-  const auto v = env(name);
-  if (v.empty()) return fallback;
-  try {
-    return std::stoi(v);
-  } catch (...) {
-    CHORUS_FAIL("dist: environment variable ", name, "='", v, "' is not an integer");
-  }
-}
-inline bool mpi_launcher_present() {
-  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "MPI_LOCALNRANKS"})
-    if (std::getenv(v)) return true;
-  return false;
-}
+CHORUS_INLINE std::string env(const char* name);
+CHORUS_INLINE int env_int(const char* name, int fallback);
+CHORUS_INLINE bool mpi_launcher_present();
 inline bool torchrun_present() { return std::getenv("RANK") && std::getenv("WORLD_SIZE"); }
 
 // Note [MPI counts]
 // MPI takes element counts as int: a tensor of 2^31 or more elements would wrap in the cast.
 // MPI collectives refuse it (NCCL's counts are size_t and take it).
-inline int checked_int_count(std::int64_t n, const std::string& what) {
-  CHORUS_CHECK(n >= 0 && n <= std::int64_t{std::numeric_limits<int>::max()}, "dist: ", what, " of ", n,
-               " elements: MPI takes at most 2^31 - 1 elements per call; split the tensor");
-  return static_cast<int>(n);
-}
+CHORUS_INLINE int checked_int_count(std::int64_t n, const std::string& what);
 
 template <class T>
 void divide_in_place(const Tensor<T>& t, std::int64_t n) {
@@ -180,11 +162,7 @@ class GroupState {
 
   /// Marks the group unusable: later collectives throw, shutdown skips MPI_Finalize, and every
   /// backend aborts what it can.
-  void mark_broken(const std::string& why) {
-    std::lock_guard<std::mutex> lk(m_);
-    if (broken_.empty()) broken_ = why;
-    for (auto* b : backends_) b->abort();
-  }
+  void mark_broken(const std::string& why);
   bool broken() const {
     std::lock_guard<std::mutex> lk(m_);
     return !broken_.empty();
@@ -194,22 +172,12 @@ class GroupState {
     return broken_;
   }
   /// Backends to abort when the group breaks (they outlive their registration).
-  void add_backend(Backend* b) {
-    std::lock_guard<std::mutex> lk(m_);
-    backends_.push_back(b);
-  }
+  void add_backend(Backend* b);
 
   /// The device this process should use: cuda:local_rank when there are GPUs, else cpu:0.
-  Device default_device() const {
-    const auto devs = available_devices();
-    if (!devs.empty() && devs[0].is_cuda()) {
-      const int n = static_cast<int>(devs.size());
-      return Device::cuda(local_rank % n);
-    }
-    return Device::cpu(0);
-  }
+  Device default_device() const;
   /// "... on rank r of w", for messages.
-  std::string where() const { return " on rank " + std::to_string(rank) + " of " + std::to_string(world); }
+  std::string where() const;
 
  private:
   mutable std::mutex m_;
@@ -218,28 +186,12 @@ class GroupState {
 };
 }  // namespace detail
 
-inline void Work::wait(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lk(m_);
-  const auto deadline = start_ + timeout;
-  if (!cv_.wait_until(lk, deadline, [this] { return done_; })) {
-    lk.unlock();
-    std::ostringstream msg;
-    msg << "dist: " << what_ << " did not complete within " << std::chrono::duration<double>(timeout).count()
-        << " s (a rank stopped participating?); the process group is now broken";
-    if (group) group->mark_broken(what_ + " timed out");
-    CHORUS_FAIL(msg.str());
-  }
-  if (!error_.empty()) {
-    lk.unlock();
-    if (group) group->mark_broken(what_ + ": " + error_);
-    CHORUS_FAIL("dist: ", what_, " failed: ", error_);
-  }
-  auto f = std::move(on_wait);
-  on_wait = nullptr;
-  lk.unlock();
-  if (f) f(deadline);
-}
-
 }  // namespace CHORUS_DIST_NS
 }  // namespace dist
 CHORUS_NAMESPACE_END
+
+// The definitions: compiled into chorus::compiled and the MPI library, or here in the
+// header-only form (Note [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "backend_impl.hpp"
+#endif

@@ -11,6 +11,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../nn/module.hpp"
 #include "../parallel/data_parallel.hpp"
 #include "process_group.hpp"
@@ -18,6 +19,35 @@
 #include "stats_reducer.hpp"
 
 CHORUS_NAMESPACE_BEGIN
+
+namespace dist::detail {
+// What DistributedDataParallel<M> does that does not depend on M (ddp_impl.hpp).
+
+/// The constructor's work on the wrapped module `root` (bucket sizes already checked): checks
+/// its devices (`device` gets the one), that every rank holds the same model, copies rank 0's
+/// parameters and buffers to every rank; returns the Reducer over the trained parameters.
+CHORUS_INLINE std::shared_ptr<Reducer> setup_ddp(nn::Module& root, const DistributedDataParallelOptions& options,
+                                                 ProcessGroup& group, Device& device);
+/// Checks that all ranks hold the same parameter and buffer names, dtypes and shapes.
+CHORUS_INLINE void verify_same_model(ProcessGroup& group, const std::vector<nn::Module::NamedTensor>& params,
+                                     const std::vector<nn::Module::NamedTensor>& buffers);
+/// Copies rank `root`'s parameters (unless buffers_only) and buffers to every rank.
+CHORUS_INLINE void sync_from(ProcessGroup& group, int root, const std::vector<nn::Module::NamedTensor>& params,
+                             const std::vector<nn::Module::NamedTensor>& buffers, bool buffers_only);
+/// One round of flags (Note [DDP join]); true while some rank still trains, whose highest rank
+/// then goes to `last_joiner`.
+CHORUS_INLINE bool join_round(ProcessGroup& group, bool training, int& last_joiner);
+/// Sets each trained parameter's grad_fn to a ParamReady node whose edge leads to the Finalize
+/// node of its dtype (made once per forward in `finalize_f` (float) or `finalize_d`);
+/// `ready_nodes` gets the nodes, in parameter order.
+CHORUS_INLINE void wire_params(const std::shared_ptr<Reducer>& reducer, Device device, std::shared_ptr<void>& finalize_f,
+                               std::shared_ptr<void>& finalize_d, std::vector<const void*>& ready_nodes);
+/// Makes the trained parameters plain leaves again and drops the Finalize nodes.
+CHORUS_INLINE void unwire_params(const Reducer& reducer, std::shared_ptr<void>& finalize_f,
+                                 std::shared_ptr<void>& finalize_d);
+/// The current buckets, as lists of parameter names (first reduced first).
+CHORUS_INLINE std::vector<std::vector<std::string>> bucket_names(const Reducer& reducer);
+}  // namespace dist::detail
 
 /// PyTorch's DistributedDataParallel for one device per process: construction checks that every
 /// rank holds the same parameters and copies rank 0's parameters and buffers everywhere;
@@ -34,24 +64,7 @@ class DistributedDataParallel {
       : module_(std::move(module)), options_(options), group_(group ? *group : dist::init()) {
     CHORUS_CHECK(options_.bucket_cap_bytes > 0 && options_.first_bucket_bytes > 0,
                  "DistributedDataParallel: bucket sizes must be positive");
-    auto& root = nn::module_of(module_);
-    auto named = root.named_parameters();
-    auto buffers = root.named_buffers();
-    CHORUS_CHECK(!named.empty() || !buffers.empty(), "DistributedDataParallel: the module has no parameters");
-    device_ = !named.empty() ? named[0].tensor.device() : buffers[0].tensor.device();
-    for (const auto* list : {&named, &buffers})
-      for (const auto& p : *list)
-        CHORUS_CHECK(p.tensor.device() == device_, "DistributedDataParallel: '", p.name, "' is on ", p.tensor.device(),
-                     " but '", (named.empty() ? buffers : named)[0].name, "' is on ", device_,
-                     "; one device per process (move the module there first)");
-    verify_same_model(named, buffers);
-    sync_from(0, named, buffers, /*buffers_only=*/false);
-    std::vector<dist::detail::Reducer::Param> trained;
-    std::unordered_set<const void*> seen;  // a tensor registered under two names is reduced once
-    for (auto& p : named)
-      if (p.tensor.requires_grad() && p.tensor.dtype() != DType::Int64 && seen.insert(p.tensor.impl_key()).second)
-        trained.push_back({p.name, p.tensor});
-    reducer_ = std::make_shared<dist::detail::Reducer>(group_, std::move(trained), options_, device_);
+    reducer_ = dist::detail::setup_ddp(nn::module_of(module_), options_, group_, device_);
   }
 
   DistributedDataParallel(const DistributedDataParallel&) = delete;
@@ -170,14 +183,7 @@ class DistributedDataParallel {
   void register_comm_hook(dist::CommHook hook) { reducer_->set_comm_hook(hook); }
 
   /// The current buckets, as lists of parameter names (first reduced first).
-  std::vector<std::vector<std::string>> bucket_names() const {
-    std::vector<std::vector<std::string>> out;
-    for (const auto& b : reducer_->buckets()) {
-      out.emplace_back();
-      for (auto i : b.members) out.back().push_back(reducer_->params()[i].name);
-    }
-    return out;
-  }
+  std::vector<std::vector<std::string>> bucket_names() const { return dist::detail::bucket_names(*reducer_); }
   /// True once the buckets were re-made from the observed gradient order.
   bool buckets_rebuilt() const { return reducer_->rebuilt(); }
   /// How many buckets of the last step started their all-reduce before backward had produced
@@ -198,53 +204,17 @@ class DistributedDataParallel {
   /// Sets each trained parameter's grad_fn to a ParamReady node for the length of forward.
   struct Wiring {
     explicit Wiring(DistributedDataParallel& d) : d_(d) {
-      const auto& params = d_.reducer_->params();
-      d_.ready_nodes_.clear();
-      for (std::size_t i = 0; i < params.size(); ++i) {
-        params[i].tensor.visit([&](const auto& p) {
-          using T = typename std::decay_t<decltype(p)>::value_type;
-          if constexpr (is_floating_v<T>) {
-            auto finalize = d_.template finalize_node<T>();
-            auto node = std::make_shared<dist::detail::ParamReady<T>>(d_.reducer_, i);
-            node->set_stream(&current_stream(p.device()));
-            node->add_next_edge({finalize, 0});
-            auto& impl = *p.impl();
-            impl.output_nr = node->add_input(impl.shape, p.device());
-            impl.grad_fn = node;
-            d_.ready_nodes_.push_back(node.get());
-          }
-        });
-      }
+      dist::detail::wire_params(d_.reducer_, d_.device_, d_.finalize_f_, d_.finalize_d_, d_.ready_nodes_);
     }
     void restore() {
       if (restored_) return;
       restored_ = true;
-      for (auto& p : d_.reducer_->params())
-        p.tensor.visit([](const auto& t) {
-          t.impl()->grad_fn = nullptr;
-          t.impl()->output_nr = 0;
-        });
-      d_.finalize_f_.reset();
-      d_.finalize_d_.reset();
+      dist::detail::unwire_params(*d_.reducer_, d_.finalize_f_, d_.finalize_d_);
     }
     ~Wiring() { restore(); }
     DistributedDataParallel& d_;
     bool restored_ = false;
   };
-
-  template <class T>
-  std::shared_ptr<autograd::Node<T>> finalize_node() {
-    auto& slot = [&]() -> std::shared_ptr<void>& {
-      if constexpr (std::is_same_v<T, float>) return finalize_f_;
-      else return finalize_d_;
-    }();
-    if (!slot) {
-      auto node = std::make_shared<dist::detail::Finalize<T>>(reducer_);
-      node->set_stream(&current_stream(device_));
-      slot = node;
-    }
-    return std::static_pointer_cast<autograd::Node<T>>(std::static_pointer_cast<dist::detail::Finalize<T>>(slot));
-  }
 
   /// find_unused_parameters: parameters whose ParamReady node the outputs cannot reach.
   template <class R>
@@ -262,58 +232,6 @@ class DistributedDataParallel {
       if (!seen.count(ready_nodes_[i])) reducer_->set_unused(i);
   }
 
-  /// Checks that all ranks hold the same parameter and buffer names, dtypes and shapes.
-  void verify_same_model(const std::vector<nn::Module::NamedTensor>& params,
-                         const std::vector<nn::Module::NamedTensor>& buffers) {
-    std::vector<std::string> mine;
-    for (const auto& p : params)
-      mine.push_back("parameter '" + p.name + "' " + std::string(dtype_name(p.tensor.dtype())) + " " + shape_str(p.tensor.shape()));
-    for (const auto& b : buffers)
-      mine.push_back("buffer '" + b.name + "' " + std::string(dtype_name(b.tensor.dtype())) + " " + shape_str(b.tensor.shape()));
-    const int world = group_.world_size();
-    if (world == 1) return;
-    std::string joined;
-    for (const auto& s : mine) joined += s + '\n';
-    auto len = Tensor<std::int64_t>::empty(Shape{1}, Device::cpu(0));
-    len.data()[0] = static_cast<std::int64_t>(joined.size());
-    auto lens = group_.all_gather(len);
-    std::int64_t longest = 0;
-    for (int r = 0; r < world; ++r) longest = std::max(longest, lens.data()[r]);
-    auto bytes = Tensor<std::int64_t>::empty(Shape{longest}, Device::cpu(0));
-    for (std::int64_t k = 0; k < longest; ++k)
-      bytes.data()[k] = k < static_cast<std::int64_t>(joined.size()) ? static_cast<unsigned char>(joined[k]) : 0;
-    auto all = group_.all_gather(bytes);
-    auto lines_of = [&](int r) {
-      std::vector<std::string> lines;
-      std::string cur;
-      for (std::int64_t k = 0; k < lens.data()[r]; ++k) {
-        const char c = static_cast<char>(all.data()[r * longest + k]);
-        if (c == '\n') {
-          lines.push_back(cur);
-          cur.clear();
-        } else {
-          cur += c;
-        }
-      }
-      return lines;
-    };
-    const auto ref = lines_of(0);
-    for (int r = 1; r < world; ++r) {
-      const auto other = lines_of(r);
-      for (std::size_t k = 0; k < std::max(ref.size(), other.size()); ++k) {
-        if (k < ref.size() && k < other.size() && ref[k] == other[k]) continue;
-        CHORUS_FAIL("DistributedDataParallel: the ranks hold different models: entry ", k, " is ",
-                    k < ref.size() ? ref[k] : std::string("missing"), " on rank 0 but ",
-                    k < other.size() ? other[k] : std::string("missing"), " on rank ", r);
-      }
-    }
-  }
-  static std::string shape_str(const Shape& s) {
-    std::ostringstream os;
-    os << s;
-    return os.str();
-  }
-
   // Note [DDP join]
   // PyTorch's Join for DDP. Inside join(), every forward of a rank that still has data starts
   // with an all-gather of one flag per rank (1: still training); a rank whose loop has ended
@@ -323,37 +241,12 @@ class DistributedDataParallel {
   // and its parameters and buffers go to every rank at the end (the finished ranks skipped the
   // optimizer steps of the rounds they shadowed). One all-gather of a flag per step is the cost.
   /// One round of flags; true while some rank still trains.
-  bool join_round(bool training) {
-    auto flag = Tensor<std::int64_t>::empty(Shape{1}, Device::cpu(0));
-    flag.data()[0] = training ? 1 : 0;
-    auto flags = group_.all_gather(flag);
-    int last = -1;
-    for (int r = 0; r < group_.world_size(); ++r)
-      if (flags.data()[r]) last = r;
-    if (last >= 0) last_joiner_ = last;
-    return last >= 0;
-  }
+  bool join_round(bool training) { return dist::detail::join_round(group_, training, last_joiner_); }
 
   /// Copies rank `root`'s parameters (unless buffers_only) and buffers to every rank.
   void sync_from(int root, const std::vector<nn::Module::NamedTensor>& params,
                  const std::vector<nn::Module::NamedTensor>& buffers, bool buffers_only) {
-    if (group_.world_size() == 1) return;
-    NoGradGuard ng;
-    std::vector<std::function<void()>> waits;
-    auto start = [&](const nn::Module::NamedTensor& nt) {
-      nt.tensor.visit([&](const auto& t) {
-        auto c = t.is_contiguous() ? t : t.contiguous();
-        auto work = group_.broadcast_async(c, root, "broadcast of '" + nt.name + "' from rank " + std::to_string(root));
-        waits.push_back([this, t, c, work] {
-          work->wait(group_.timeout());
-          if (!is_same(c, t)) backend::copy(t, c);
-        });
-      });
-    };
-    if (!buffers_only)
-      for (const auto& p : params) start(p);
-    for (const auto& b : buffers) start(b);
-    for (auto& w : waits) w();
+    dist::detail::sync_from(group_, root, params, buffers, buffers_only);
   }
 
   M module_;
@@ -369,3 +262,9 @@ class DistributedDataParallel {
 };
 
 CHORUS_NAMESPACE_END
+
+// The definitions: compiled into chorus::compiled and the MPI library, or here in the
+// header-only form (Note [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "ddp_impl.hpp"
+#endif

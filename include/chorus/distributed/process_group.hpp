@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../ops/ops.hpp"
 #include "backend.hpp"
 #include "mpi_backend.hpp"
@@ -32,23 +33,9 @@ inline namespace CHORUS_DIST_NS {
 /// The group of all processes of the job (see Note [process group bootstrap]).
 class ProcessGroup {
  public:
-  explicit ProcessGroup(Options options = {}) {
-    state_.timeout = resolve_timeout(options);
-#if CHORUS_DIST_MPI
-    if (!(detail::torchrun_present() && !detail::mpi_launcher_present())) {
-      mpi_ = std::make_unique<detail::MpiBackend>(state_);
-      state_.add_backend(mpi_.get());
-      return;
-    }
-#endif
-    if (detail::torchrun_present()) {
-      init_torchrun();
-      return;
-    }
-    // World of 1, nothing to talk to.
-  }
+  explicit ProcessGroup(Options options = {});
 
-  ~ProcessGroup() { (void)leave(); }  // at exit: a failed leave has already skipped MPI_Finalize
+  ~ProcessGroup();  // at exit: a failed leave has already skipped MPI_Finalize
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
 
@@ -58,14 +45,9 @@ class ProcessGroup {
   int local_world_size() const { return state_.local_world; }
   Launcher launcher() const { return state_.launcher; }
   /// "mpi", "nccl" (torchrun) or "local" (a world of 1 without MPI).
-  std::string backend() const {
-    return state_.launcher == Launcher::Torchrun ? "nccl" : (has_mpi() ? "mpi" : "local");
-  }
+  std::string backend() const;
   std::chrono::milliseconds timeout() const { return state_.timeout; }
-  void set_timeout(std::chrono::milliseconds t) {
-    CHORUS_CHECK(t.count() > 0, "dist: timeout must be positive");
-    state_.timeout = t;
-  }
+  void set_timeout(std::chrono::milliseconds t);
 
   /// The device this process should use: cuda:local_rank when there are GPUs, else cpu:0.
   Device default_device() const { return state_.default_device(); }
@@ -103,9 +85,7 @@ class ProcessGroup {
   void broadcast(const Tensor<T>& t, int root = 0) {
     broadcast_async(t, root)->wait(state_.timeout);
   }
-  void broadcast(const AnyTensor& t, int root = 0) {
-    t.visit([&](const auto& x) { broadcast(x, root); });
-  }
+  void broadcast(const AnyTensor& t, int root = 0);
 
   /// [world_size, *t.shape()]: every rank's t, in rank order.
   template <class T>
@@ -127,15 +107,7 @@ class ProcessGroup {
   }
 
   /// Returns once every rank has called barrier().
-  void barrier() {
-    if (state_.world == 1) return;
-    auto work = std::make_shared<Work>("barrier");
-    work->group = &state_;
-    check_usable(work->what());
-    // MPI where the group has it; under torchrun a one-element all-reduce over NCCL.
-    backend_for(has_mpi() ? Device::cpu(0) : default_device(), "barrier").barrier(work);
-    work->wait(state_.timeout);
-  }
+  void barrier();
 
   // ---- failure handling (Note [watchdog]) ----
 
@@ -149,11 +121,7 @@ class ProcessGroup {
   /// still in flight, or another rank not reaching the exit barrier within the timeout): MPI is
   /// then left unfinalised, so that the launcher ends the job with a failure (Note [watchdog]).
   /// A second call does nothing.
-  void shutdown() {
-    const auto why = leave();
-    CHORUS_CHECK(why.empty(), "dist: shutdown on rank ", state_.rank, " failed: ", why,
-                 "; MPI was not finalised, so that the launcher ends the job");
-  }
+  void shutdown();
 
 #if CHORUS_DIST_MPI
   /// The private communicator (a duplicate of MPI_COMM_WORLD; null without MPI).
@@ -166,36 +134,12 @@ class ProcessGroup {
   cudaStream_t nccl_stream() const { return nccl_ ? nccl_->stream() : nullptr; }
 #endif
 
-  void check_usable(const std::string& what) const {
-    const auto broken = state_.broken_reason();
-    CHORUS_CHECK(broken.empty(), "dist: ", what, " on rank ", state_.rank, ": the process group is broken (", broken,
-                 ")");
-    CHORUS_CHECK(!shut_down_, "dist: ", what, " after the process group was shut down");
-  }
+  void check_usable(const std::string& what) const;
 
  private:
   /// shutdown() without the exception: why the leave was not clean (empty when it was, or when
   /// the group was left before).
-  std::string leave() noexcept {
-    if (shut_down_) return {};
-    shut_down_ = true;
-#if CHORUS_DIST_MPI
-    if (!mpi_) return {};
-    std::string why;
-    try {
-      why = mpi_->leave();
-    } catch (const std::exception& e) {
-      why = e.what();
-    }
-#if CHORUS_CUDA
-    nccl_.reset();
-#endif
-    mpi_->finalize(why.empty());
-    return why;
-#else
-    return {};
-#endif
-  }
+  std::string leave() noexcept;
 
   template <class T>
   void check_tensor(const Tensor<T>& t, const std::string& what) const {
@@ -223,18 +167,7 @@ class ProcessGroup {
     return w;
   }
   // Note [timeout precedence].
-  static std::chrono::milliseconds resolve_timeout(const Options& o) {
-    std::chrono::milliseconds t = std::chrono::minutes(10);
-    if (o.timeout) {
-      t = *o.timeout;
-      CHORUS_CHECK(t.count() > 0, "dist::init: timeout must be positive, got ", t.count(), " ms");
-    } else if (!detail::env("CHORUS_DIST_TIMEOUT_S").empty()) {
-      const int s = detail::env_int("CHORUS_DIST_TIMEOUT_S", 0);
-      CHORUS_CHECK(s > 0, "dist::init: CHORUS_DIST_TIMEOUT_S must be a positive number of seconds, got ", s);
-      t = std::chrono::seconds(s);
-    }
-    return t;
-  }
+  static std::chrono::milliseconds resolve_timeout(const Options& o);
   bool has_mpi() const {
 #if CHORUS_DIST_MPI
     return mpi_ != nullptr;
@@ -244,53 +177,9 @@ class ProcessGroup {
   }
 
   /// The backend for a tensor on `device` (Note [process group backends]).
-  detail::Backend& backend_for([[maybe_unused]] Device device, [[maybe_unused]] const std::string& what) {
-#if CHORUS_CUDA
-    if (device.is_cuda() || state_.launcher == Launcher::Torchrun) {
-      if (!nccl_) {
-        detail::Backend* bootstrap = nullptr;
-#if CHORUS_DIST_MPI
-        bootstrap = mpi_.get();
-#endif
-        CHORUS_CHECK(bootstrap || state_.launcher == Launcher::Torchrun,
-                     "dist: no way to share an NCCL unique id (no MPI, no torchrun)");
-        nccl_ = std::make_unique<detail::NcclBackend>(state_, state_.launcher == Launcher::Torchrun ? nullptr : bootstrap);
-        state_.add_backend(nccl_.get());
-      }
-      return *nccl_;
-    }
-#endif
-#if CHORUS_DIST_MPI
-    CHORUS_CHECK(mpi_, "dist: ", what, ": CPU tensors need MPI, which this process group does not use");
-    return *mpi_;
-#else
-    CHORUS_FAIL("dist: ", what, " has no transport for ", device);
-#endif
-  }
+  detail::Backend& backend_for(Device device, const std::string& what);
 
-  void init_torchrun() {
-    state_.rank = detail::env_int("RANK", 0);
-    state_.world = detail::env_int("WORLD_SIZE", 1);
-    state_.local_rank = detail::env_int("LOCAL_RANK", 0);
-    state_.local_world = detail::env_int("LOCAL_WORLD_SIZE", 1);
-    CHORUS_CHECK(state_.world >= 1 && state_.rank >= 0 && state_.rank < state_.world, "dist::init: torchrun's RANK=",
-                 state_.rank, " and WORLD_SIZE=", state_.world, " are inconsistent");
-    state_.launcher = Launcher::Torchrun;
-#if CHORUS_CUDA
-    if (state_.world == 1) return;
-    if (detail::env("NCCL_COMM_ID").empty()) {
-      const auto addr = detail::env("MASTER_ADDR"), port = detail::env("MASTER_PORT");
-      CHORUS_CHECK(!addr.empty() && !port.empty(), "dist::init: torchrun's environment lacks MASTER_ADDR or "
-                                                   "MASTER_PORT, and NCCL_COMM_ID is not set");
-      const std::string id = addr + ":" + std::to_string(detail::env_int("MASTER_PORT", 0) + 1);
-      ::setenv("NCCL_COMM_ID", id.c_str(), 0);
-    }
-#else
-    CHORUS_CHECK(state_.world == 1, "dist::init: launched by torchrun with WORLD_SIZE=", state_.world,
-                 ", which needs NCCL: build with nvcc (chorus::cuda), or launch with mpirun/srun in a build with "
-                 "chorus::distributed (MPI)");
-#endif
-  }
+  void init_torchrun();
 
   // Declared before the backends, destroyed after them: they refer to it.
   detail::GroupState state_;
@@ -304,10 +193,7 @@ class ProcessGroup {
 };
 
 namespace detail {
-inline std::unique_ptr<ProcessGroup>& global_group() {
-  static std::unique_ptr<ProcessGroup> g;  // destroyed at exit: shutdown() (Note [watchdog])
-  return g;
-}
+CHORUS_INLINE std::unique_ptr<ProcessGroup>& global_group();
 }  // namespace detail
 
 // Note [one process group]
@@ -318,24 +204,10 @@ inline std::unique_ptr<ProcessGroup>& global_group() {
 
 /// Joins the job's process group (Note [process group bootstrap], [one process group]). Every
 /// rank calls it.
-inline ProcessGroup& init(Options options = {}) {
-  auto& g = detail::global_group();
-  if (!g) {
-    g = std::make_unique<ProcessGroup>(options);
-    return *g;
-  }
-  if (options.timeout && *options.timeout != g->timeout())
-    CHORUS_FAIL("dist::init: the process group already exists, with a timeout of ", g->timeout().count(),
-                " ms; a second init() asks for ", options.timeout->count(),
-                " ms. Call init() once with the options you want (or change it with group().set_timeout())");
-  return *g;
-}
+CHORUS_INLINE ProcessGroup& init(Options options = {});
 inline bool is_initialized() { return detail::global_group() != nullptr; }
 /// The group made by init().
-inline ProcessGroup& group() {
-  CHORUS_CHECK(is_initialized(), "dist: the process group is not initialised (call chorus::dist::init() first)");
-  return *detail::global_group();
-}
+CHORUS_INLINE ProcessGroup& group();
 inline int rank() { return group().rank(); }
 inline int world_size() { return group().world_size(); }
 inline int local_rank() { return group().local_rank(); }
@@ -353,10 +225,14 @@ Tensor<T> all_gather(const Tensor<T>& t) {
   return group().all_gather(t);
 }
 /// Leaves the group (also done at exit). Call it before your own MPI_Finalize.
-inline void shutdown() {
-  if (auto& g = detail::global_group()) g->shutdown();
-}
+CHORUS_INLINE void shutdown();
 
 }  // namespace CHORUS_DIST_NS
 }  // namespace dist
 CHORUS_NAMESPACE_END
+
+// The definitions: compiled into chorus::compiled and the MPI library, or here in the
+// header-only form (Note [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "process_group_impl.hpp"
+#endif

@@ -16,6 +16,7 @@
 #include <random>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../data/dataset.hpp"
 #include "../error.hpp"
 #include "process_group.hpp"
@@ -32,19 +33,7 @@ struct DistributedSamplerOptions {
 class DistributedSampler {
  public:
   /// The share of rank `rank` out of `num_replicas` of a dataset of `dataset_size` samples.
-  DistributedSampler(std::size_t dataset_size, int num_replicas, int rank, DistributedSamplerOptions options = {})
-      : n_(dataset_size), world_(num_replicas), rank_(rank), options_(options) {
-    CHORUS_CHECK(num_replicas >= 1, "DistributedSampler: num_replicas must be at least 1, got ", num_replicas);
-    CHORUS_CHECK(rank >= 0 && rank < num_replicas, "DistributedSampler: rank ", rank, " is not in [0, ", num_replicas,
-                 ")");
-    const auto w = static_cast<std::size_t>(world_);
-    // PyTorch: ceil((n - w) / w) with drop_last (= floor(n / w) when w does not divide n),
-    // else ceil(n / w); both without n + w - 1, which wraps for a huge n.
-    num_samples_ = options_.drop_last ? n_ / w : n_ / w + (n_ % w != 0);
-    total_ = num_samples_ * w;  // <= n_ + w - 1 only in exact arithmetic: it may exceed size_t
-    CHORUS_CHECK(num_samples_ == 0 || total_ / num_samples_ == w, "DistributedSampler: ", n_, " samples padded to a "
-                 "multiple of ", w, " replicas overflow a size_t");
-  }
+  DistributedSampler(std::size_t dataset_size, int num_replicas, int rank, DistributedSamplerOptions options = {});
   /// A rank's share of `dataset` (anything with size()).
   template <data::Dataset D>
   DistributedSampler(const D& dataset, int num_replicas, int rank, DistributedSamplerOptions options = {})
@@ -66,25 +55,7 @@ class DistributedSampler {
   int num_replicas() const { return world_; }
 
   /// This rank's indices for the current epoch.
-  std::vector<std::size_t> indices() const {
-    std::vector<std::size_t> order(n_);
-    std::iota(order.begin(), order.end(), std::size_t{0});
-    if (options_.shuffle) {
-      std::mt19937_64 gen(options_.seed + epoch_);
-      for (std::size_t i = n_; i > 1; --i) std::swap(order[i - 1], order[uniform_below(gen, i)]);
-    }
-    if (total_ > n_) {  // pad by repeating the start (several times when n_ is tiny)
-      CHORUS_CHECK(n_ > 0, "DistributedSampler: an empty dataset cannot be padded");
-      for (std::size_t k = 0, pad = total_ - n_; k < pad; ++k) order.push_back(order[k % n_]);
-    } else {
-      order.resize(total_);
-    }
-    std::vector<std::size_t> mine;
-    mine.reserve(num_samples_);
-    for (std::size_t k = static_cast<std::size_t>(rank_); k < total_; k += static_cast<std::size_t>(world_))
-      mine.push_back(order[k]);
-    return mine;
-  }
+  std::vector<std::size_t> indices() const;
 
  private:
   static void check_group() {
@@ -118,3 +89,9 @@ class DistributedSampler {
 
 }  // namespace data
 CHORUS_NAMESPACE_END
+
+// The definitions: compiled into chorus::compiled, or here in the header-only form (Note
+// [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "sampler_impl.hpp"
+#endif

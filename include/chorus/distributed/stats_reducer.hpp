@@ -13,6 +13,7 @@
 // from the others': the element count is summed too.
 #include <cstdint>
 
+#include "../compiled.hpp"
 #include "../ops/nn.hpp"
 #include "process_group.hpp"
 
@@ -24,14 +25,10 @@ namespace detail {
 class ProcessStatsReducer final : public StatsReducer {
  public:
   explicit ProcessStatsReducer(ProcessGroup& group) : group_(group) {}
-  void all_reduce_sum(Tensor<float>& t) override { reduce(t); }
-  void all_reduce_sum(Tensor<double>& t) override { reduce(t); }
-  std::int64_t all_reduce_sum(std::int64_t count) override {
-    auto t = from_vector<std::int64_t>({count});
-    reduce(t);
-    return t.item();
-  }
-  int size() const override { return group_.world_size(); }
+  void all_reduce_sum(Tensor<float>& t) override;
+  void all_reduce_sum(Tensor<double>& t) override;
+  std::int64_t all_reduce_sum(std::int64_t count) override;
+  int size() const override;
 
  private:
   template <class T>
@@ -45,3 +42,9 @@ class ProcessStatsReducer final : public StatsReducer {
 }  // namespace CHORUS_DIST_NS
 }  // namespace dist
 CHORUS_NAMESPACE_END
+
+// The definitions: compiled into chorus::compiled and the MPI library, or here in the
+// header-only form (Note [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "stats_reducer_impl.hpp"
+#endif

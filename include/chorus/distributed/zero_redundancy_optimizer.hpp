@@ -29,12 +29,36 @@
 #include <utility>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../optim/optimizer.hpp"
 #include "process_group.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace dist {
 inline namespace CHORUS_DIST_NS {
+
+namespace detail {
+// What ZeroRedundancyOptimizer<O> does that does not depend on O (Note [ZeRO-1 over the process
+// group]; zero_redundancy_optimizer_impl.hpp).
+
+/// The device of the parameters (one device per process).
+CHORUS_INLINE Device zero_device(const std::vector<AnyTensor>& params);
+/// The partition over `w` ranks of `opt`'s parameters: owner[i] steps parameter i.
+CHORUS_INLINE void zero_partition(const optim::Optimizer& opt, int w, std::vector<int>& owner);
+/// consolidate_state_dict(to)'s checks, before anything changes.
+CHORUS_INLINE void zero_check_consolidate(ProcessGroup& group, int to);
+/// Every parameter's state, from its owner to every rank (a collective): `local` (the shard's
+/// optimizer) holds the state of parameters local_index, in that order.
+CHORUS_INLINE std::vector<optim::Optimizer::State> zero_gather_state(ProcessGroup& group, const optim::Optimizer& local,
+                                                                     const std::vector<AnyTensor>& params,
+                                                                     const std::vector<int>& owner,
+                                                                     const std::vector<std::size_t>& local_index);
+/// state()'s check: the state was consolidated on this rank (`rank`) since the last step.
+CHORUS_INLINE void zero_check_consolidated(bool consolidated, int rank);
+/// One broadcast per (owner, dtype) of the owner's parameters packed in index order.
+CHORUS_INLINE void zero_sync_parameters(ProcessGroup& group, const std::vector<AnyTensor>& params,
+                                        const std::vector<int>& owner, Device device);
+}  // namespace detail
 
 /// PyTorch's ZeroRedundancyOptimizer: `ZeroRedundancyOptimizer<optim::Adam> opt(ddp.parameters(),
 /// {.lr = 1e-3})` (Note [ZeRO-1 over the process group]). Every rank constructs it with the same
@@ -50,10 +74,7 @@ class ZeroRedundancyOptimizer final : public optim::Optimizer {
 
   explicit ZeroRedundancyOptimizer(std::vector<optim::ParamGroup<Options>> groups, ProcessGroup* group = nullptr)
       : Optimizer(optim::detail::params_of(groups)), group_(group ? *group : dist::init()) {
-    device_ = params_[0].device();
-    for (std::size_t i = 0; i < params_.size(); ++i)
-      CHORUS_CHECK(params_[i].device() == device_, "ZeroRedundancyOptimizer: parameter ", i, " is on ",
-                   params_[i].device(), ", parameter 0 on ", device_, "; one device per process");
+    device_ = detail::zero_device(params_);
     partition();
     std::vector<optim::ParamGroup<Options>> mine;
     for (std::size_t g = 0; g < groups.size(); ++g) mine.push_back({{}, groups[g].options});
@@ -78,48 +99,9 @@ class ZeroRedundancyOptimizer final : public optim::Optimizer {
   /// Gathers the whole optimizer state on rank `to` (a collective): afterwards, and until the
   /// next step(), state() there is the plain optimizer's state (for io::save).
   void consolidate_state_dict(int to = 0) override {
-    CHORUS_CHECK(to >= 0 && to < group_.world_size(), "ZeroRedundancyOptimizer::consolidate_state_dict: rank ", to,
-                 " is not a rank of a world of ", group_.world_size());
-    group_.check_usable("ZeroRedundancyOptimizer::consolidate_state_dict");
+    detail::zero_check_consolidate(group_, to);
     drop_consolidated();
-    const auto keys = state_keys();
-    const std::size_t K = keys.size(), P = params_.size();
-    // Which entries exist (a parameter never stepped has none; amsgrad adds one): known to
-    // their owner only, so every rank learns them first.
-    auto present = zeros<std::int64_t>(Shape{static_cast<std::int64_t>(P * K)});
-    {
-      auto* flags = present.data();
-      const auto& mine = local_->state();
-      for (std::size_t j = 0; j < local_index_.size(); ++j)
-        for (std::size_t k = 0; k < K; ++k) flags[local_index_[j] * K + k] = mine[j].count(keys[k]) ? 1 : 0;
-    }
-    group_.all_reduce(present);
-    const auto* flags = present.data();
-    std::vector<State> full(P);
-    std::vector<std::shared_ptr<Work>> pending;
-    std::vector<std::size_t> slot(P, 0);
-    for (std::size_t j = 0; j < local_index_.size(); ++j) slot[local_index_[j]] = j;
-    for (std::size_t i = 0; i < P; ++i)
-      for (std::size_t k = 0; k < K; ++k) {
-        if (!flags[i * K + k]) continue;
-        AnyTensor t;
-        if (owner_[i] == group_.rank()) {
-          t = local_->state()[slot[i]].at(keys[k]);
-        } else if (keys[k] == "step") {
-          t = AnyTensor(scalar_tensor<double>(0.0));
-        } else {
-          t = params_[i].visit([&](const auto& p) {
-            using T = typename std::decay_t<decltype(p)>::value_type;
-            return AnyTensor(Tensor<T>::empty(p.shape(), p.device()));
-          });
-        }
-        t.visit([&](const auto& x) {
-          pending.push_back(group_.broadcast_async(x, owner_[i], "ZeroRedundancyOptimizer state of parameter " +
-                                                                     std::to_string(i) + " (" + keys[k] + ")"));
-        });
-        full[i][keys[k]] = std::move(t);
-      }
-    for (auto& w : pending) w->wait(group_.timeout());
+    auto full = detail::zero_gather_state(group_, *local_, params_, owner_, local_index_);
     if (group_.rank() == to) {
       state_ = std::move(full);
       consolidated_ = true;
@@ -128,10 +110,7 @@ class ZeroRedundancyOptimizer final : public optim::Optimizer {
 
   /// The whole state: only on the rank of the last consolidate_state_dict, before the next step.
   const std::vector<State>& state() const override {
-    CHORUS_CHECK(consolidated_, "ZeroRedundancyOptimizer: the optimizer state is sharded over the ranks and has not "
-                                "been consolidated on rank ",
-                 group_.rank(), " since the last step; call consolidate_state_dict(", group_.rank(),
-                 ") on every rank first");
+    detail::zero_check_consolidated(consolidated_, group_.rank());
     return state_;
   }
 
@@ -161,23 +140,7 @@ class ZeroRedundancyOptimizer final : public optim::Optimizer {
   std::string name() const override { return local_->name(); }
 
  private:
-  void partition() {
-    const int w = group_.world_size();
-    std::vector<std::int64_t> load(static_cast<std::size_t>(w), 0);
-    owner_.assign(params_.size(), 0);
-    for (std::size_t g = 0; g < num_groups(); ++g) {
-      std::vector<std::size_t> members;
-      for (std::size_t i = 0; i < params_.size(); ++i)
-        if (group_of(i) == g) members.push_back(i);
-      std::stable_sort(members.begin(), members.end(),
-                       [&](std::size_t a, std::size_t b) { return params_[a].numel() > params_[b].numel(); });
-      for (auto i : members) {
-        const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
-        owner_[i] = r;
-        load[static_cast<std::size_t>(r)] += params_[i].numel();
-      }
-    }
-  }
+  void partition() { detail::zero_partition(*this, group_.world_size(), owner_); }
 
   void drop_consolidated() {
     if (!consolidated_) return;
@@ -185,62 +148,8 @@ class ZeroRedundancyOptimizer final : public optim::Optimizer {
     state_.assign(params_.size(), State{});
   }
 
-  struct PendingSync {
-    std::shared_ptr<Work> work;
-    std::function<void()> unpack;  // empty on the owner
-  };
-
   /// One broadcast per (owner, dtype) of the owner's parameters packed in index order.
-  void sync_parameters() {
-    if (group_.world_size() == 1) return;
-    std::vector<PendingSync> pending;
-    for (int r = 0; r < group_.world_size(); ++r)
-      for (DType d : {DType::Float32, DType::Float64, DType::BFloat16, DType::Float16}) {
-        std::vector<std::size_t> members;
-        for (std::size_t i = 0; i < params_.size(); ++i)
-          if (owner_[i] == r && params_[i].dtype() == d) members.push_back(i);
-        if (members.empty()) continue;
-        params_[members[0]].visit([&](const auto& first) {
-          using T = typename std::decay_t<decltype(first)>::value_type;
-          pending.push_back(broadcast_packed<T>(r, std::move(members)));
-        });
-      }
-    for (auto& p : pending) {
-      p.work->wait(group_.timeout());
-      if (p.unpack) p.unpack();
-    }
-  }
-
-  template <class T>
-  PendingSync broadcast_packed(int root, std::vector<std::size_t> members) {
-    NoGradGuard ng;
-    std::int64_t n = 0;
-    for (auto i : members) n += params_[i].numel();
-    auto flat = Tensor<T>::empty(Shape{n}, device_);
-    const bool mine = root == group_.rank();
-    if (mine) for_each_slice<T>(flat, members, [](const Tensor<T>& slice, const Tensor<T>& p) { backend::copy(slice, p); });
-    auto work = group_.broadcast_async(flat, root, "ZeroRedundancyOptimizer parameters of rank " + std::to_string(root));
-    std::function<void()> unpack;
-    if (!mine)
-      unpack = [this, flat, members = std::move(members)] {
-        NoGradGuard g;
-        for_each_slice<T>(flat, members, [](const Tensor<T>& slice, const Tensor<T>& p) {
-          backend::copy(p, slice);
-          p.bump_version();  // an in-place update (Note [version counter])
-        });
-      };
-    return {std::move(work), std::move(unpack)};
-  }
-
-  template <class T, class F>
-  void for_each_slice(const Tensor<T>& flat, const std::vector<std::size_t>& members, F&& f) {
-    std::int64_t off = 0;
-    for (auto i : members) {
-      const auto& p = params_[i].template as<T>();
-      f(flat.narrow(0, off, p.numel()).view(p.shape()), p);
-      off += p.numel();
-    }
-  }
+  void sync_parameters() { detail::zero_sync_parameters(group_, params_, owner_, device_); }
 
   ProcessGroup& group_;
   Device device_;
@@ -258,3 +167,9 @@ using dist::ZeroRedundancyOptimizer;
 }
 
 CHORUS_NAMESPACE_END
+
+// The definitions: compiled into chorus::compiled and the MPI library, or here in the
+// header-only form (Note [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "zero_redundancy_optimizer_impl.hpp"
+#endif

@@ -9,13 +9,11 @@
 // (clone(), DataParallel replicas) are made by copy constructors under a CloneScope (Note
 // [deep copy through copy constructors]); a submodule kept in a raw std::shared_ptr member
 // cannot be remapped that way, and clone() reports it instead of silently sharing it.
-#include <functional>
 #include <memory>
 #include <optional>
 #include <ostream>
 #include <string>
 #include <type_traits>
-#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -46,10 +44,7 @@ std::shared_ptr<Impl> map_module(const std::shared_ptr<Impl>& module, CloneFn cl
   return std::static_pointer_cast<Impl>(std::static_pointer_cast<Module>(copy));
 }
 
-inline void check_name(const std::string& name, const char* what) {
-  CHORUS_CHECK(!name.empty(), what, " name must not be empty");
-  CHORUS_CHECK(name.find('.') == std::string::npos, what, " name '", name, "' must not contain '.'");
-}
+CHORUS_INLINE void check_name(const std::string& name, const char* what);
 }  // namespace detail
 
 class Module {
@@ -65,19 +60,8 @@ class Module {
   };
 
   Module() = default;
-  Module(const Module& other)
-      : params_(other.params_), buffers_(other.buffers_), training_(other.training_) {
-    children_.reserve(other.children_.size());
-    for (const auto& c : other.children_)
-      children_.push_back({c.name, detail::map_module(c.module, c.clone), c.clone});
-  }
-  Module& operator=(const Module& other) {
-    if (this != &other) {
-      Module tmp(other);
-      *this = std::move(tmp);
-    }
-    return *this;
-  }
+  Module(const Module& other);
+  Module& operator=(const Module& other);
   Module(Module&&) noexcept = default;
   Module& operator=(Module&&) noexcept = default;
   virtual ~Module() = default;
@@ -126,45 +110,18 @@ class Module {
   }
 
   /// Parameters in registration order, this module's first, then each child's (recursively).
-  std::vector<AnyTensor> parameters(bool recurse = true) const {
-    std::vector<AnyTensor> out;
-    for (auto& p : named_parameters(recurse)) out.push_back(std::move(p.tensor));
-    return out;
-  }
+  std::vector<AnyTensor> parameters(bool recurse = true) const;
   /// Parameters with dotted names (`fc.weight`).
-  std::vector<NamedTensor> named_parameters(bool recurse = true) const {
-    std::vector<NamedTensor> out;
-    collect(out, "", recurse, &Module::params_);
-    return out;
-  }
-  std::vector<AnyTensor> buffers(bool recurse = true) const {
-    std::vector<AnyTensor> out;
-    for (auto& p : named_buffers(recurse)) out.push_back(std::move(p.tensor));
-    return out;
-  }
-  std::vector<NamedTensor> named_buffers(bool recurse = true) const {
-    std::vector<NamedTensor> out;
-    collect(out, "", recurse, &Module::buffers_);
-    return out;
-  }
+  std::vector<NamedTensor> named_parameters(bool recurse = true) const;
+  std::vector<AnyTensor> buffers(bool recurse = true) const;
+  std::vector<NamedTensor> named_buffers(bool recurse = true) const;
   /// Parameters then buffers, with dotted names (what a checkpoint holds).
-  std::vector<NamedTensor> named_tensors() const {
-    auto out = named_parameters();
-    for (auto& b : named_buffers()) out.push_back(std::move(b));
-    return out;
-  }
+  std::vector<NamedTensor> named_tensors() const;
   const std::vector<Child>& named_children() const { return children_; }
-  std::vector<std::shared_ptr<Module>> children() const {
-    std::vector<std::shared_ptr<Module>> out;
-    for (const auto& c : children_) out.push_back(c.module);
-    return out;
-  }
+  std::vector<std::shared_ptr<Module>> children() const;
 
   /// Sets training mode here and in every submodule.
-  virtual void train(bool on = true) {
-    training_ = on;
-    for (auto& c : children_) c.module->train(on);
-  }
+  virtual void train(bool on = true);
   void eval() { train(false); }
   bool is_training() const { return training_; }
 
@@ -174,43 +131,10 @@ class Module {
   /// leaves the module where it was. A moved leaf gets a new gradient accumulator on first
   /// use (PyTorch resets it when the device changes): one that a graph built before the move
   /// still holds would expect gradients on the old device.
-  void to(Device device) {
-    check_device(device);
-    NoGradGuard g;
-    std::vector<std::function<void()>> installs;  // no-throw steps, run once every copy exists
-    std::unordered_set<const void*> seen;         // a tensor registered twice moves once
-    for_each_tensor([&](AnyTensor& t) {
-      t.visit([&](auto& x) {
-        using T = typename std::decay_t<decltype(x)>::value_type;
-        if (x.device() == device || !seen.insert(x.impl().get()).second) return;
-        auto moved = x.to(device);
-        Tensor<T> grad = x.impl()->grad ? Tensor<T>(x.impl()->grad).to(device) : Tensor<T>();
-        installs.push_back([impl = x.impl(), moved = std::move(moved), grad = std::move(grad)] {
-          impl->storage = moved.impl()->storage;
-          impl->offset = moved.storage_offset();
-          impl->strides = moved.strides();
-          impl->grad = grad.impl();
-          impl->grad_accumulator.reset();
-        });
-      });
-    });
-    for (auto& install : installs) install();
-  }
+  void to(Device device);
 
   /// Clears (set_to_none, the default) or zeroes every parameter's gradient.
-  void zero_grad(bool set_to_none = true) {
-    NoGradGuard g;
-    for (auto& p : parameters()) {
-      p.visit([&](auto& x) {
-        if (!x.grad().defined()) return;
-        if (set_to_none) {
-          x.set_grad({});
-        } else {
-          x.grad().zero_();
-        }
-      });
-    }
-  }
+  void zero_grad(bool set_to_none = true);
 
   /// The C++ type name of this module (for printing).
   virtual std::string name() const { return "Module"; }
@@ -220,30 +144,10 @@ class Module {
   /// another on one thread (Note [inline small steps] in parallel/data_parallel.hpp).
   virtual bool meets_other_replicas() const { return false; }
   /// True when this module or any submodule meets_other_replicas().
-  bool any_meets_other_replicas() const {
-    if (meets_other_replicas()) return true;
-    for (const auto& c : children_)
-      if (c.module->any_meets_other_replicas()) return true;
-    return false;
-  }
+  bool any_meets_other_replicas() const;
 
   /// Prints the module tree with parameter shapes.
-  void pretty_print(std::ostream& os, int indent = 0) const {
-    os << name() << "(";
-    bool any = false;
-    for (const auto& p : params_) {
-      os << "\n" << std::string(indent + 2, ' ') << p.name << ": " << p.tensor.shape() << " "
-         << dtype_name(p.tensor.dtype()) << " on " << p.tensor.device();
-      any = true;
-    }
-    for (const auto& c : children_) {
-      os << "\n" << std::string(indent + 2, ' ') << "(" << c.name << "): ";
-      c.module->pretty_print(os, indent + 2);
-      any = true;
-    }
-    if (any) os << "\n" << std::string(indent, ' ');
-    os << ")";
-  }
+  void pretty_print(std::ostream& os, int indent = 0) const;
 
   /// Calls f(AnyTensor&) for every parameter and buffer, recursively (each tensor once).
   template <class F>
@@ -255,34 +159,13 @@ class Module {
 
   /// Replaces the tensor registered as `name` (a dotted path) by `value` of the same dtype
   /// and shape, in place (the existing handles see the new values). Used by checkpoints.
-  AnyTensor* find_tensor(const std::string& dotted) {
-    auto dot = dotted.find('.');
-    if (dot == std::string::npos) {
-      for (auto& p : params_)
-        if (p.name == dotted) return &p.tensor;
-      for (auto& b : buffers_)
-        if (b.name == dotted) return &b.tensor;
-      return nullptr;
-    }
-    const std::string head = dotted.substr(0, dot);
-    for (auto& c : children_)
-      if (c.name == head) return c.module->find_tensor(dotted.substr(dot + 1));
-    return nullptr;
-  }
+  AnyTensor* find_tensor(const std::string& dotted);
 
  private:
-  void check_unique(const std::string& name) const {
-    for (const auto& p : params_) CHORUS_CHECK(p.name != name, "'", name, "' is already registered as a parameter");
-    for (const auto& b : buffers_) CHORUS_CHECK(b.name != name, "'", name, "' is already registered as a buffer");
-    for (const auto& c : children_) CHORUS_CHECK(c.name != name, "'", name, "' is already registered as a submodule");
-  }
+  void check_unique(const std::string& name) const;
 
   void collect(std::vector<NamedTensor>& out, const std::string& prefix, bool recurse,
-               std::vector<NamedTensor> Module::*which) const {
-    for (const auto& p : this->*which) out.push_back({prefix + p.name, p.tensor});
-    if (!recurse) return;
-    for (const auto& c : children_) c.module->collect(out, prefix + c.name + ".", true, which);
-  }
+               std::vector<NamedTensor> Module::*which) const;
 
   std::vector<NamedTensor> params_;
   std::vector<NamedTensor> buffers_;
@@ -403,24 +286,15 @@ class DeviceCopyScope final : public CloneScope {
   explicit DeviceCopyScope(Device device) : device_(device) {}
 
  protected:
-  std::shared_ptr<void> copy_tensor(const void* impl, DType dtype) override {
-    return visit_dtype(dtype, [&](auto tag) -> std::shared_ptr<void> {
-      return deep_copy(*static_cast<const TensorImpl<decltype(tag)>*>(impl), device_);
-    });
-  }
+  std::shared_ptr<void> copy_tensor(const void* impl, DType dtype) override;
 
  private:
   Device device_;
 };
 
 /// Every module below (and including) `m`, with its dotted name.
-inline void walk(const Module& m, const std::string& prefix,
-                 std::vector<std::pair<std::string, const std::shared_ptr<Module>*>>& out) {
-  for (const auto& c : m.named_children()) {
-    out.push_back({prefix + c.name, &c.module});
-    walk(*c.module, prefix + c.name + ".", out);
-  }
-}
+CHORUS_INLINE void walk(const Module& m, const std::string& prefix,
+                        std::vector<std::pair<std::string, const std::shared_ptr<Module>*>>& out);
 
 /// Copy-constructs `original` while `scope` is active (made by `make_scope`), then checks
 /// that no submodule of the original gained a reference (which would mean a raw
@@ -461,3 +335,9 @@ CHORUS_NAMESPACE_END
    public:                                                       \
     using ::chorus::nn::ModuleHolder<Name##Impl>::ModuleHolder;  \
   }
+
+// The definitions: compiled into chorus::compiled, or here in the header-only form (Note
+// [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "module_impl.hpp"
+#endif

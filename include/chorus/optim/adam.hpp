@@ -34,43 +34,13 @@ template <class Options>
 class AdamBase : public GroupedOptimizer<Options> {
  public:
   using State = Optimizer::State;
-  AdamBase(std::vector<ParamGroup<Options>> groups, bool decoupled, const char* name)
-      : GroupedOptimizer<Options>(std::move(groups)), decoupled_(decoupled), name_(name) {
-    for (std::size_t i = 0; i < this->num_groups(); ++i) {
-      const auto& options = this->options(i);
-      CHORUS_CHECK(options.lr >= 0.0, name, ": invalid learning rate ", options.lr, " (group ", i, ")");
-      CHORUS_CHECK(options.eps >= 0.0, name, ": invalid epsilon ", options.eps, " (group ", i, ")");
-      CHORUS_CHECK(options.beta1 >= 0.0 && options.beta1 < 1.0, name, ": invalid beta1 ", options.beta1, " (group ", i,
-                   ")");
-      CHORUS_CHECK(options.beta2 >= 0.0 && options.beta2 < 1.0, name, ": invalid beta2 ", options.beta2, " (group ", i,
-                   ")");
-      CHORUS_CHECK(options.weight_decay >= 0.0, name, ": invalid weight_decay ", options.weight_decay, " (group ", i,
-                   ")");
-    }
-  }
+  AdamBase(std::vector<ParamGroup<Options>> groups, bool decoupled, const char* name);
 
   bool has_momentum() const override { return true; }
   double momentum(std::size_t group) const override { return this->options(group).beta1; }
-  void set_momentum(std::size_t group, double m) override {
-    CHORUS_CHECK(m >= 0.0 && m < 1.0, name_, ": invalid beta1 ", m, " for group ", group);
-    this->options(group).beta1 = m;
-  }
+  void set_momentum(std::size_t group, double m) override;
 
-  void step() override {
-    this->for_each_with_grad([&](auto& p, auto& g, State& s, std::size_t group) {
-      using T = typename std::decay_t<decltype(p)>::value_type;
-      const Options& options = this->options(group);
-      const double t = this->step_count(s) + 1.0;
-      this->set_step_count(s, t);
-      Tensor<T> m = this->state_tensor(s, "exp_avg", p);
-      Tensor<T> v = this->state_tensor(s, "exp_avg_sq", p);
-      Tensor<T> vmax;
-      if (options.amsgrad) vmax = this->state_tensor(s, "max_exp_avg_sq", p);
-      backend::adam_step(p, g, m, v, options.amsgrad ? &vmax : nullptr, options.lr, options.beta1, options.beta2,
-                         options.eps, options.weight_decay, decoupled_, static_cast<std::int64_t>(t),
-                         options.maximize);
-    });
-  }
+  void step() override;
 
   std::vector<std::string> state_keys() const override { return {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}; }
   std::string name() const override { return name_; }
@@ -79,22 +49,36 @@ class AdamBase : public GroupedOptimizer<Options> {
   bool decoupled_;
   std::string name_;
 };
+
+// Compiled into chorus::compiled for chorus's two option structs (src/optim/optim.cpp, Note
+// [compiled chorus]); AdamBase's members are defined in adam_impl.hpp, which a unit of the
+// compiled form does not see, so there AdamBase serves only these two.
+#if CHORUS_COMPILED
+extern template class GroupedOptimizer<AdamOptions>;
+extern template class GroupedOptimizer<AdamWOptions>;
+extern template class AdamBase<AdamOptions>;
+extern template class AdamBase<AdamWOptions>;
+#endif
 }  // namespace detail
 
 class Adam final : public detail::AdamBase<AdamOptions> {
  public:
-  Adam(std::vector<AnyTensor> params, AdamOptions options = {})
-      : Adam(std::vector<ParamGroup<AdamOptions>>{{std::move(params), options}}) {}
-  explicit Adam(std::vector<ParamGroup<AdamOptions>> groups) : AdamBase(std::move(groups), false, "Adam") {}
+  Adam(std::vector<AnyTensor> params, AdamOptions options = {});
+  explicit Adam(std::vector<ParamGroup<AdamOptions>> groups);
 };
 
 /// AdamW: Adam with decoupled weight decay.
 class AdamW final : public detail::AdamBase<AdamWOptions> {
  public:
-  AdamW(std::vector<AnyTensor> params, AdamWOptions options = {})
-      : AdamW(std::vector<ParamGroup<AdamWOptions>>{{std::move(params), options}}) {}
-  explicit AdamW(std::vector<ParamGroup<AdamWOptions>> groups) : AdamBase(std::move(groups), true, "AdamW") {}
+  AdamW(std::vector<AnyTensor> params, AdamWOptions options = {});
+  explicit AdamW(std::vector<ParamGroup<AdamWOptions>> groups);
 };
 
 }  // namespace optim
 CHORUS_NAMESPACE_END
+
+// The definitions: compiled into chorus::compiled, or here in the header-only form (Note
+// [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "adam_impl.hpp"
+#endif

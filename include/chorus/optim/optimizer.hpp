@@ -5,6 +5,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../core/any_tensor.hpp"
 #include "../ops/ops.hpp"
 
@@ -31,32 +32,10 @@ std::vector<std::vector<AnyTensor>> params_of(const std::vector<ParamGroup<Optio
 
 class Optimizer {
  public:
-  explicit Optimizer(std::vector<AnyTensor> params) : Optimizer(std::vector<std::vector<AnyTensor>>{std::move(params)}) {}
+  explicit Optimizer(std::vector<AnyTensor> params);
 
   /// Parameters in groups; parameter i (in the flattened order) belongs to group group_of(i).
-  explicit Optimizer(std::vector<std::vector<AnyTensor>> groups) {
-    CHORUS_CHECK(!groups.empty(), "optimizer: no parameter groups");
-    for (std::size_t g = 0; g < groups.size(); ++g)
-      for (auto& p : groups[g]) {
-        params_.push_back(std::move(p));
-        group_of_.push_back(g);
-      }
-    num_groups_ = groups.size();
-    // As PyTorch: an empty list is almost always a mistake (parameters() of the wrong module,
-    // or taken before the layers were registered).
-    CHORUS_CHECK(!params_.empty(), "optimizer got an empty parameter list");
-    std::unordered_set<const void*> seen;
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      const auto& p = params_[i];
-      CHORUS_CHECK(p.defined(), "optimizer: parameter ", i, " is an undefined tensor");
-      CHORUS_CHECK(p.dtype() != DType::Int64, "optimizer: parameter ", i, " is an integer tensor");
-      p.visit([&](const auto& t) {
-        CHORUS_CHECK(t.is_leaf(), "optimizer: parameter ", i, " is not a leaf tensor (it was computed by an op)");
-      });
-      CHORUS_CHECK(seen.insert(p.impl_key()).second, "optimizer: parameter ", i, " appears more than once");
-    }
-    state_.resize(params_.size());
-  }
+  explicit Optimizer(std::vector<std::vector<AnyTensor>> groups);
   virtual ~Optimizer() = default;
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;
@@ -65,15 +44,7 @@ class Optimizer {
   virtual void step() = 0;
 
   /// Clears (set_to_none, the default) or zeroes the parameters' gradients.
-  void zero_grad(bool set_to_none = true) {
-    NoGradGuard g;
-    for (auto& p : params_)
-      p.visit([&](auto& t) {
-        if (!t.grad().defined()) return;
-        if (set_to_none) t.set_grad({});
-        else t.grad().zero_();
-      });
-  }
+  void zero_grad(bool set_to_none = true);
 
   const std::vector<AnyTensor>& parameters() const { return params_; }
 
@@ -87,12 +58,8 @@ class Optimizer {
   /// The momentum of a group (SGD's momentum, Adam's beta1), for schedulers that cycle it;
   /// has_momentum() is false for an optimizer without one.
   virtual bool has_momentum() const { return false; }
-  virtual double momentum(std::size_t group) const {
-    CHORUS_FAIL(name(), " has no momentum (group ", group, ")");
-  }
-  virtual void set_momentum(std::size_t group, double m) {
-    CHORUS_FAIL(name(), " has no momentum to set to ", m, " (group ", group, ")");
-  }
+  virtual double momentum(std::size_t group) const;
+  virtual void set_momentum(std::size_t group, double m);
 
   /// Per-parameter state: for parameter i, named tensors (momentum_buffer, exp_avg, …).
   /// Scalars such as Adam's step are one-element float64 tensors, so all state is tensors.
@@ -102,10 +69,7 @@ class Optimizer {
 
   /// Replaces the state (for checkpoints): one entry per parameter, each tensor matching
   /// what step() would create. Throws without changing anything when it does not fit.
-  virtual void load_state(std::vector<State> state) {
-    validate_states(state);
-    state_ = std::move(state);
-  }
+  virtual void load_state(std::vector<State> state);
 
   /// Makes state() readable on rank `to` where the state is sharded over processes (a
   /// collective of ZeroRedundancyOptimizer: every rank calls it); nothing for the others.
@@ -118,26 +82,8 @@ class Optimizer {
 
  protected:
   /// Throws unless `state` has one fitting entry per parameter (load_state's check).
-  void validate_states(const std::vector<State>& state) const {
-    CHORUS_CHECK(state.size() == params_.size(), "optimizer state has ", state.size(), " entries for ",
-                 params_.size(), " parameters");
-    for (std::size_t i = 0; i < state.size(); ++i) validate_state(i, state[i]);
-  }
-  virtual void validate_state(std::size_t i, const State& s) const {
-    for (const auto& [k, v] : s) {
-      bool known = false;
-      for (const auto& key : state_keys()) known = known || key == k;
-      CHORUS_CHECK(known, "optimizer state of parameter ", i, ": unknown entry '", k, "'");
-      if (k == "step") {
-        CHORUS_CHECK(v.dtype() == DType::Float64 && v.numel() == 1, "optimizer state of parameter ", i,
-                     ": 'step' must be a one-element float64 tensor");
-        continue;
-      }
-      CHORUS_CHECK(v.dtype() == params_[i].dtype() && v.shape() == params_[i].shape(), "optimizer state of parameter ",
-                   i, ": '", k, "' has ", dtype_name(v.dtype()), " ", v.shape(), ", expected ",
-                   dtype_name(params_[i].dtype()), " ", params_[i].shape());
-    }
-  }
+  void validate_states(const std::vector<State>& state) const;
+  virtual void validate_state(std::size_t i, const State& s) const;
 
   /// Calls f(index, param, grad) with typed tensors for each floating-point parameter that has a
   /// gradient.
@@ -170,16 +116,7 @@ class Optimizer {
   }
 
   /// Throws, naming the parameter, when a gradient cannot be stepped with (before any update).
-  void check_grads() {
-    with_grads([](std::size_t i, auto& p, auto& grad) {
-      CHORUS_CHECK(p.is_contiguous() && grad.is_contiguous(), "optimizer: parameter ", i,
-                   " or its gradient is not contiguous");
-      CHORUS_CHECK(grad.shape() == p.shape(), "optimizer: gradient of parameter ", i, " has shape ", grad.shape(),
-                   ", the parameter has shape ", p.shape());
-      CHORUS_CHECK(grad.device() == p.device(), "optimizer: gradient of parameter ", i, " is on ", grad.device(),
-                   ", the parameter on ", p.device());
-    });
-  }
+  void check_grads();
 
   // Note [optimizer state follows the parameters]
   // Module::to and DataParallel::to move parameters in place (the optimizer's handles stay
@@ -188,11 +125,7 @@ class Optimizer {
   // using them, as PyTorch's load_state_dict casts state to its parameter's device: an
   // optimizer keeps working after its model moved, with the same numbers. The "step" count
   // is a host scalar and stays where it is.
-  static void follow_parameter(State& s, Device device) {
-    for (auto& [key, value] : s)
-      if (key != "step" && value.device() != device)
-        value = value.visit([&](const auto& t) { return AnyTensor(t.to(device)); });
-  }
+  static void follow_parameter(State& s, Device device);
 
   /// The state tensor `key` of a parameter, created as zeros on first use.
   template <class T>
@@ -256,3 +189,9 @@ std::vector<ParamGroup<Options>> weight_decay_groups(const std::vector<AnyTensor
 
 }  // namespace optim
 CHORUS_NAMESPACE_END
+
+// The definitions: compiled into chorus::compiled, or here in the header-only form (Note
+// [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "optimizer_impl.hpp"
+#endif

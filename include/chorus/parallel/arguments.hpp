@@ -17,6 +17,7 @@
 #include <variant>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../core/any_tensor.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -149,10 +150,7 @@ struct LeafPath {
   const LeafPath* parent = nullptr;
   std::size_t index = 0;
   const std::string* key = nullptr;  // a map's key, else `index` is the position
-  std::string str() const {
-    if (!parent) return {};
-    return parent->str() + (key ? "[\"" + *key + "\"]" : "[" + std::to_string(index) + "]");
-  }
+  std::string str() const;
 };
 
 /// Calls f(tensor, path) for every tensor inside x (undefined ones too), in order.
@@ -215,3 +213,9 @@ constexpr std::size_t top_level_size() {
 
 }  // namespace parallel::detail
 CHORUS_NAMESPACE_END
+
+// The definitions: compiled into chorus::compiled, or here in the header-only form (Note
+// [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "arguments_impl.hpp"
+#endif

@@ -34,6 +34,7 @@
 #include "arguments.hpp"
 #include "chunk_plan.hpp"
 #include "comm.hpp"
+#include "data_parallel_core.hpp"
 #include "data_parallel_options.hpp"
 #include "gather.hpp"
 #include "parallel_apply.hpp"
@@ -63,15 +64,10 @@ struct WithCriterion {
     return criterion(call_forward(module, std::forward<Input>(input)), std::forward<Target>(target));
   }
 };
-
-/// The communicator for a device list: copies for CPU devices and repeated GPUs; the CUDA
-/// backend overrides this for distinct GPUs (see backend/cuda/nccl.hpp).
-inline std::shared_ptr<Communicator> make_communicator(const std::vector<Device>& devices,
-                                                       const std::vector<Stream*>& streams);
 }  // namespace parallel::detail
 
 template <class M>
-class DataParallel {
+class DataParallel : public parallel::DataParallelCore {
   static_assert(std::is_base_of_v<nn::Module, M> || requires { typename M::ImplType; },
                 "DataParallel wraps an nn::Module (or a module holder)");
 
@@ -98,25 +94,10 @@ class DataParallel {
   /// The same from options, which also give per-argument and per-output dims (Note [scatter
   /// and gather dims]).
   explicit DataParallel(M module, DataParallelOptions options = {})
-      : module_(std::move(module)),
-        devices_(options.devices.empty() ? available_devices() : std::move(options.devices)),
-        dim_(options.dim),
-        scatter_dims_(std::move(options.scatter_dims)),
-        gather_dims_(std::move(options.gather_dims)),
-        bucket_bytes_(options.bucket_bytes) {
-    CHORUS_CHECK(!devices_.empty(), "DataParallel: no devices");
-    CHORUS_CHECK(dim_ >= 0, "DataParallel: dim must be non-negative, got ", dim_);
-    for (const auto& d : devices_) {
-      check_device(d);
-      CHORUS_CHECK(d.kind == devices_[0].kind, "DataParallel: devices mix kinds (", devices_[0], " and ", d, ")");
-    }
-    output_device_ = options.output_device ? *options.output_device : devices_[0];
-    check_device(output_device_);
-    if (module_on(devices_[0])) install(build(devices_));  // else at to(devices[0]) or the first forward
+      : DataParallelCore(std::move(options)), module_(std::move(module)) {
+    if (module_on(nn::module_of(module_), devices_[0]))
+      install(build(devices_));  // else at to(devices[0]) or the first forward
   }
-
-  DataParallel(const DataParallel&) = delete;
-  DataParallel& operator=(const DataParallel&) = delete;
 
   /// Scatters the tensors of the arguments (also inside tuples, vectors, maps, optionals: Note
   /// [nested arguments]; along scatter_dims, Note [scatter and gather dims]), runs the replicas,
@@ -228,11 +209,7 @@ class DataParallel {
     random_dim_ = split.dim;
     const auto plan = parallel::plan_chunks(batch, devices_.size());
     if (runs_on_caller(plan, batch, args...)) return forward_on_caller<R>(how, plan, args...);
-    if (devices_[0].is_cuda()) {  // replica streams start after the work issued so far (inputs, optimizer step)
-      Event fork;
-      fork.record(current_stream(devices_[0]));
-      for (std::size_t r = 1; r < devices_.size(); ++r) fork.block(*streams_[r]);
-    }
+    fork_replica_streams();  // after the work issued so far (inputs, optimizer step)
     keep_workers_hot(plan.used());
     auto modules = replicator_->prepare(plan.used());
     if (has_buffers_) wait_for_broadcasts();
@@ -280,13 +257,9 @@ class DataParallel {
   /// set_name_prefix("module."), the names of PyTorch's nn.DataParallel state_dict, so that a
   /// checkpoint saved from one matches the other (load(dp, path) strips it again).
   DataParallel& set_name_prefix(std::string prefix) {
-    CHORUS_CHECK(prefix.empty() || (prefix.back() == '.' && prefix.front() != '.' && prefix.find("..") == std::string::npos),
-                 "DataParallel::set_name_prefix: '", prefix, "' must be empty or dotted names ending in '.', such as "
-                 "\"module.\"");
-    name_prefix_ = std::move(prefix);
+    set_name_prefix_core(std::move(prefix));
     return *this;
   }
-  const std::string& name_prefix() const { return name_prefix_; }
 
   void train(bool on = true) { nn::module_of(module_).train(on); }
   void eval() { train(false); }
@@ -302,27 +275,19 @@ class DataParallel {
   /// Strong guarantee: if moving or rebuilding throws, the DataParallel and its module are as
   /// they were (the new replicas are built before the old ones go, so for a moment both exist).
   DataParallel& to(Device device) {
-    check_device(device);
-    CHORUS_CHECK(device.kind == devices_[0].kind, "DataParallel::to(", device, "): the primary device is ", devices_[0],
-                 "; a DataParallel cannot change device kind (build a new one for ", device, ")");
+    check_move(device);
     const InUse in_use(in_forward_);
     if (device == devices_[0]) {
       nn::module_of(module_).to(device);  // a module moved behind our back (or never there) comes home
       if (!replicator_) install(build(devices_));
       return *this;
     }
-    const auto moved = std::find(devices_.begin(), devices_.end(), device);
-    const std::size_t dropped = moved == devices_.end() ? 0 : static_cast<std::size_t>(moved - devices_.begin());
-    std::vector<Device> devices{device};
-    for (std::size_t r = 0; r < devices_.size(); ++r)
-      if (r != dropped) devices.push_back(devices_[r]);
-    const Device output = output_device_ == devices_[0] ? device : output_device_;
-    const auto saved = save_tensors();
+    auto moved = moved_to(device);
+    const auto saved = save_tensors(nn::module_of(module_));
     try {
       nn::module_of(module_).to(device);
-      auto built = build(devices);
-      devices_ = std::move(devices);
-      output_device_ = output;
+      auto built = build(moved.devices);
+      set_devices(std::move(moved.devices), moved.output);
       install(std::move(built));
     } catch (...) {
       restore_tensors(saved);  // the old replicas read the module's old storage again
@@ -334,17 +299,9 @@ class DataParallel {
   /// Steps whose work off the caller is at most `work` run on the calling thread (Note
   /// [inline small steps]); 0: never.
   DataParallel& set_inline_work(std::int64_t work) {
-    CHORUS_CHECK(work >= 0, "DataParallel::set_inline_work: work must be >= 0, got ", work);
-    inline_work_ = work;
+    set_inline_work_core(work);
     return *this;
   }
-  std::int64_t inline_work() const { return inline_work_; }
-
-  const std::vector<Device>& devices() const { return devices_; }
-  Device output_device() const { return output_device_; }
-  std::int64_t dim() const { return dim_; }
-  const std::vector<std::int64_t>& scatter_dims() const { return scatter_dims_; }
-  const std::vector<std::int64_t>& gather_dims() const { return gather_dims_; }
   /// The replica on devices()[r] (0 is the primary module itself), as module() is.
   const auto& replica(std::size_t r) const { return unwrap(built().replica(r)); }
   const parallel::Communicator& communicator() const { return (built(), *comm_); }
@@ -356,12 +313,6 @@ class DataParallel {
                  " (call to(", devices_[0], "))");
     return *replicator_;
   }
-  /// Every parameter and buffer of the module is on `device`.
-  bool module_on(Device device) const {
-    for (const auto& t : nn::module_of(module_).named_tensors())
-      if (t.tensor.device() != device) return false;
-    return true;
-  }
   template <class X>
   static auto& unwrap(X& m) {
     if constexpr (kHolder) return *m;  // the holder's module (a const holder still yields the module)
@@ -372,65 +323,24 @@ class DataParallel {
     else return m;
   }
 
-  std::vector<nn::Module::NamedTensor> prefixed(std::vector<nn::Module::NamedTensor> named) const {
-    if (!name_prefix_.empty())
-      for (auto& t : named) t.name = name_prefix_ + t.name;
-    return named;
-  }
-
   struct Built {
-    std::vector<Stream*> streams;
-    std::shared_ptr<parallel::Communicator> comm;
+    Links links;
     std::unique_ptr<parallel::Replicator<M>> replicator;
     bool has_buffers = false, meets_other_replicas = false;
   };
-  /// Streams (slot = how often the device came before), communicator and replicas for
-  /// `devices`; nothing of this DataParallel changes but the module's storage (flattened).
+  /// Streams, communicator and replicas for `devices`; nothing of this DataParallel changes but
+  /// the module's storage (flattened).
   Built build(const std::vector<Device>& devices) {
     Built b;
-    b.streams.push_back(&get_stream(devices[0], 0));
-    for (std::size_t r = 1; r < devices.size(); ++r) {
-      int slot = 0;
-      for (std::size_t q = 0; q < r; ++q) slot += devices[q] == devices[r];
-      b.streams.push_back(&get_stream(devices[r], slot));
-    }
-    b.comm = parallel::detail::make_communicator(devices, b.streams);
-    const std::size_t bucket_bytes =
-        bucket_bytes_.value_or(devices[0].is_cpu() ? kDefaultCpuBucketBytes : kDefaultBucketBytes);
-    b.replicator = std::make_unique<parallel::Replicator<M>>(module_, devices, b.comm, bucket_bytes);
+    b.links = link(devices);
+    b.replicator = std::make_unique<parallel::Replicator<M>>(module_, devices, b.links.comm, bucket_bytes_for(devices));
     b.has_buffers = !nn::module_of(module_).named_buffers().empty();
     b.meets_other_replicas = nn::module_of(module_).any_meets_other_replicas();
     return b;
   }
   void install(Built&& b) noexcept {
-    streams_ = std::move(b.streams);
-    comm_ = std::move(b.comm);
+    install_links(std::move(b.links), b.has_buffers, b.meets_other_replicas);
     replicator_ = std::move(b.replicator);  // the old replicas go
-    has_buffers_ = b.has_buffers;
-    meets_other_replicas_ = b.meets_other_replicas;
-  }
-
-  /// What DataParallel::to may change in the module's tensors, to put back when it fails.
-  struct SavedTensor {
-    std::function<void()> restore;
-  };
-  std::vector<SavedTensor> save_tensors() {
-    std::vector<SavedTensor> saved;
-    nn::module_of(module_).for_each_tensor([&](AnyTensor& t) {
-      t.visit([&](auto& x) {
-        saved.push_back({[impl = x.impl(), copy = *x.impl()] {
-          impl->storage = copy.storage;
-          impl->offset = copy.offset;
-          impl->strides = copy.strides;
-          impl->grad = copy.grad;
-          impl->grad_accumulator = copy.grad_accumulator;
-        }});
-      });
-    });
-    return saved;
-  }
-  static void restore_tensors(const std::vector<SavedTensor>& saved) {
-    for (const auto& s : saved) s.restore();
   }
 
   /// Runs replica 0's forward on the calling thread (one device, or nothing to split), with its
@@ -443,63 +353,6 @@ class DataParallel {
     } catch (...) {
       parallel::detail::rethrow_in_replica(std::current_exception(), 0, devices_[0]);
     }
-  }
-
-  /// Marks the DataParallel busy for a scope; a second thread entering meanwhile gets an error
-  /// (Note [DataParallel threads]).
-  class InUse {
-   public:
-    explicit InUse(std::atomic<bool>& flag) : flag_(flag) {
-      bool expected = false;
-      CHORUS_CHECK(flag_.compare_exchange_strong(expected, true, std::memory_order_acquire),
-                   "DataParallel: forward (or to()) called while another thread is inside forward of the same "
-                   "DataParallel; one DataParallel serves one thread at a time (replicas and their autograd "
-                   "wiring are shared): use one DataParallel per thread, or a lock around the whole step");
-    }
-    ~InUse() { flag_.store(false, std::memory_order_release); }
-    InUse(const InUse&) = delete;
-    InUse& operator=(const InUse&) = delete;
-
-   private:
-    std::atomic<bool>& flag_;
-  };
-
-  /// A forward from a device worker thread (inside a replica's forward) would queue work
-  /// behind itself, or behind workers that wait for it: refuse it (Note [DataParallel threads]).
-  void check_not_nested() const {
-    if (devices_.size() == 1) return;  // the passthrough posts nothing
-    if (const Stream* w = ::chorus::detail::worker_stream_of_thread()) {
-      std::string uses;
-      for (std::size_t r = 1; r < streams_.size() && uses.empty(); ++r)
-        if (streams_[r] == w) uses = " (this DataParallel runs replica " + std::to_string(r) + " on that very stream)";
-      CHORUS_FAIL("DataParallel: forward called on the worker thread of ", w->str(),
-                  ", i.e. inside a replica's forward (a DataParallel nested in a replicated module?)", uses,
-                  "; nested DataParallel is not supported: it would wait for work queued behind itself. Call the "
-                  "inner module directly inside the outer model");
-    }
-  }
-
-  // Note [active window]
-  // A training step posts work to the replicas' workers in bursts: the forward, then the
-  // backward (after the loss), then nothing until the next forward (after the optimizer
-  // step). A worker that fell asleep in a gap costs a wake-up at the next burst (up to
-  // ~100 us on some VMs, per burst). So each forward keeps the used workers spinning for
-  // twice the time since the previous forward (the step period), capped at kMaxActiveWindow:
-  // short steps never sleep between bursts; a loop that pauses between steps (evaluation,
-  // I/O) lets them sleep again after the cap. Spinning workers yield to runnable threads.
-  // The same window, up to kMaxLendWindow, lends the idle workers to the primary's large
-  // elementwise loops (Note [idle workers help]).
-  static constexpr auto kMaxActiveWindow = std::chrono::milliseconds(10);
-  static constexpr auto kMaxLendWindow = std::chrono::seconds(1);
-  void keep_workers_hot(std::size_t used) {
-    const auto now = std::chrono::steady_clock::now();
-    const auto period = now - last_forward_;
-    last_forward_ = now;
-    if (period <= kMaxLendWindow && devices_[0].is_cpu())  // not after the first step
-      for (std::size_t r = 1; r < used; ++r) streams_[r]->lend_until(now + 2 * period);
-    if (period > kMaxActiveWindow) return;  // also the first step
-    const auto until = now + std::min<std::chrono::steady_clock::duration>(2 * period, kMaxActiveWindow);
-    for (std::size_t r = 1; r < used; ++r) streams_[r]->keep_hot_until(until);
   }
 
   // ---- small steps (Note [inline small steps]) ----
@@ -543,33 +396,7 @@ class DataParallel {
     return how.finish(*this, outs, plan);
   }
 
-  // Note [buffers written in forward]
-  // The broadcast that refreshes replica r runs on replica r's stream and reads the primary's
-  // flat buffers, while replica 0 (the primary itself) starts its forward on the caller's
-  // stream — and a forward may write its buffers in place (BatchNorm's running statistics).
-  // When the module has buffers, replica 0 therefore starts after every broadcast has read
-  // the primary: CPU streams are drained; CUDA streams are joined by events.
-  // On CUDA the event is recorded by a marker task on the replica's worker, after the
-  // broadcast's posted work (a repeated-GPU set copies from the worker: an event recorded from
-  // the caller could precede a copy the worker has not launched yet; Note [idle replicas]).
-  void wait_for_broadcasts() {
-    for (std::size_t r = 1; r < devices_.size(); ++r) {
-      if (devices_[r].is_cuda()) {
-        auto done = streams_[r]->async([s = streams_[r]] {
-          Event e;
-          e.record(*s);
-          return e;
-        });
-        done.get().block(current_stream(devices_[0]));
-      } else {
-        streams_[r]->synchronize();
-      }
-    }
-  }
-
   // ---- scattering (Note [nested arguments], Note [scatter and gather dims]) ----
-  std::int64_t scatter_dim(std::size_t i) const { return parallel::detail::dim_at(scatter_dims_, i, dim_); }
-
   template <class... Args>
   parallel::detail::SplitSize split_size(const Args&... args) const {
     parallel::detail::SplitMeasure measure("DataParallel", "argument", "scatter_dims",
@@ -608,37 +435,7 @@ class DataParallel {
   }
 
   M module_;
-  std::vector<Device> devices_;
-  Device output_device_;
-  std::int64_t dim_;
-  std::vector<std::int64_t> scatter_dims_, gather_dims_;  // Note [scatter and gather dims]
-  int random_dim_ = 0;  // of this step's first split tensor (Note [dropout random numbers])
-  std::optional<std::size_t> bucket_bytes_;  // nullopt: the default of the devices' kind
-  std::string name_prefix_;                  // of named_parameters() etc. (set_name_prefix)
-  std::atomic<bool> in_forward_{false};
-  std::int64_t inline_work_ = parallel::inline_work_default();
-  std::chrono::steady_clock::time_point last_forward_{};
-  std::vector<Stream*> streams_;
-  std::shared_ptr<parallel::Communicator> comm_;
   std::unique_ptr<parallel::Replicator<M>> replicator_;
-  bool has_buffers_ = false;  // Note [buffers written in forward]
-  bool meets_other_replicas_ = false;  // a SyncBatchNorm inside: never run replicas one after another
 };
-
-namespace parallel::detail {
-inline std::shared_ptr<Communicator> make_communicator(const std::vector<Device>& devices,
-                                                       const std::vector<Stream*>& streams) {
-#if CHORUS_CUDA
-  // Distinct GPUs: NCCL. A repeated GPU (NCCL refuses it) or CPU devices: copies.
-  bool distinct = devices.size() > 1 && devices[0].is_cuda();
-  for (std::size_t i = 0; i < devices.size() && distinct; ++i)
-    for (std::size_t j = 0; j < i; ++j) distinct = distinct && devices[i] != devices[j];
-  if (distinct) return std::make_shared<NcclCommunicator>(streams);
-#else
-  (void)devices;
-#endif
-  return std::make_shared<CopyCommunicator>(streams);
-}
-}  // namespace parallel::detail
 
 CHORUS_NAMESPACE_END

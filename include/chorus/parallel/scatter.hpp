@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "arguments.hpp"
 #include "chunk_plan.hpp"
 
@@ -58,10 +59,7 @@ class SplitMeasure {
   const SplitSize& size() const { return size_; }
 
  private:
-  std::string name(std::size_t index, const LeafPath& path) const {
-    const std::string i = std::to_string(index);
-    return what_ + (naming_ == Numbered ? " " + i : naming_ == Indexed ? "[" + i + "]" : std::string()) + path.str();
-  }
+  std::string name(std::size_t index, const LeafPath& path) const;
   const char* who_;
   const char* what_;
   const char* dims_name_;
@@ -104,11 +102,8 @@ void for_each_top(const X& x, F&& f) {
   }
 }
 
-inline void check_dims_fit(const char* who, const char* dims_name, std::size_t dims, std::size_t elements,
-                           const char* elements_name) {
-  CHORUS_CHECK(dims <= elements, who, ": ", dims_name, " has ", dims, " entries but there ",
-               elements == 1 ? "is " : "are ", elements, " ", elements_name);
-}
+CHORUS_INLINE void check_dims_fit(const char* who, const char* dims_name, std::size_t dims, std::size_t elements,
+                                  const char* elements_name);
 
 }  // namespace detail
 
@@ -156,3 +151,9 @@ std::vector<std::remove_cvref_t<A>> scatter(const A& input, const std::vector<De
 
 }  // namespace parallel
 CHORUS_NAMESPACE_END
+
+// The definitions: compiled into chorus::compiled, or here in the header-only form (Note
+// [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "scatter_impl.hpp"
+#endif

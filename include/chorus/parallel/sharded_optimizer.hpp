@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../optim/optimizer.hpp"
 #include "comm.hpp"
 #include "data_parallel.hpp"
@@ -35,6 +36,24 @@
 
 CHORUS_NAMESPACE_BEGIN
 namespace parallel {
+
+namespace detail {
+// What ShardedOptimizer<O> does that does not depend on O (Note [sharded optimizer step]).
+
+/// Cuts `params` into k shards: members[r] gets shard r's parameter indices, shard_of[i] the
+/// shard of parameter i.
+CHORUS_INLINE void partition_shards(const std::vector<AnyTensor>& params, std::size_t k,
+                                    std::vector<std::vector<std::size_t>>& members, std::vector<std::size_t>& shard_of);
+/// A shard's handle of parameter p on `device`: a host alias on CPU devices, a copy on GPUs.
+CHORUS_INLINE AnyTensor shard_handle(const AnyTensor& p, Device device);
+/// Before a shard on `device` steps: the handles of its `members` see the primary's current
+/// parameters and gradients.
+CHORUS_INLINE void bring_to_shard(const std::vector<std::size_t>& members, const std::vector<AnyTensor>& params,
+                                  const std::vector<AnyTensor>& handles, Device device);
+/// After a shard on `device` stepped: the primary's parameters (on `primary`) hold the update.
+CHORUS_INLINE void return_from_shard(const std::vector<std::size_t>& members, const std::vector<AnyTensor>& params,
+                                     const std::vector<AnyTensor>& handles, Device device, Device primary);
+}  // namespace detail
 
 /// The optimizer O with its step sharded over a DataParallel's devices (Note [sharded optimizer
 /// step]): `parallel::ShardedOptimizer<optim::Adam> opt(dp, {.lr = 1e-3})`, then zero_grad,
@@ -147,29 +166,7 @@ class ShardedOptimizer final : public optim::Optimizer {
   std::string name() const override { return first().name(); }
 
  private:
-  void partition() {
-    const std::size_t k = devices_.size(), P = params_.size();
-    std::int64_t total = 0;
-    for (const auto& p : params_) total += p.numel();
-    members_.assign(k, {});
-    shard_of_.assign(P, 0);
-    std::size_t i = 0;
-    std::int64_t before = 0;
-    for (std::size_t r = 0; r < k; ++r) {
-      // Up to the r-th k-th of the elements (a parameter goes where its middle element falls;
-      // 2x to stay in integers), at least one parameter each while they last.
-      const std::int64_t bound = 2 * total * static_cast<std::int64_t>(r + 1);
-      const std::size_t leave = k - 1 - r;  // one parameter for each shard after this one
-      for (bool first = true; i < P; first = false) {
-        const std::int64_t n = params_[i].numel();
-        if (r + 1 < k && !first && ((2 * before + n) * static_cast<std::int64_t>(k) > bound || P - i <= leave)) break;
-        shard_of_[i] = r;
-        members_[r].push_back(i);
-        before += n;
-        ++i;
-      }
-    }
-  }
+  void partition() { detail::partition_shards(params_, devices_.size(), members_, shard_of_); }
 
   const O& first() const {
     for (const auto& s : shards_)
@@ -178,50 +175,14 @@ class ShardedOptimizer final : public optim::Optimizer {
   }
 
   /// Shard r's handle of parameter p: a host alias on CPU devices, a copy on GPUs.
-  static AnyTensor make_handle(const AnyTensor& p, Device device) {
-    return p.visit([&](const auto& t) {
-      if (device.is_cpu() && t.device().is_cpu()) return AnyTensor(detail::host_alias(t, device));
-      return AnyTensor(t.detach().to(device));
-    });
-  }
+  static AnyTensor make_handle(const AnyTensor& p, Device device) { return detail::shard_handle(p, device); }
 
   /// Before shard r steps: its handles see the primary's current parameters and gradients.
-  void bring_to_shard(std::size_t r) {
-    for (auto i : members_[r]) {
-      params_[i].visit([&](const auto& p) {
-        using T = typename std::decay_t<decltype(p)>::value_type;
-        auto h = handles_[i].template as<T>();
-        auto grad = p.grad();
-        if (devices_[r].is_cpu() && p.device().is_cpu()) {
-          // Re-aliased every step: DataParallel::to may have given the parameter new memory.
-          h.impl()->storage = make_alias_storage(devices_[r], p.impl()->storage,
-                                                 static_cast<std::size_t>(p.storage_offset()) * sizeof(T),
-                                                 static_cast<std::size_t>(p.numel()) * sizeof(T));
-          h.set_grad(grad.defined() ? detail::host_alias(grad, devices_[r]) : Tensor<T>());
-        } else {
-          backend::copy(h, p);
-          if (!grad.defined()) {
-            h.set_grad(Tensor<T>());
-          } else {
-            auto hg = h.grad();
-            if (!hg.defined()) hg = Tensor<T>::empty(h.shape(), devices_[r]);
-            backend::copy(hg, grad);
-            h.set_grad(hg);
-          }
-        }
-      });
-    }
-  }
+  void bring_to_shard(std::size_t r) { detail::bring_to_shard(members_[r], params_, handles_, devices_[r]); }
 
   /// After shard r stepped: the primary's parameters hold the update (a copy back on GPUs).
   void return_from_shard(std::size_t r) {
-    if (devices_[r].is_cpu() && devices_[0].is_cpu()) return;  // written in place through the aliases
-    for (auto i : members_[r])
-      params_[i].visit([&](const auto& p) {
-        using T = typename std::decay_t<decltype(p)>::value_type;
-        backend::copy(p, handles_[i].template as<T>());
-        p.bump_version();  // an in-place update (Note [version counter])
-      });
+    detail::return_from_shard(members_[r], params_, handles_, devices_[r], devices_[0]);
   }
 
   std::vector<Device> devices_;
@@ -240,3 +201,9 @@ using parallel::ShardedOptimizer;
 }
 
 CHORUS_NAMESPACE_END
+
+// The definitions: compiled into chorus::compiled, or here in the header-only form (Note
+// [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "sharded_optimizer_impl.hpp"
+#endif

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "../compiled.hpp"
 #include "../ops/nn.hpp"
 #include "parallel_apply.hpp"
 
@@ -34,10 +35,7 @@ namespace parallel {
 /// but takes another path (skips a SyncBatchNorm layer) or hangs.
 class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup> {
  public:
-  explicit ReplicaStatsGroup(int size, std::chrono::milliseconds timeout = std::chrono::minutes(5))
-      : size_(size), timeout_(timeout), slots_(static_cast<std::size_t>(size)), counts_(static_cast<std::size_t>(size)) {
-    CHORUS_CHECK(size > 0, "ReplicaStatsGroup: size must be positive, got ", size);
-  }
+  explicit ReplicaStatsGroup(int size, std::chrono::milliseconds timeout = std::chrono::minutes(5));
 
   /// The reducer replica `rank` uses.
   std::shared_ptr<StatsReducer> member(int rank);
@@ -63,25 +61,13 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
     backend::copy(t, acc);
   }
 
-  std::int64_t all_reduce(int rank, std::int64_t v) {
-    if (size_ == 1) return v;
-    counts_[rank] = v;
-    barrier(rank, "post");
-    std::int64_t s = 0;
-    for (auto c : counts_) s += c;
-    barrier(rank, "read");
-    return s;
-  }
+  std::int64_t all_reduce(int rank, std::int64_t v);
 
   int size() const { return size_; }
 
   /// Replica `rank` failed and will reach no reduction: every waiter, now or later, gives up
   /// (Note [cancelled reductions]).
-  void cancel(int rank) {
-    std::lock_guard lk(m_);
-    if (cancelled_by_ < 0) cancelled_by_ = rank;
-    cv_.notify_all();
-  }
+  void cancel(int rank);
   bool cancelled() const {
     std::lock_guard lk(m_);
     return cancelled_by_ >= 0;
@@ -121,41 +107,9 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
     return std::vector<Event>(size > 0 ? static_cast<std::size_t>(size) : 0);
   }
 
-  [[noreturn]] void give_up(int rank, const char* phase, const std::string& why) const {
-    throw ReplicaCancelled("SyncBatchNorm: replica " + std::to_string(rank) + " stopped waiting (" + phase +
-                           ") for the other replicas' statistics: " + why);
-  }
+  [[noreturn]] void give_up(int rank, const char* phase, const std::string& why) const;
 
-  void barrier(int rank, const char* phase) {
-    std::unique_lock lk(m_);
-    if (cancelled_by_ >= 0) give_up(rank, phase, "replica " + std::to_string(cancelled_by_) + " failed");
-    const auto gen = generation_;
-    if (++arrived_ == size_) {
-      arrived_ = 0;
-      ++generation_;
-      cv_.notify_all();
-      return;
-    }
-    const bool in_backward = autograd::in_backward();
-    const auto deadline = std::chrono::steady_clock::now() + timeout_;
-    for (;;) {
-      const auto until = in_backward ? std::min(deadline, std::chrono::steady_clock::now() + kBackwardPoll) : deadline;
-      if (cv_.wait_until(lk, until, [&] { return generation_ != gen || cancelled_by_ >= 0; })) break;
-      if (in_backward && autograd::backward_failed()) {
-        --arrived_;  // this reduction will never complete; leave it as it was for nobody
-        give_up(rank, phase, "the backward pass failed in another node");
-      }
-      if (std::chrono::steady_clock::now() >= deadline)
-        CHORUS_FAIL("SyncBatchNorm: replica ", rank, " waited ", timeout_.count(), " ms (", phase, ") for ",
-                    size_ - arrived_, " of ", size_,
-                    " replicas to reach the same statistics reduction; every replica must run the same "
-                    "SyncBatchNorm layers in the same order");
-    }
-    if (generation_ == gen) {  // cancelled while waiting
-      --arrived_;
-      give_up(rank, phase, "replica " + std::to_string(cancelled_by_) + " failed");
-    }
-  }
+  void barrier(int rank, const char* phase);
 
   int size_;
   std::chrono::milliseconds timeout_;
@@ -173,9 +127,9 @@ namespace detail {
 class ReplicaStatsReducer final : public StatsReducer {
  public:
   ReplicaStatsReducer(std::shared_ptr<ReplicaStatsGroup> group, int rank) : group_(std::move(group)), rank_(rank) {}
-  void all_reduce_sum(Tensor<float>& t) override { group_->all_reduce(rank_, t); }
-  void all_reduce_sum(Tensor<double>& t) override { group_->all_reduce(rank_, t); }
-  std::int64_t all_reduce_sum(std::int64_t count) override { return group_->all_reduce(rank_, count); }
+  void all_reduce_sum(Tensor<float>& t) override;
+  void all_reduce_sum(Tensor<double>& t) override;
+  std::int64_t all_reduce_sum(std::int64_t count) override;
   int size() const override { return group_->size(); }
 
  private:
@@ -184,10 +138,11 @@ class ReplicaStatsReducer final : public StatsReducer {
 };
 }  // namespace detail
 
-inline std::shared_ptr<StatsReducer> ReplicaStatsGroup::member(int rank) {
-  CHORUS_CHECK(rank >= 0 && rank < size_, "ReplicaStatsGroup: rank ", rank, " out of range for ", size_, " replicas");
-  return std::make_shared<detail::ReplicaStatsReducer>(shared_from_this(), rank);
-}
-
 }  // namespace parallel
 CHORUS_NAMESPACE_END
+
+// The definitions: compiled into chorus::compiled, or here in the header-only form (Note
+// [compiled chorus] in compiled.hpp).
+#if !CHORUS_COMPILED
+#include "stats_reducer_impl.hpp"
+#endif

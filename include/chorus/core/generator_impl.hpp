@@ -1,0 +1,126 @@
+#pragma once
+// The definitions of core/generator.hpp that are not per-number hot paths (seeding, state,
+// replica bookkeeping, Philox layouts): compiled into chorus::compiled (src/core/runtime.cpp),
+// included by generator.hpp itself only in the header-only form (Note [compiled chorus]).
+#include "generator.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+
+// ---- Generator ----
+
+CHORUS_INLINE void Generator::manual_seed(std::uint64_t seed) {
+  std::lock_guard<std::mutex> lk(m_);
+  eng_.seed(seed);
+  seed_ = seed;
+  offset_ = 0;
+}
+
+CHORUS_INLINE void Generator::set_offset(std::uint64_t offset) {
+  CHORUS_CHECK(offset % 4 == 0, "Generator::set_offset: the Philox offset must be a multiple of 4, got ", offset);
+  std::lock_guard<std::mutex> lk(m_);
+  offset_ = offset;
+}
+
+CHORUS_INLINE std::vector<std::uint64_t> Generator::get_state() const {
+  std::lock_guard<std::mutex> lk(m_);
+  std::ostringstream os;
+  os << eng_;
+  std::vector<std::uint64_t> out{seed_, offset_};
+  std::istringstream is(os.str());
+  for (std::uint64_t w; is >> w;) out.push_back(w);
+  return out;
+}
+
+CHORUS_INLINE void Generator::set_state(const std::vector<std::uint64_t>& state) {
+  const std::size_t words = get_state().size();
+  CHORUS_CHECK(state.size() == words, "Generator::set_state: a state of ", state.size(), " words, expected ", words);
+  std::ostringstream os;
+  for (std::size_t i = 2; i < state.size(); ++i) os << state[i] << ' ';
+  std::mt19937_64 eng;
+  std::istringstream is(os.str());
+  is >> eng;
+  CHORUS_CHECK(!is.fail(), "Generator::set_state: the engine words are not a valid state");
+  std::lock_guard<std::mutex> lk(m_);
+  seed_ = state[0];
+  offset_ = state[1];
+  eng_ = eng;
+}
+
+// ---- ReplicaRandomGroup ----
+
+CHORUS_INLINE void ReplicaRandomGroup::commit() {
+  std::lock_guard<std::mutex> lk(m_);
+  for (auto& e : entries_) e.gen->philox_close_window(e.start, e.used);
+  entries_.clear();
+}
+
+CHORUS_INLINE ReplicaRandomGroup::Entry& ReplicaRandomGroup::entry(Generator& gen) {
+  for (auto& e : entries_)
+    if (e.gen == &gen) return e;
+  entries_.push_back({&gen, gen.philox_open_window(), 0});
+  return entries_.back();
+}
+
+// ---- ReplicaRandomScope ----
+
+CHORUS_INLINE ReplicaRandomScope::ReplicaRandomScope(std::shared_ptr<ReplicaRandomGroup> group, int replica,
+                                                     std::int64_t dim, std::int64_t offset, std::int64_t size,
+                                                     std::int64_t total)
+    : previous_(detail::current_replica_random()) {
+  CHORUS_CHECK(group && replica >= 0 && dim >= 0 && offset >= 0 && size >= 0 && offset + size <= total,
+               "ReplicaRandomScope: bad share: replica ", replica, ", dim ", dim, ", rows [", offset, ", ",
+               offset + size, ") of ", total);
+  mine_.group = std::move(group);
+  mine_.replica = replica;
+  mine_.dim = static_cast<int>(dim);
+  mine_.offset = offset;
+  mine_.size = size;
+  mine_.total = total;
+  detail::current_replica_random() = &mine_;
+}
+
+// ---- philox_layout ----
+
+CHORUS_INLINE PhiloxLayout philox_layout(Generator& gen, const Shape& shape) {
+  const std::int64_t n = numel_of(shape);
+  PhiloxLayout l;
+  l.run = n > 0 ? n : 1;
+  detail::ReplicaRandom* rr = detail::current_replica_random();
+  if (!rr) {
+    const PhiloxState s = gen.philox_engine_inputs(4);
+    l.seed = s.seed;
+    l.offset = s.offset;
+    return l;
+  }
+  std::uint64_t* used = nullptr;
+  for (auto& [g, u] : rr->used)
+    if (g == &gen) used = &u;
+  if (!used) used = &rr->used.emplace_back(&gen, 0).second;
+  const PhiloxState start = rr->group->start(gen);
+  CHORUS_CHECK(*used < Generator::kWindow, "random numbers: a DataParallel forward drew ", *used / 4,
+               " times from one generator, more than its window holds (Note [replica windows])");
+  l.seed = start.seed;
+  l.offset = start.offset + *used;
+  *used += 4;
+  rr->group->note_used(gen, *used);
+  constexpr std::uint64_t kLimit = std::uint64_t{1} << kUnmappedStreamShift;
+  if (rr->dim < shape.size() && shape[rr->dim] == rr->size && rr->size > 0) {
+    std::int64_t outer = 1, inner = 1;
+    for (int i = 0; i < rr->dim; ++i) outer *= shape[i];
+    for (int i = rr->dim + 1; i < shape.size(); ++i) inner *= shape[i];
+    CHORUS_CHECK(static_cast<double>(outer) * static_cast<double>(rr->total) * static_cast<double>(inner) <
+                     static_cast<double>(kLimit),
+                 "random numbers: a batch of ", outer * rr->total * inner, " elements exceeds the stream (2^",
+                 kUnmappedStreamShift, ")");
+    l.run = rr->size * inner;
+    l.base = static_cast<std::uint64_t>(rr->offset * inner);
+    l.stride = static_cast<std::uint64_t>(rr->total * inner);
+    return l;
+  }
+  CHORUS_CHECK(static_cast<std::uint64_t>(n) < kLimit && rr->replica < 255, "random numbers: ", n,
+               " elements in replica ", rr->replica, " exceed the stream");
+  l.base = static_cast<std::uint64_t>(rr->replica + 1) << kUnmappedStreamShift;
+  return l;
+}
+
+CHORUS_NAMESPACE_END

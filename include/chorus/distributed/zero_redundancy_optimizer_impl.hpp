@@ -1,0 +1,159 @@
+#pragma once
+// The definitions of distributed/zero_redundancy_optimizer.hpp that do not depend on the
+// optimizer type (the partition, the state gathering, the parameter broadcasts): compiled into
+// chorus::compiled and the MPI library (src/distributed/local.cpp, mpi.cpp), included by
+// zero_redundancy_optimizer.hpp itself in the header-only form (Note [compiled chorus]).
+#include "zero_redundancy_optimizer.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace dist {
+inline namespace CHORUS_DIST_NS {
+namespace detail {
+
+CHORUS_INLINE Device zero_device(const std::vector<AnyTensor>& params) {
+  const Device device = params[0].device();
+  for (std::size_t i = 0; i < params.size(); ++i)
+    CHORUS_CHECK(params[i].device() == device, "ZeroRedundancyOptimizer: parameter ", i, " is on ",
+                 params[i].device(), ", parameter 0 on ", device, "; one device per process");
+  return device;
+}
+
+CHORUS_INLINE void zero_check_consolidate(ProcessGroup& group, int to) {
+  CHORUS_CHECK(to >= 0 && to < group.world_size(), "ZeroRedundancyOptimizer::consolidate_state_dict: rank ", to,
+               " is not a rank of a world of ", group.world_size());
+  group.check_usable("ZeroRedundancyOptimizer::consolidate_state_dict");
+}
+
+CHORUS_INLINE std::vector<optim::Optimizer::State> zero_gather_state(ProcessGroup& group, const optim::Optimizer& local,
+                                                                     const std::vector<AnyTensor>& params,
+                                                                     const std::vector<int>& owner,
+                                                                     const std::vector<std::size_t>& local_index) {
+  using State = optim::Optimizer::State;
+  const auto keys = local.state_keys();
+  const std::size_t K = keys.size(), P = params.size();
+  // Which entries exist (a parameter never stepped has none; amsgrad adds one): known to
+  // their owner only, so every rank learns them first.
+  auto present = zeros<std::int64_t>(Shape{static_cast<std::int64_t>(P * K)});
+  {
+    auto* flags = present.data();
+    const auto& mine = local.state();
+    for (std::size_t j = 0; j < local_index.size(); ++j)
+      for (std::size_t k = 0; k < K; ++k) flags[local_index[j] * K + k] = mine[j].count(keys[k]) ? 1 : 0;
+  }
+  group.all_reduce(present);
+  const auto* flags = present.data();
+  std::vector<State> full(P);
+  std::vector<std::shared_ptr<Work>> pending;
+  std::vector<std::size_t> slot(P, 0);
+  for (std::size_t j = 0; j < local_index.size(); ++j) slot[local_index[j]] = j;
+  for (std::size_t i = 0; i < P; ++i)
+    for (std::size_t k = 0; k < K; ++k) {
+      if (!flags[i * K + k]) continue;
+      AnyTensor t;
+      if (owner[i] == group.rank()) {
+        t = local.state()[slot[i]].at(keys[k]);
+      } else if (keys[k] == "step") {
+        t = AnyTensor(scalar_tensor<double>(0.0));
+      } else {
+        t = params[i].visit([&](const auto& p) {
+          using T = typename std::decay_t<decltype(p)>::value_type;
+          return AnyTensor(Tensor<T>::empty(p.shape(), p.device()));
+        });
+      }
+      t.visit([&](const auto& x) {
+        pending.push_back(group.broadcast_async(x, owner[i], "ZeroRedundancyOptimizer state of parameter " +
+                                                             std::to_string(i) + " (" + keys[k] + ")"));
+      });
+      full[i][keys[k]] = std::move(t);
+    }
+  for (auto& w : pending) w->wait(group.timeout());
+  return full;
+}
+
+CHORUS_INLINE void zero_check_consolidated(bool consolidated, int rank) {
+  CHORUS_CHECK(consolidated, "ZeroRedundancyOptimizer: the optimizer state is sharded over the ranks and has not "
+                             "been consolidated on rank ",
+               rank, " since the last step; call consolidate_state_dict(", rank, ") on every rank first");
+}
+
+CHORUS_INLINE void zero_partition(const optim::Optimizer& opt, int w, std::vector<int>& owner) {
+  const std::vector<AnyTensor>& params = opt.parameters();
+  std::vector<std::int64_t> load(static_cast<std::size_t>(w), 0);
+  owner.assign(params.size(), 0);
+  for (std::size_t g = 0; g < opt.num_groups(); ++g) {
+    std::vector<std::size_t> members;
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (opt.group_of(i) == g) members.push_back(i);
+    std::stable_sort(members.begin(), members.end(),
+                     [&](std::size_t a, std::size_t b) { return params[a].numel() > params[b].numel(); });
+    for (auto i : members) {
+      const int r = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+      owner[i] = r;
+      load[static_cast<std::size_t>(r)] += params[i].numel();
+    }
+  }
+}
+
+struct ZeroPendingSync {
+  std::shared_ptr<Work> work;
+  std::function<void()> unpack;  // empty on the owner
+};
+
+template <class T, class F>
+void for_each_slice(const std::vector<AnyTensor>& params, const Tensor<T>& flat, const std::vector<std::size_t>& members,
+                    F&& f) {
+  std::int64_t off = 0;
+  for (auto i : members) {
+    const auto& p = params[i].template as<T>();
+    f(flat.narrow(0, off, p.numel()).view(p.shape()), p);
+    off += p.numel();
+  }
+}
+
+template <class T>
+ZeroPendingSync broadcast_packed(ProcessGroup& group, const std::vector<AnyTensor>& params, Device device, int root,
+                                 std::vector<std::size_t> members) {
+  NoGradGuard ng;
+  std::int64_t n = 0;
+  for (auto i : members) n += params[i].numel();
+  auto flat = Tensor<T>::empty(Shape{n}, device);
+  const bool mine = root == group.rank();
+  if (mine) for_each_slice<T>(params, flat, members, [](const Tensor<T>& slice, const Tensor<T>& p) { backend::copy(slice, p); });
+  auto work = group.broadcast_async(flat, root, "ZeroRedundancyOptimizer parameters of rank " + std::to_string(root));
+  std::function<void()> unpack;
+  if (!mine)
+    unpack = [&params, flat, members = std::move(members)] {
+      NoGradGuard g;
+      for_each_slice<T>(params, flat, members, [](const Tensor<T>& slice, const Tensor<T>& p) {
+        backend::copy(p, slice);
+        p.bump_version();  // an in-place update (Note [version counter])
+      });
+    };
+  return {std::move(work), std::move(unpack)};
+}
+
+CHORUS_INLINE void zero_sync_parameters(ProcessGroup& group, const std::vector<AnyTensor>& params,
+                                        const std::vector<int>& owner, Device device) {
+  if (group.world_size() == 1) return;
+  std::vector<ZeroPendingSync> pending;
+  for (int r = 0; r < group.world_size(); ++r)
+    for (DType d : {DType::Float32, DType::Float64, DType::BFloat16, DType::Float16}) {
+      std::vector<std::size_t> members;
+      for (std::size_t i = 0; i < params.size(); ++i)
+        if (owner[i] == r && params[i].dtype() == d) members.push_back(i);
+      if (members.empty()) continue;
+      params[members[0]].visit([&](const auto& first) {
+        using T = typename std::decay_t<decltype(first)>::value_type;
+        pending.push_back(broadcast_packed<T>(group, params, device, r, std::move(members)));
+      });
+    }
+  for (auto& p : pending) {
+    p.work->wait(group.timeout());
+    if (p.unpack) p.unpack();
+  }
+}
+
+}  // namespace detail
+}  // namespace CHORUS_DIST_NS
+}  // namespace dist
+CHORUS_NAMESPACE_END

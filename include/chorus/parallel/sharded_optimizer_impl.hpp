@@ -1,0 +1,85 @@
+#pragma once
+// The definitions of parallel/sharded_optimizer.hpp that do not depend on the optimizer type
+// (the shards, their handles, the copies in and out): compiled into chorus::compiled
+// (src/parallel/parallel.cpp), included by sharded_optimizer.hpp itself in the header-only form
+// (Note [compiled chorus]).
+#include "sharded_optimizer.hpp"
+
+CHORUS_NAMESPACE_BEGIN
+namespace parallel {
+namespace detail {
+
+CHORUS_INLINE void partition_shards(const std::vector<AnyTensor>& params, std::size_t k,
+                                    std::vector<std::vector<std::size_t>>& members, std::vector<std::size_t>& shard_of) {
+  const std::size_t P = params.size();
+  std::int64_t total = 0;
+  for (const auto& p : params) total += p.numel();
+  members.assign(k, {});
+  shard_of.assign(P, 0);
+  std::size_t i = 0;
+  std::int64_t before = 0;
+  for (std::size_t r = 0; r < k; ++r) {
+    // Up to the r-th k-th of the elements (a parameter goes where its middle element falls;
+    // 2x to stay in integers), at least one parameter each while they last.
+    const std::int64_t bound = 2 * total * static_cast<std::int64_t>(r + 1);
+    const std::size_t leave = k - 1 - r;  // one parameter for each shard after this one
+    for (bool first = true; i < P; first = false) {
+      const std::int64_t n = params[i].numel();
+      if (r + 1 < k && !first && ((2 * before + n) * static_cast<std::int64_t>(k) > bound || P - i <= leave)) break;
+      shard_of[i] = r;
+      members[r].push_back(i);
+      before += n;
+      ++i;
+    }
+  }
+}
+
+CHORUS_INLINE AnyTensor shard_handle(const AnyTensor& p, Device device) {
+  return p.visit([&](const auto& t) {
+    if (device.is_cpu() && t.device().is_cpu()) return AnyTensor(detail::host_alias(t, device));
+    return AnyTensor(t.detach().to(device));
+  });
+}
+
+CHORUS_INLINE void bring_to_shard(const std::vector<std::size_t>& members, const std::vector<AnyTensor>& params,
+                                  const std::vector<AnyTensor>& handles, Device device) {
+  for (auto i : members) {
+    params[i].visit([&](const auto& p) {
+      using T = typename std::decay_t<decltype(p)>::value_type;
+      auto h = handles[i].template as<T>();
+      auto grad = p.grad();
+      if (device.is_cpu() && p.device().is_cpu()) {
+        // Re-aliased every step: DataParallel::to may have given the parameter new memory.
+        h.impl()->storage = make_alias_storage(device, p.impl()->storage,
+                                               static_cast<std::size_t>(p.storage_offset()) * sizeof(T),
+                                               static_cast<std::size_t>(p.numel()) * sizeof(T));
+        h.set_grad(grad.defined() ? detail::host_alias(grad, device) : Tensor<T>());
+      } else {
+        backend::copy(h, p);
+        if (!grad.defined()) {
+          h.set_grad(Tensor<T>());
+        } else {
+          auto hg = h.grad();
+          if (!hg.defined()) hg = Tensor<T>::empty(h.shape(), device);
+          backend::copy(hg, grad);
+          h.set_grad(hg);
+        }
+      }
+    });
+  }
+}
+
+CHORUS_INLINE void return_from_shard(const std::vector<std::size_t>& members, const std::vector<AnyTensor>& params,
+                                     const std::vector<AnyTensor>& handles, Device device, Device primary) {
+  if (device.is_cpu() && primary.is_cpu()) return;  // written in place through the aliases
+  for (auto i : members)
+    params[i].visit([&](const auto& p) {
+      using T = typename std::decay_t<decltype(p)>::value_type;
+      backend::copy(p, handles[i].template as<T>());
+      p.bump_version();  // an in-place update (Note [version counter])
+    });
+}
+
+}  // namespace detail
+}  // namespace parallel
+CHORUS_NAMESPACE_END

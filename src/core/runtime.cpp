@@ -1,0 +1,4 @@
+// chorus::compiled: the device runtime's checks and slow paths, and the random generator's
+// seeding, state and replica bookkeeping (Note [compiled chorus] in include/chorus/compiled.hpp).
+#include <chorus/core/generator_impl.hpp>
+#include <chorus/core/runtime_impl.hpp>

@@ -1,0 +1,12 @@
+// chorus::compiled: the distributed layer's non-template code without MPI (CHORUS_WITH_MPI unset:
+// dist::without_mpi, a world of one process) (Note [compiled chorus] in include/chorus/compiled.hpp).
+#include <chorus/distributed/backend_impl.hpp>
+#include <chorus/distributed/checkpointer_impl.hpp>
+#include <chorus/distributed/ddp_impl.hpp>
+#include <chorus/distributed/mpi_backend_impl.hpp>
+#include <chorus/distributed/process_group_impl.hpp>
+#include <chorus/distributed/reducer_impl.hpp>
+#include <chorus/distributed/sampler_impl.hpp>
+#include <chorus/distributed/stats_reducer_impl.hpp>
+#include <chorus/distributed/watchdog_impl.hpp>
+#include <chorus/distributed/zero_redundancy_optimizer_impl.hpp>

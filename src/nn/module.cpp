@@ -1,0 +1,3 @@
+// chorus::compiled: nn::Module's registry, device moves and deep-copy scope (Note [compiled
+// chorus] in include/chorus/compiled.hpp).
+#include <chorus/nn/module_impl.hpp>

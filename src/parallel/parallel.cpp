@@ -1,0 +1,8 @@
+// chorus::compiled: the non-template code of parallel/ (communicators, replication, statistics
+// reducer, sharded optimizer, scatter) (Note [compiled chorus] in include/chorus/compiled.hpp).
+#include <chorus/parallel/arguments_impl.hpp>
+#include <chorus/parallel/comm_impl.hpp>
+#include <chorus/parallel/replicate_impl.hpp>
+#include <chorus/parallel/scatter_impl.hpp>
+#include <chorus/parallel/sharded_optimizer_impl.hpp>
+#include <chorus/parallel/stats_reducer_impl.hpp>
