@@ -27,7 +27,7 @@ struct TensorImpl;
 class CloneScope {
  public:
   CloneScope() : prev_(slot()) { slot() = this; }
-  virtual ~CloneScope();
+  CHORUS_INLINE virtual ~CloneScope();
   CloneScope(const CloneScope&) = delete;
   CloneScope& operator=(const CloneScope&) = delete;
 

@@ -203,10 +203,10 @@ class MpiBackend final : public Backend {
   /// The private communicator (a duplicate of MPI_COMM_WORLD).
   MPI_Comm comm() const { return comm_; }
 
-  void all_reduce(const std::shared_ptr<Work>& work, const AnyTensor& t, ReduceOp op) override;
-  void broadcast(const std::shared_ptr<Work>& work, const AnyTensor& t, int root) override;
-  void all_gather(const std::shared_ptr<Work>& work, const AnyTensor& in, const AnyTensor& out) override;
-  void barrier(const std::shared_ptr<Work>& work) override;
+  CHORUS_INLINE void all_reduce(const std::shared_ptr<Work>& work, const AnyTensor& t, ReduceOp op) override;
+  CHORUS_INLINE void broadcast(const std::shared_ptr<Work>& work, const AnyTensor& t, int root) override;
+  CHORUS_INLINE void all_gather(const std::shared_ptr<Work>& work, const AnyTensor& in, const AnyTensor& out) override;
+  CHORUS_INLINE void barrier(const std::shared_ptr<Work>& work) override;
 
   /// The first half of leaving (Note [watchdog]): meets the other ranks within the timeout and
   /// stops the communication thread. Returns why MPI must not be finalised (empty: a clean leave).

@@ -25,10 +25,10 @@ namespace detail {
 class ProcessStatsReducer final : public StatsReducer {
  public:
   explicit ProcessStatsReducer(ProcessGroup& group) : group_(group) {}
-  void all_reduce_sum(Tensor<float>& t) override;
-  void all_reduce_sum(Tensor<double>& t) override;
-  std::int64_t all_reduce_sum(std::int64_t count) override;
-  int size() const override;
+  CHORUS_INLINE void all_reduce_sum(Tensor<float>& t) override;
+  CHORUS_INLINE void all_reduce_sum(Tensor<double>& t) override;
+  CHORUS_INLINE std::int64_t all_reduce_sum(std::int64_t count) override;
+  CHORUS_INLINE int size() const override;
 
  private:
   template <class T>

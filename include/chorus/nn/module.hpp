@@ -121,7 +121,7 @@ class Module {
   std::vector<std::shared_ptr<Module>> children() const;
 
   /// Sets training mode here and in every submodule.
-  virtual void train(bool on = true);
+  CHORUS_INLINE virtual void train(bool on = true);
   void eval() { train(false); }
   bool is_training() const { return training_; }
 
@@ -286,7 +286,7 @@ class DeviceCopyScope final : public CloneScope {
   explicit DeviceCopyScope(Device device) : device_(device) {}
 
  protected:
-  std::shared_ptr<void> copy_tensor(const void* impl, DType dtype) override;
+  CHORUS_INLINE std::shared_ptr<void> copy_tensor(const void* impl, DType dtype) override;
 
  private:
   Device device_;

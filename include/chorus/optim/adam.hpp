@@ -38,9 +38,9 @@ class AdamBase : public GroupedOptimizer<Options> {
 
   bool has_momentum() const override { return true; }
   double momentum(std::size_t group) const override { return this->options(group).beta1; }
-  void set_momentum(std::size_t group, double m) override;
+  CHORUS_INLINE void set_momentum(std::size_t group, double m) override;
 
-  void step() override;
+  CHORUS_INLINE void step() override;
 
   std::vector<std::string> state_keys() const override { return {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}; }
   std::string name() const override { return name_; }

@@ -160,11 +160,11 @@ class OneCycleLR final : public LRScheduler {
   OneCycleLR(Optimizer& opt, OneCycleOptions o);
 
   /// lr levels: 0 = initial (max / div), 1 = max, 2 = min (initial / final_div).
-  double lr_at(double base, std::int64_t epoch) const override;
+  CHORUS_INLINE double lr_at(double base, std::int64_t epoch) const override;
   bool sets_momentum() const override { return o_.cycle_momentum; }
-  double momentum_at(std::size_t, std::int64_t epoch) const override;
+  CHORUS_INLINE double momentum_at(std::size_t, std::int64_t epoch) const override;
   std::string name() const override { return "OneCycleLR"; }
-  void check_epoch(std::int64_t epoch) const override;
+  CHORUS_INLINE void check_epoch(std::int64_t epoch) const override;
 
  private:
   struct Phase {
@@ -183,10 +183,10 @@ class OneCycleLR final : public LRScheduler {
 class SequentialLR final : public LRScheduler {
  public:
   SequentialLR(Optimizer& opt, std::vector<std::shared_ptr<LRScheduler>> schedulers, std::vector<std::int64_t> milestones);
-  double lr_at(double base, std::int64_t epoch) const override;
+  CHORUS_INLINE double lr_at(double base, std::int64_t epoch) const override;
   /// The active scheduler's limit, at its own epoch (PyTorch steps it, and it raises there).
-  void check_epoch(std::int64_t epoch) const override;
-  std::string name() const override;
+  CHORUS_INLINE void check_epoch(std::int64_t epoch) const override;
+  CHORUS_INLINE std::string name() const override;
 
  private:
   // The scheduler in charge at `epoch`, and the epoch it sees (counted from its milestone).

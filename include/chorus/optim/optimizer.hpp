@@ -58,8 +58,8 @@ class Optimizer {
   /// The momentum of a group (SGD's momentum, Adam's beta1), for schedulers that cycle it;
   /// has_momentum() is false for an optimizer without one.
   virtual bool has_momentum() const { return false; }
-  virtual double momentum(std::size_t group) const;
-  virtual void set_momentum(std::size_t group, double m);
+  CHORUS_INLINE virtual double momentum(std::size_t group) const;
+  CHORUS_INLINE virtual void set_momentum(std::size_t group, double m);
 
   /// Per-parameter state: for parameter i, named tensors (momentum_buffer, exp_avg, …).
   /// Scalars such as Adam's step are one-element float64 tensors, so all state is tensors.
@@ -69,7 +69,7 @@ class Optimizer {
 
   /// Replaces the state (for checkpoints): one entry per parameter, each tensor matching
   /// what step() would create. Throws without changing anything when it does not fit.
-  virtual void load_state(std::vector<State> state);
+  CHORUS_INLINE virtual void load_state(std::vector<State> state);
 
   /// Makes state() readable on rank `to` where the state is sharded over processes (a
   /// collective of ZeroRedundancyOptimizer: every rank calls it); nothing for the others.
@@ -83,7 +83,7 @@ class Optimizer {
  protected:
   /// Throws unless `state` has one fitting entry per parameter (load_state's check).
   void validate_states(const std::vector<State>& state) const;
-  virtual void validate_state(std::size_t i, const State& s) const;
+  CHORUS_INLINE virtual void validate_state(std::size_t i, const State& s) const;
 
   /// Calls f(index, param, grad) with typed tensors for each floating-point parameter that has a
   /// gradient.

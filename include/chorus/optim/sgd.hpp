@@ -29,9 +29,9 @@ class SGD final : public detail::GroupedOptimizer<SGDOptions> {
 
   bool has_momentum() const override { return true; }
   double momentum(std::size_t group) const override { return options(group).momentum; }
-  void set_momentum(std::size_t group, double m) override;
+  CHORUS_INLINE void set_momentum(std::size_t group, double m) override;
 
-  void step() override;
+  CHORUS_INLINE void step() override;
 
   std::vector<std::string> state_keys() const override { return {"momentum_buffer"}; }
   std::string name() const override { return "SGD"; }

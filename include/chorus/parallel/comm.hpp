@@ -73,7 +73,7 @@ class Communicator {
   /// The same sums, in tensors the communicator provides (contiguous, on rank 0, shaped as
   /// srcs[0][j]). srcs is taken: a CPU communicator may hand a source over as the sum's memory
   /// instead of copying it (Note [host aliases]).
-  virtual std::vector<AnyTensor> reduce(std::vector<std::vector<AnyTensor>>&& srcs);
+  CHORUS_INLINE virtual std::vector<AnyTensor> reduce(std::vector<std::vector<AnyTensor>>&& srcs);
 
   virtual std::string name() const = 0;
 
@@ -87,16 +87,16 @@ class CopyCommunicator final : public Communicator {
  public:
   using Communicator::Communicator;
 
-  void broadcast(const AnyTensor& src, const std::vector<AnyTensor>& dsts) override;
+  CHORUS_INLINE void broadcast(const AnyTensor& src, const std::vector<AnyTensor>& dsts) override;
 
-  void reduce_add(const std::vector<std::vector<AnyTensor>>& srcs, const std::vector<AnyTensor>& dsts) override;
+  CHORUS_INLINE void reduce_add(const std::vector<std::vector<AnyTensor>>& srcs, const std::vector<AnyTensor>& dsts) override;
 
   /// CPU devices: each sum is computed over the sources themselves, viewed on rank 0 through
   /// host aliases, by the engine's rule (autograd::detail::sum_into_unshared): into a source
   /// nothing else holds (a replica's gradient, handed over whole), else into new memory; a
   /// lone source is handed over as it is. No copy between devices, and for two devices no
   /// new memory (Note [host aliases]).
-  std::vector<AnyTensor> reduce(std::vector<std::vector<AnyTensor>>&& srcs) override;
+  CHORUS_INLINE std::vector<AnyTensor> reduce(std::vector<std::vector<AnyTensor>>&& srcs) override;
 
   std::string name() const override { return "copy"; }
 

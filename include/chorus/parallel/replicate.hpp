@@ -100,7 +100,7 @@ class ReplicaScope final : public CloneScope {
       : device_(device), slots_(slots), storage_of_(std::move(storage_of)), made_(made) {}
 
  protected:
-  std::shared_ptr<void> copy_tensor(const void* impl, DType dtype) override;
+  CHORUS_INLINE std::shared_ptr<void> copy_tensor(const void* impl, DType dtype) override;
 
  private:
   template <class T>

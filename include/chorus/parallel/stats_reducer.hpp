@@ -127,9 +127,9 @@ namespace detail {
 class ReplicaStatsReducer final : public StatsReducer {
  public:
   ReplicaStatsReducer(std::shared_ptr<ReplicaStatsGroup> group, int rank) : group_(std::move(group)), rank_(rank) {}
-  void all_reduce_sum(Tensor<float>& t) override;
-  void all_reduce_sum(Tensor<double>& t) override;
-  std::int64_t all_reduce_sum(std::int64_t count) override;
+  CHORUS_INLINE void all_reduce_sum(Tensor<float>& t) override;
+  CHORUS_INLINE void all_reduce_sum(Tensor<double>& t) override;
+  CHORUS_INLINE std::int64_t all_reduce_sum(std::int64_t count) override;
   int size() const override { return group_->size(); }
 
  private:
