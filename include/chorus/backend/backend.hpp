@@ -64,7 +64,7 @@ namespace detail {
 template <class T>
 [[noreturn]] void no_reduced_kernel(const char* kernel, Device d = Device::cpu()) {
   CHORUS_FAIL(kernel, ": no ", dtype_name(dtype_of<T>()), " kernel", d.is_cuda() ? " for CUDA devices" : "",
-              " yet (mixed precision, issue 19); convert with .to<float>() first");
+              " yet; convert with .to<float>() first");
 }
 
 }  // namespace detail
