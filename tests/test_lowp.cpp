@@ -384,6 +384,27 @@ TEST(LowpTensor, ConversionsBetweenEveryFloatingPair) {
   EXPECT_EQ(d.to<bfloat16>().item().bits(), 0x3f81);
 }
 
+// The CUDA kernel converts each element with fn::convert_16bit; run on the host here, it must
+// equal the CPU's conversion for every integer in [2^24, 2^26), where a route through float
+// rounds twice (384 of them differ that way, e.g. 16842753: 16777216 instead of 16908288).
+TEST(LowpTensor, IntegersConvertTo16BitsRoundingOnceOnBothBackends) {
+  constexpr std::int64_t lo = std::int64_t{1} << 24, hi = std::int64_t{1} << 26;
+  std::int64_t twice = 0;
+  for (std::int64_t i = lo; i < hi; ++i) {
+    const auto once = bfloat16(i).bits();  // what the CPU kernel's static_cast computes
+    ASSERT_EQ(backend::fn::convert_16bit<bfloat16>(i).bits(), once) << i;
+    twice += bfloat16(static_cast<float>(i)).bits() != once;
+  }
+  EXPECT_EQ(twice, 384);  // the route this guards against
+  const std::vector<std::int64_t> ints = {16842753, -16842753, 33554431, 0, 1 << 20};
+  const auto got = from_vector(ints).to<bfloat16>().to_vector();
+  for (std::size_t k = 0; k < ints.size(); ++k)
+    EXPECT_EQ(got[k].bits(), backend::fn::convert_16bit<bfloat16>(ints[k]).bits()) << ints[k];
+  EXPECT_EQ(backend::fn::convert_16bit<bfloat16>(std::int64_t{16842753}).bits(), bfloat16(16908288.0f).bits());
+  EXPECT_EQ(backend::fn::convert_16bit<std::int64_t>(bfloat16(16908288.0f)), 16908288);
+  EXPECT_EQ(backend::fn::convert_16bit<half>(std::int64_t{2049}).bits(), half(2048.0f).bits());  // a tie: to even
+}
+
 TYPED_TEST(LowpTypes, ConversionIsDifferentiableAndRoundsTheGradientOnce) {
   // Note [one graph over every dtype]: y = sum((x.to<T>())^2).to<float>(): the gradient 2·x̃
   // is computed in T (x̃ = x rounded to T) and converted back to float exactly.

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include "../test_util.hpp"
@@ -118,6 +119,31 @@ TEST(ProcessGroupLocal, ASecondInitWithOtherOptionsIsAnError) {
 }
 
 // Note [MPI counts]: MPI takes int counts; 2^31 elements would wrap in the cast.
+// The average's division (ReduceOp::Avg over MPI, DDP's compression hooks) runs as a backend
+// kernel on the tensor's device (a GPU bucket is device memory: a host loop would dereference a
+// device pointer), with the bits of the division in the element type (16-bit: in float, once).
+template <class T>
+void check_divide(std::int64_t world) {
+  std::vector<T> v;
+  for (int i = 0; i < 64; ++i) v.push_back(T(static_cast<float>(i * 7 - 200) / 3.0f));
+  auto t = from_vector(v);
+  dist::detail::divide_in_place(t, world);
+  const auto got = t.to_vector();
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    T want = v[i];
+    want /= static_cast<T>(world);
+    EXPECT_EQ(std::memcmp(&got[i], &want, sizeof(T)), 0) << i;
+  }
+}
+TEST(ProcessGroupLocal, TheAverageDividesInTheElementTypeThroughTheBackend) {
+  for (std::int64_t world : {1, 2, 3, 7}) {
+    check_divide<float>(world);
+    check_divide<double>(world);
+    check_divide<bfloat16>(world);
+    check_divide<half>(world);
+  }
+}
+
 TEST(ProcessGroupLocal, MpiCountsStopBelowTwoToThe31) {
   EXPECT_EQ(dist::detail::checked_int_count((std::int64_t{1} << 31) - 1, "all_reduce"), 2147483647);
   EXPECT_EQ(dist::detail::checked_int_count(0, "all_reduce"), 0);

@@ -285,8 +285,42 @@ class TestStageVerdicts(Base):
         self.assertEqual(r["passed"], 1)  # Fake.B, in the run resumed after the crash
         self.assertTrue(r["verdict"].startswith("crashed"), r["verdict"])
 
+    def test_the_tutorial_passes_on_one_gpu_and_on_several(self):
+        batches = "".join(f"Outside: input size [{n}, 5] output_size [{n}, 2]\n" for n in (30, 30, 30, 10))
+        one_gpu = batches  # PyTorch's tutorial says "Let's use N GPUs!" only for more than one
+        self.assertEqual(gpu_check.tutorial_verdict(0, False, one_gpu), ("passed", True))
+        self.assertEqual(gpu_check.tutorial_verdict(0, False, "Let's use 2 GPUs!\n" + batches), ("passed", True))
+        verdict, ok = gpu_check.tutorial_verdict(0, False, "Let's use 3 CPU devices!\n" + batches)
+        self.assertFalse(ok)
+        self.assertIn("ran on CPU devices", verdict)
+        verdict, ok = gpu_check.tutorial_verdict(0, False, "")
+        self.assertFalse(ok)
+        self.assertEqual(verdict, "failed (exit status 0, no batch printed)")
+        self.assertFalse(gpu_check.tutorial_verdict(1, False, "error: --gpus: no GPU found\n")[1])
+
 
 class TestMemcheck(Base):
+    def refusing_sanitizer(self):
+        """compute-sanitizer on a sandboxed machine: refuses the device, runs nothing."""
+        path = os.path.join(self.tmp, "compute-sanitizer-refuses")
+        write_exe(path, "#!PYTHON\nimport sys\nprint('========= Error: Device not supported', flush=True)\n"
+                        "print('========= ERROR SUMMARY: 0 errors', flush=True)\nsys.exit(1)\n")
+        return path
+
+    def test_a_refused_device_is_not_a_pass(self):
+        run = self.make_run()
+        orig = gpu_check.find_sanitizer
+        gpu_check.find_sanitizer = self.refusing_sanitizer
+        try:
+            run.memcheck_stage(plan=[("tests/fake_pass", "Fake.*")])
+        finally:
+            gpu_check.find_sanitizer = orig
+        m = run.summary["stages"]["memcheck"]
+        self.assertFalse(m["ok"], m)
+        self.assertTrue(m["verdict"].startswith("did not run"), m["verdict"])
+        self.assertTrue(m["runs"]["tests/fake_pass"]["verdict"].startswith("did not run"), m)
+        self.assertTrue(run.failed)
+
     def sanitizer(self, errors):
         path = os.path.join(self.tmp, f"compute-sanitizer-{errors}")
         write_exe(path, FAKE_SANITIZER.replace("@ERRORS@", str(errors)))

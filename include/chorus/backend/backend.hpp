@@ -588,7 +588,8 @@ CHORUS_EXTERN_INSTANCES(CHORUS_BACKEND_BACKEND_FLOAT_INSTANCES, CHORUS_FLOATING_
   CHORUS_BACKEND_OP(X, unary, T, PowScalar) CHORUS_BACKEND_OP(X, unary, T, Abs)                                \
   CHORUS_BACKEND_OP(X, unary, T, Sign) CHORUS_BACKEND_OP(X, unary, T, InfToZero)                               \
   CHORUS_BACKEND_OP(X, unary, T, Sin) CHORUS_BACKEND_OP(X, unary, T, Cos) CHORUS_BACKEND_OP(X, unary, T, Clamp) \
-  CHORUS_BACKEND_OP(X, unary, T, NonZero) CHORUS_BACKEND_OP(X, unary, T, AbsPow) CHORUS_BACKEND_OP(X, unary, T, Scale)
+  CHORUS_BACKEND_OP(X, unary, T, NonZero) CHORUS_BACKEND_OP(X, unary, T, AbsPow) CHORUS_BACKEND_OP(X, unary, T, Scale) \
+  CHORUS_BACKEND_OP(X, unary, T, DivScalar)
 #define CHORUS_BACKEND_BINARY_OPS(X, T)                                                                           \
   CHORUS_BACKEND_OP(X, binary_same, T, Add) CHORUS_BACKEND_OP(X, binary_same, T, Sub)                             \
   CHORUS_BACKEND_OP(X, binary_same, T, Mul) CHORUS_BACKEND_OP(X, binary_same, T, Div)                             \

@@ -2,6 +2,7 @@
 // Element functors shared by the CPU loops and the CUDA kernels (host/device callable).
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../config.hpp"
 #include "../core/half.hpp"
@@ -90,6 +91,11 @@ struct MulScalar {
   double s;
   template <class T>
   CHORUS_HOST_DEVICE T operator()(T x) const { return x * T(s); }
+};
+struct DivScalar {
+  double s;
+  template <class T>
+  CHORUS_HOST_DEVICE T operator()(T x) const { return x / T(s); }
 };
 struct PowScalar {
   double p;
@@ -348,6 +354,20 @@ struct Ge {
   template <class T>
   CHORUS_HOST_DEVICE bool operator()(T a, T b) const { return a >= b; }
 };
+
+// ---- dtype conversion ----
+/// One element of a conversion to a 16-bit type or from one, as the CUDA kernel computes it
+/// (the CPU's bfloat16/half constructors take the same route): through double where the other
+/// side is double or an integer, else through float, so that each value rounds once. (Through
+/// float, an int64 past 2^24 would round twice: 16842753 to 16777216 instead of 16908288.)
+template <class U, class T>
+CHORUS_HOST_DEVICE U convert_16bit(T v) {
+  static_assert(is_reduced_floating_v<T> || is_reduced_floating_v<U>, "convert_16bit: one side is 16-bit");
+  constexpr bool wide = std::is_same_v<T, double> || std::is_same_v<U, double> || std::is_integral_v<T> ||
+                        std::is_integral_v<U>;
+  using W = std::conditional_t<wide, double, float>;
+  return static_cast<U>(static_cast<W>(v));
+}
 
 }  // namespace backend::fn
 CHORUS_NAMESPACE_END

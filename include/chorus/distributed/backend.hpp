@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "../backend/backend.hpp"
 #include "../compiled.hpp"
 #include "../core/any_tensor.hpp"
 #include "../core/runtime.hpp"
@@ -126,10 +127,11 @@ inline bool torchrun_present() { return std::getenv("RANK") && std::getenv("WORL
 // MPI collectives refuse it (NCCL's counts are size_t and take it).
 CHORUS_INLINE int checked_int_count(std::int64_t n, const std::string& what);
 
+/// t /= n (a contiguous t), on t's device: a GPU bucket is device memory (the compression hooks
+/// divide it before the all-reduce). A 16-bit t divides in float and rounds once.
 template <class T>
 void divide_in_place(const Tensor<T>& t, std::int64_t n) {
-  T* p = t.data();
-  for (std::int64_t i = 0, e = t.numel(); i < e; ++i) p[i] /= static_cast<T>(n);
+  backend::unary(t, t, backend::fn::DivScalar{static_cast<double>(n)});
 }
 
 /// One transport of a process group (Note [process group backends]). The group has checked the

@@ -66,22 +66,25 @@ CHORUS_INLINE void ProcessGroup::check_usable(const std::string& what) const {
 CHORUS_INLINE std::string ProcessGroup::leave() noexcept {
   if (shut_down_) return {};
   shut_down_ = true;
-#if CHORUS_DIST_MPI
-  if (!mpi_) return {};
   std::string why;
-  try {
-    why = mpi_->leave();
-  } catch (const std::exception& e) {
-    why = e.what();
+#if CHORUS_DIST_MPI
+  if (mpi_) {
+    try {
+      why = mpi_->leave();
+    } catch (const std::exception& e) {
+      why = e.what();
+    }
   }
+#endif
 #if CHORUS_CUDA
+  // Whatever the launcher (under torchrun the group is NCCL alone): the communicator goes here,
+  // before main returns, not in the group's static destructor after the CUDA runtime's teardown.
   nccl_.reset();
 #endif
-  mpi_->finalize(why.empty());
-  return why;
-#else
-  return {};
+#if CHORUS_DIST_MPI
+  if (mpi_) mpi_->finalize(why.empty());
 #endif
+  return why;
 }
 
 CHORUS_INLINE std::chrono::milliseconds ProcessGroup::resolve_timeout(const Options& o) {

@@ -14,7 +14,9 @@
 //   devices[r], so its state (momentum, Adam's moments) is made and kept on devices[r]
 //   (Note [optimizer state follows the parameters]). On CPU devices a handle is a host alias of
 //   the primary's parameter and its gradient (Note [host aliases]): the update writes the
-//   primary's memory in place and nothing is copied. On GPUs a handle is a copy on devices[r]:
+//   primary's memory in place and nothing is copied; so is a handle on the parameter's own
+//   device (shard 0, or a GPU the list repeats): a view of it. Elsewhere on GPUs a handle is a
+//   copy on devices[r]:
 //   the shard's gradients and parameters are copied there on its stream (after the primary's
 //   work so far), stepped, and the parameters copied back (ordered before the caller's later
 //   work: parallel_apply joins the streams); the replicas get them at the next forward's
@@ -44,7 +46,8 @@ namespace detail {
 /// shard of parameter i.
 CHORUS_INLINE void partition_shards(const std::vector<AnyTensor>& params, std::size_t k,
                                     std::vector<std::vector<std::size_t>>& members, std::vector<std::size_t>& shard_of);
-/// A shard's handle of parameter p on `device`: a host alias on CPU devices, a copy on GPUs.
+/// A shard's handle of parameter p on `device`: a host alias on CPU devices, a copy on another GPU
+/// (on p's own device, bring_to_shard makes it a view of p).
 CHORUS_INLINE AnyTensor shard_handle(const AnyTensor& p, Device device);
 /// Before a shard on `device` steps: the handles of its `members` see the primary's current
 /// parameters and gradients.

@@ -48,7 +48,14 @@ CHORUS_INLINE void bring_to_shard(const std::vector<std::size_t>& members, const
       using T = typename std::decay_t<decltype(p)>::value_type;
       auto h = handles[i].template as<T>();
       auto grad = p.grad();
-      if (device.is_cpu() && p.device().is_cpu()) {
+      if (p.device() == device) {
+        // The shard's device is the parameter's own (shard 0, or a repeated GPU): the handle
+        // views the parameter's memory and its gradient, re-pointed every step (DataParallel::to
+        // may have given the parameter new memory); a copy would copy each onto itself.
+        h.impl()->storage = p.impl()->storage;
+        h.impl()->offset = p.impl()->offset;
+        h.set_grad(grad);
+      } else if (device.is_cpu() && p.device().is_cpu()) {
         // Re-aliased every step: DataParallel::to may have given the parameter new memory.
         h.impl()->storage = make_alias_storage(device, p.impl()->storage,
                                                static_cast<std::size_t>(p.storage_offset()) * sizeof(T),
@@ -75,7 +82,7 @@ CHORUS_INLINE void return_from_shard(const std::vector<std::size_t>& members, co
   for (auto i : members)
     params[i].visit([&](const auto& p) {
       using T = typename std::decay_t<decltype(p)>::value_type;
-      backend::copy(p, handles[i].template as<T>());
+      if (p.device() != device) backend::copy(p, handles[i].template as<T>());  // else: its own memory
       p.bump_version();  // an in-place update (Note [version counter])
     });
 }

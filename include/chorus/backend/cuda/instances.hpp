@@ -55,7 +55,8 @@
   X(f, T, fn::Neg) X(f, T, fn::Exp) X(f, T, fn::Log) X(f, T, fn::Sqrt) X(f, T, fn::Relu) X(f, T, fn::Gelu) \
   X(f, T, fn::Tanh) X(f, T, fn::Sigmoid) X(f, T, fn::AddScalar) X(f, T, fn::MulScalar)                    \
   X(f, T, fn::PowScalar) X(f, T, fn::Abs) X(f, T, fn::Sign) X(f, T, fn::InfToZero) X(f, T, fn::Sin)      \
-  X(f, T, fn::Cos) X(f, T, fn::Clamp) X(f, T, fn::NonZero) X(f, T, fn::AbsPow) X(f, T, fn::Scale)
+  X(f, T, fn::Cos) X(f, T, fn::Clamp) X(f, T, fn::NonZero) X(f, T, fn::AbsPow) X(f, T, fn::Scale)      \
+  X(f, T, fn::DivScalar)
 #define CHORUS_CUDA_BINARY_OPS(X, f, T)                                                                      \
   X(f, T, fn::Add) X(f, T, fn::Sub) X(f, T, fn::Mul) X(f, T, fn::Div) X(f, T, fn::Maximum)                 \
   X(f, T, fn::ReluBackward) X(f, T, fn::GeluBackward) X(f, T, fn::TanhBackward)                            \

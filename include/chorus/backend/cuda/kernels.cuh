@@ -85,10 +85,8 @@ __global__ void copy_strided(const T* src, T* dst, NdDesc d, std::int64_t n) {
 template <class U, class T>
 __global__ void convert(const T* src, U* dst, std::int64_t n) {
   if constexpr (is_reduced_floating_v<T> || is_reduced_floating_v<U>) {
-    // Through the wider side's arithmetic type (double when one side is double), so that each
-    // value rounds once (a 16-bit type converts to and from float and double only).
-    using W = std::conditional_t<std::is_same_v<T, double> || std::is_same_v<U, double>, double, float>;
-    auto one = [](T v) { return static_cast<U>(static_cast<W>(v)); };
+    // Through double or float so that each value rounds once (fn::convert_16bit).
+    auto one = [](T v) { return fn::convert_16bit<U>(v); };
     if (pair_aligned(src, dst)) {  // Note [vectorised 16-bit loads]
       CHORUS_GRID_STRIDE(i, n / 2) {
         const Two<T> x = reinterpret_cast<const Two<T>*>(src)[i];
