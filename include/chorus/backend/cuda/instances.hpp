@@ -76,7 +76,7 @@
   CHORUS_CUDA_CONVERT_FROM(X, convert, bfloat16) CHORUS_CUDA_CONVERT_FROM(X, convert, half)                     \
   CHORUS_CUDA_CONVERT_FROM(X, convert, std::int64_t)                                                            \
   CHORUS_CUDA_EACH_FLOAT_T(CHORUS_CUDA_UNARY_OPS, X, unary) X(unary, std::int64_t, fn::AddScalar)                \
-  X(unary, std::int64_t, fn::MulScalar) X(unary, std::int64_t, fn::Neg)                                          \
+  X(unary, std::int64_t, fn::MulScalar) X(unary, std::int64_t, fn::Neg) X(unary, std::int64_t, fn::DivScalar)  \
   CHORUS_CUDA_EACH_FLOAT_T(CHORUS_CUDA_BINARY_OPS, X, binary_same) X(binary_same, std::int64_t, fn::Add)         \
   X(binary_same, std::int64_t, fn::Sub) X(binary_same, std::int64_t, fn::Mul)                                    \
   CHORUS_CUDA_EACH_FLOAT_T(CHORUS_CUDA_BROADCAST_OPS, X, binary_broadcast)                                       \
