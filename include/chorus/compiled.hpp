@@ -33,7 +33,11 @@
 // over its own types. A template whose every possible instance is listed may keep its
 // definition in an _impl.hpp too (autograd/engine_impl.hpp: backward() takes the four
 // floating dtypes, all listed); there a missing instance would be a link error, so only
-// complete lists qualify.
+// complete lists qualify. A virtual function defined in an _impl.hpp is declared CHORUS_INLINE
+// in its class: declared plainly it would be the class's key function, and once defined
+// `inline` every header-only unit would emit the vtable and all the virtual functions (test
+// compiled_library_code_stays_in_the_library). The distributed layer's part over MPI is the
+// separate static library chorus_distributed_compiled, linked through chorus::distributed.
 //
 // Each list is L(X, T): X(declaration) for one dtype T, the declaration written as an explicit
 // instantiation takes it (template arguments explicit, no default arguments).
