@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The work of scripts/gpu-check.sh (read its header first): pack what the GPU machine needs,
-check it here (--dry-run), and run the GPU stages there within one device call.
+check it here (--dry-run), and run the GPU stages there in two device calls on one warm machine:
+first the correctness part, then the speed part (Note [time budget]).
 
 Only the chorus binaries get LD_LIBRARY_PATH (the carried libraries and the CUDA libraries
 found on the machine); python3 and the PyTorch peer run with the environment they came with,
@@ -35,7 +36,8 @@ TEST_BINARIES = ["tests/test_cuda", "tests/test_cuda_layers", "tests/test_cuda_o
 # DistributedDataParallel over NCCL (built where MPI is found; on the GPU machine they run under
 # torchrun's environment, which needs no MPI launcher, and under mpirun where it exists).
 DIST_BINARIES = ["tests/distributed/test_distributed_cuda", "examples/train_mlp_cuda"]
-BINARIES = TEST_BINARIES + ["examples/data_parallel_tutorial_cuda", "benchmarks/chorus_gpu_bench"] + DIST_BINARIES
+BINARIES = (TEST_BINARIES + ["examples/data_parallel_tutorial_cuda", "examples/train_lm_cuda", "benchmarks/chorus_gpu_bench"] +
+            DIST_BINARIES)
 # The benchmark stage's driver (PyTorch's rounds alternating with chorus_gpu_bench --serve's) and
 # the comparison of its two JSON files.
 BENCH_DRIVER = os.path.join(REPO, "benchmarks/pytorch_gpu_bench.py")
@@ -92,59 +94,83 @@ TREE_LIMIT = 64 << 20       # the working tree that travels, carried paths inclu
 TREE_MARGIN = 8 << 20       # headroom for files added after the dry run (an issue note, a log, a wheel)
 MAX_OUT_FILES = 8           # files back from $OUT
 MAX_OUT_FILE_BYTES = 16 << 20
-BUDGET_S = 540              # all stages together, inside the tool's 600 s per command
-# Note [time budget]: a stage's limit is min(its cap, the time left less what it keeps for the
-# stages after it), at least 5 s; what a stage keeps is the sum of the later stages' floors, and
-# the floors add up to BUDGET_S. So each stage gets at least its floor however long the ones
-# before it ran (each is killed at its limit), and the run ends inside BUDGET_S (the 5 s minimum
-# aside, which binds only when the in-process work between stages ate a later floor). The unpack
-# of the carried archive (Note [packed carry], about 1 s) and that in-process work come out of
-# the next stage's share; memcheck, last, gets the rest, split evenly between its binaries.
-#   stage               cap  floor  keeps
-#   test_cuda           145    145    395
-#   test_cuda_layers     60     45    350
-#   test_cuda_ops        60     45    305
-#   tutorial             45     30    275
-#   distributed          90     45    230   (gpu-check-distributed.sh: the limit less 10 s)
-#   benchmarks          250     80    150   (the driver keeps 10 s more: compare_benchmarks.py's)
-#   memcheck           rest    150      0
+BUDGET_S = 240              # each part, one device call (two fit one 15-minute loan with a rerun)
+# Note [time budget]: the check is two device calls on one warm machine, each with its own
+# budget and summary: first `correctness` (the CUDA tests with their reruns, the tutorial, a
+# short train_lm, DDP over NCCL), then `speed` (the benchmarks against PyTorch, then
+# compute-sanitizer memcheck). A failure in the first leaves the time to fix, rebuild and rerun
+# it before the second. Inside a part, a stage's limit is min(its cap, the time left less what
+# it keeps for the stages after it), at least 5 s; what a stage keeps is the sum of the later
+# stages' floors, and the floors add up to BUDGET_S. So each stage gets at least its floor
+# however long the ones before it ran (each is killed at its limit), and the part ends inside
+# BUDGET_S (the 5 s minimum aside, which binds only when the in-process work between stages ate
+# a later floor). The unpack of the carried archive (Note [packed carry], about 1 s, in each
+# part) and that in-process work come out of the next stage's share; memcheck, last, gets the
+# rest, split evenly between its binaries.
+#   part         stage               cap  floor  keeps
+#   correctness  test_cuda           100     70    170
+#                test_cuda_layers     45     30    140
+#                test_cuda_ops        45     30    110
+#                tutorial             30     15     95
+#                train_lm             45     25     70
+#                distributed          90     70      0   (gpu-check-distributed.sh: the limit less 10 s)
+#   speed        benchmarks          120    120    120   (the driver keeps 10 s more: compare_benchmarks.py's)
+#                memcheck           rest    120      0
 # Reruns (after each test stage, every failed, crashed or GPU-skipped test alone with
 # CHORUS_DEBUG_SYNC=1): 45 s each, 60 s per binary, only from the time above what that test stage
 # keeps ("not rerun (time)" when under 15 s of it is left). When the early stages are quick the
 # later ones get up to their caps; the caps add up to more than the budget. TestBudget in
 # tests/scripts/test_gpu_check.py checks this with a fake clock.
-TIME_PLAN = [  # (stage, cap, floor), in the order gpu_run runs them; cap None: the rest
-    ("tests/test_cuda", 145, 145),
-    ("tests/test_cuda_layers", 60, 45),
-    ("tests/test_cuda_ops", 60, 45),
-    ("tutorial", 45, 30),
-    ("distributed", 90, 45),
-    ("benchmarks", 250, 80),
-    ("memcheck", None, 150),
-]
+PLANS = {  # part: [(stage, cap, floor)], in the order gpu_run runs them; cap None: the rest
+    "correctness": [
+        ("tests/test_cuda", 100, 70),
+        ("tests/test_cuda_layers", 45, 30),
+        ("tests/test_cuda_ops", 45, 30),
+        ("tutorial", 30, 15),
+        ("train_lm", 45, 25),
+        ("distributed", 90, 70),
+    ],
+    "speed": [
+        ("benchmarks", 120, 120),
+        ("memcheck", None, 120),
+    ],
+}
+PARTS = list(PLANS)
 RERUN_EACH_S, RERUN_BINARY_S, RERUN_MIN_S = 45, 60, 15
 COMPARE_S = 10  # compare_benchmarks.py, inside the benchmarks' floor
 
 
+def part_of(stage):
+    """The part whose plan has `stage` (stage names are unique across the parts), or None."""
+    return next((part for part, plan in PLANS.items() if any(n == stage for n, _, _ in plan)), None)
+
+
 def time_cap(stage, default=None):
-    return next((cap for n, cap, _ in TIME_PLAN if n == stage), default)
+    return next((cap for n, cap, _ in PLANS.get(part_of(stage), []) if n == stage), default)
 
 
 def time_keep(stage):
-    """What `stage` keeps for the stages after it: the sum of their floors (0 if not planned)."""
-    names = [n for n, _, _ in TIME_PLAN]
-    return sum(f for _, _, f in TIME_PLAN[names.index(stage) + 1:]) if stage in names else 0
+    """What `stage` keeps for the later stages of its part: the sum of their floors (0 if not planned)."""
+    plan = PLANS.get(part_of(stage), [])
+    names = [n for n, _, _ in plan]
+    return sum(f for _, _, f in plan[names.index(stage) + 1:]) if stage in names else 0
 
 
 # Libraries the GPU machine provides: the C runtime (never carried: it must match the kernel
 # and the loader there) and the CUDA libraries, from the toolkit or from PyTorch's wheels.
+# cuDNN is one of them: libcudnn.so.9 loads its sub-libraries (engines, graph, heuristics,
+# hundreds of MiB) at run time from its own folder, so a carried libcudnn.so.9 would mix with
+# whatever cuDNN the machine has; the machine's own serves, and the libraries stage names it.
 SYSTEM_LIB = re.compile(r"^(linux-vdso|ld-linux|libc|libm|libdl|libpthread|librt|libutil|libresolv)\b[.\w-]*\.so")
-CUDA_LIB = re.compile(r"^lib(cuda|cudart|cublas|cublasLt|nccl|nvidia-\w+|nvrtc|nvJitLink)\.so")
+CUDA_LIB = re.compile(r"^lib(cuda|cudart|cublas|cublasLt|nccl|nvidia-\w+|nvrtc|nvJitLink|cudnn\w*)\.so")
 # The C++ runtime: every machine with python3 and PyTorch has one, normally newer than the
 # compiler's here. It is packed into lib-fallback/ and used only where the machine's own lacks
 # a version the binaries need: put first for everything, an older libstdc++ would also be
 # loaded by compute-sanitizer (which runs with the binaries' environment) and could break it.
 FALLBACK_LIB = re.compile(r"^lib(stdc\+\+|gcc_s)\.so")
+# What libcudnn.so.9 loads from its own folder when a convolution first runs.
+CUDNN_SUBLIBS = ["libcudnn_graph.so.9", "libcudnn_engines_precompiled.so.9", "libcudnn_engines_runtime_compiled.so.9",
+                 "libcudnn_heuristic.so.9", "libcudnn_ops.so.9", "libcudnn_cnn.so.9"]
 
 
 def log(*a):
@@ -540,6 +566,24 @@ def tutorial_verdict(rc, timed_out, text):
     return program_verdict(rc, timed_out, ok, why), ok
 
 
+# train_lm's stage: a small transformer for a few steps on every GPU, on the repository's LICENSE.
+TRAIN_LM_ARGS = ["--model", "transformer", "--gpus", "--epochs", "1", "--steps", "30", "--batch", "16",
+                 "--seq-len", "32", "--sample", "40", "--data", os.path.join(REPO, "LICENSE")]
+
+
+def train_lm_verdict(rc, timed_out, text):
+    """train_lm_cuda for a few steps: it passes when it exits 0, ran on the GPUs, and its
+    validation loss after training is below the untrained model's ("before training: val loss
+    X", then "epoch N: val loss Y")."""
+    losses = [float(v) for v in re.findall(r"val loss ([0-9.]+|nan|inf)", text)]
+    on_gpu = re.search(r"on \d+ device\(s\):( cuda:\d+)+\s*$", text, re.M) is not None
+    learned = len(losses) >= 2 and losses[-1] < losses[0]
+    ok = rc == 0 and not timed_out and on_gpu and learned
+    why = ("did not run on the GPUs" if not on_gpu else
+           f"the validation loss did not fall ({' -> '.join(f'{v:.4f}' for v in losses) or 'none printed'})")
+    return program_verdict(rc, timed_out, ok, why), ok
+
+
 def bench_row_names():
     """"workload config vs peer" of every row compare_benchmarks.py looks for (its TARGETS)."""
     if HERE not in sys.path:
@@ -571,14 +615,19 @@ def counts(r):
             "skipped": len(r["skipped"]), "crashed": len(r["crashed"]), "timed_out": bool(r.get("timed_out"))}
 
 
+def out_files(part):
+    """The two files a part writes into OUTDIR: its summary and its logs."""
+    return f"summary-{part}.json", f"logs-{part}.tar.gz"
+
+
 class Run:
-    def __init__(self, out, build, gpu, dry):
-        self.out, self.build, self.gpu, self.dry = out, build, gpu, dry
+    def __init__(self, out, build, gpu, dry, part):
+        self.out, self.build, self.gpu, self.dry, self.part = out, build, gpu, dry, part
         self.t0 = time.monotonic()
         # Raw logs live outside $OUT (the tool returns 8 files): archived after every stage.
         self.logs = tempfile.mkdtemp(prefix="gpu-check-logs-")
         self.unpacked = None  # the temporary folder unpack_stage made, removed by cleanup()
-        self.summary = {"status": "running", "gpu_machine": gpu, "dry_run": dry, "budget_s": BUDGET_S,
+        self.summary = {"status": "running", "part": part, "gpu_machine": gpu, "dry_run": dry, "budget_s": BUDGET_S,
                         "build": build, "stages": {}}
         self.read_manifest(build)
         self.failed = False
@@ -643,18 +692,19 @@ class Run:
         log(f"== {name}: {'ok' if ok else 'FAILED'} {json.dumps({k: v for k, v in result.items() if k != 'ok'})[:600]}")
 
     def save(self, final=False):
-        """summary.json and logs.tar.gz, rewritten after every stage (a timeout keeps what ran)."""
+        """summary-PART.json and logs-PART.tar.gz, rewritten after every stage (a timeout keeps what ran)."""
         if final:
             self.summary["status"] = "failed" if self.failed else "ok"
         self.summary["elapsed_s"] = round(time.monotonic() - self.t0, 1)
-        tmp = os.path.join(self.out, "summary.json.tmp")
+        summary, logs = out_files(self.part)
+        tmp = os.path.join(self.out, summary + ".tmp")
         with open(tmp, "w") as f:
             json.dump(self.summary, f, indent=2)
-        os.replace(tmp, os.path.join(self.out, "summary.json"))
-        tmp = os.path.join(self.out, "logs.tar.gz.tmp")
+        os.replace(tmp, os.path.join(self.out, summary))
+        tmp = os.path.join(self.out, logs + ".tmp")
         with tarfile.open(tmp, "w:gz") as tar:
             tar.add(self.logs, arcname="logs")
-        os.replace(tmp, os.path.join(self.out, "logs.tar.gz"))
+        os.replace(tmp, os.path.join(self.out, logs))
 
     # -- gtest helpers
 
@@ -740,15 +790,24 @@ class Run:
 
     def ldd_stage(self):
         env = chorus_env(self.build)
-        missing = {}
+        missing, cudnn = {}, set()
         for b in BINARIES:
             if not os.path.isfile(self.exe(b)):
                 missing[b] = ["(binary missing)"]
                 continue
-            m = [n for n, w in ldd(self.exe(b), env).items() if w is None]
+            found = ldd(self.exe(b), env)
+            m = [n for n, w in found.items() if w is None]
+            for n, w in found.items():
+                if w and n.startswith("libcudnn"):  # the sub-libraries it loads at run time, beside it
+                    cudnn.add(os.path.realpath(w))
+                    m += [f"{sub} (beside {w})" for sub in CUDNN_SUBLIBS
+                          if not os.path.isfile(os.path.join(os.path.dirname(w), sub))]
             if m:
                 missing[b] = m
-        self.stage("libraries", {"missing": missing, "ld_library_path": env["LD_LIBRARY_PATH"]}, not missing)
+        # Which cuDNN the binaries load on this machine.
+        self.summary["cudnn"] = sorted(cudnn)
+        self.stage("libraries", {"missing": missing, "cudnn": sorted(cudnn), "ld_library_path": env["LD_LIBRARY_PATH"]},
+                   not missing)
         return not missing
 
     def unpack_stage(self):
@@ -826,6 +885,17 @@ class Run:
         self.stage("tutorial", {"rc": rc, "timed_out": to, "seconds": round(secs, 1),
                                 "batches": len(re.findall(r"^Outside: input size", text, re.M)),
                                 "head": text.splitlines()[1:4], "verdict": verdict}, ok)
+
+    def train_lm_stage(self):
+        out = os.path.join(self.logs, "train_lm_out")
+        rc, to, secs, path = self.run("train_lm", [self.exe("examples/train_lm_cuda")] + TRAIN_LM_ARGS + ["--out", out],
+                                      self.limit("train_lm"), env=chorus_env(self.build))
+        shutil.rmtree(out, ignore_errors=True)  # its checkpoints: not worth carrying back
+        with open(path, errors="replace") as f:
+            text = f.read()
+        verdict, ok = train_lm_verdict(rc, to, text)
+        self.stage("train_lm", {"rc": rc, "timed_out": to, "seconds": round(secs, 1),
+                                "losses": re.findall(r"val loss ([0-9.]+|nan|inf)", text), "verdict": verdict}, ok)
 
     def distributed_stage(self):
         """DDP over NCCL on one GPU: scripts/gpu-check-distributed.sh (torchrun's environment, and
@@ -1049,7 +1119,8 @@ def dry_run(out, build):
     # archive unpacked first into a temporary folder, test_cuda starts with the carried
     # environment, its tests skip (no GPU), and $OUT holds what the tool returns.
     os.makedirs(out, exist_ok=True)
-    run = Run(out, carry, gpu=has_gpu(), dry=True)
+    problems += plan_problems()
+    run = Run(out, carry, gpu=has_gpu(), dry=True, part="dry-run")
     try:
         if not run.unpack_stage() or run.build == carry:
             problems.append("unpack: " + run.summary["stages"].get("unpack", {}).get("verdict", "no archive"))
@@ -1087,10 +1158,33 @@ def dry_run(out, build):
     return 0 if not problems else 1
 
 
-def gpu_run(out, build):
+def plan_problems():
+    """What is wrong with PLANS (Note [time budget]): every test binary planned in the correctness
+    part, every stage gpu_run runs planned once, each part's floors inside BUDGET_S, caps not
+    below floors, and BUDGET_S with the machine's start inside the device tool's per-call limit."""
+    problems = []
+    stages = [n for plan in PLANS.values() for n, _, _ in plan]
+    want = TEST_BINARIES + ["tutorial", "train_lm", "distributed", "benchmarks", "memcheck"]
+    if sorted(stages) != sorted(want):
+        problems.append(f"plan: the planned stages {stages} are not the ones gpu_run runs {want}")
+    if [n for n, _, _ in PLANS["correctness"] if n.startswith("tests/")] != TEST_BINARIES:
+        problems.append("plan: the correctness part must run every test binary, in TEST_BINARIES' order")
+    for part, plan in PLANS.items():
+        floors = sum(f for _, _, f in plan)
+        if floors > BUDGET_S:
+            problems.append(f"plan: {part}'s floors add up to {floors} s, over its {BUDGET_S} s")
+        problems += [f"plan: {part}: {n}'s cap {c} s is below its floor {f} s" for n, c, f in plan
+                     if c is not None and c < f]
+    if BUDGET_S + 60 > 600:
+        problems.append(f"plan: a part's {BUDGET_S} s and the start do not fit the tool's 600 s per call")
+    return problems
+
+
+def gpu_run(out, build, part):
+    """One part of the check (Note [time budget]): "correctness" or "speed"."""
     os.makedirs(out, exist_ok=True)
     gpu = has_gpu()
-    run = Run(out, build, gpu=gpu, dry=False)  # the budget's clock starts here, before the unpack
+    run = Run(out, build, gpu=gpu, dry=False, part=part)  # the budget's clock starts here, before the unpack
     try:
         smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
     except Exception as e:
@@ -1102,12 +1196,15 @@ def gpu_run(out, build):
         run.stage("gpu", {"error": "no GPU visible (nvidia-smi -L)"}, False)
     try:
         if run.unpack_stage() and run.ldd_stage():
-            for rel in TEST_BINARIES:  # in TIME_PLAN's order (Note [time budget])
-                run.rerun_stage(run.tests_stage(rel))
-            run.tutorial_stage()
-            run.distributed_stage()
-            run.bench_stage()
-            run.memcheck_stage()  # last: the slowest, and a timeout there still leaves the rest
+            if part == "correctness":
+                for rel in TEST_BINARIES:  # in the plan's order (Note [time budget])
+                    run.rerun_stage(run.tests_stage(rel))
+                run.tutorial_stage()
+                run.train_lm_stage()
+                run.distributed_stage()
+            else:
+                run.bench_stage()
+                run.memcheck_stage()  # last: the slowest, and a timeout there still leaves the rest
         run.save(final=True)
     finally:
         run.cleanup()
@@ -1120,16 +1217,19 @@ def gpu_run(out, build):
     return 0 if not run.failed else 1
 
 
+USAGE = "usage: gpu-check.sh correctness|speed OUTDIR [BUILD]   |   gpu-check.sh --dry-run OUTDIR BUILD"
+
+
 def main(argv):
     if len(argv) >= 1 and argv[0] == "--dry-run":
         if len(argv) != 3:
-            raise SystemExit("usage: gpu-check.sh --dry-run OUTDIR BUILD")
+            raise SystemExit(USAGE)
         return dry_run(os.path.abspath(argv[1]), os.path.abspath(argv[2]))
-    if len(argv) < 1:
-        raise SystemExit("usage: gpu-check.sh OUTDIR [BUILD]   |   gpu-check.sh --dry-run OUTDIR BUILD")
-    build = argv[1] if len(argv) > 1 else (os.path.join(REPO, CARRY) if os.path.isdir(os.path.join(REPO, CARRY))
+    if len(argv) not in (2, 3) or argv[0] not in PARTS:
+        raise SystemExit(USAGE)
+    build = argv[2] if len(argv) > 2 else (os.path.join(REPO, CARRY) if os.path.isdir(os.path.join(REPO, CARRY))
                                            else os.path.join(REPO, "build"))
-    return gpu_run(os.path.abspath(argv[0]), os.path.abspath(build))
+    return gpu_run(os.path.abspath(argv[1]), os.path.abspath(build), argv[0])
 
 
 if __name__ == "__main__":

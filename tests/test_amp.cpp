@@ -173,6 +173,18 @@ TEST(GradScaler, StateDictRoundTripsAndBadInputIsRefused) {
   auto loss = model.forward(randn<double>({2, 6})).sum();
   EXPECT_EQ(off.scale(loss).impl(), loss.impl());
   EXPECT_EQ(off.get_scale(), 1.0);
+  // A float16 loss is scaled in float32 (65536 times it would overflow float16), as PyTorch's
+  // float32 scale promotes it; its gradient reaches the float16 graph.
+  amp::GradScaler on;
+  auto w = from_vector<half>({half(3.0f), half(-1.5f)}).requires_grad_(true);
+  auto lh = (w * w).sum();  // 11.25 in float16
+  Tensor<float> scaled = on.scale(lh);
+  EXPECT_EQ(scaled.item(), 11.25f * 65536.0f);
+  EXPECT_TRUE(std::isfinite(scaled.item()));
+  amp::GradScaler half_scale({.init_scale = 1024.0});
+  half_scale.scale(lh).backward();
+  EXPECT_EQ(w.grad().to<float>().to_vector(), (std::vector<float>{6.0f * 1024, -3.0f * 1024}));
+  EXPECT_EQ(off.scale(lh).dtype(), DType::Float32);
   EXPECT_TRUE(off.state_dict().empty());
   // A step without any gradient records no inf check: an error, as PyTorch's assertion.
   Net<double> fresh;

@@ -231,6 +231,22 @@ TEST(CudaHostPolicy, FreedDeviceBlocksAreReusedOnlyBySameStreamAndSize) {
   EXPECT_EQ(given_back.size(), 2u);
   EXPECT_EQ(c.bytes(), 0u);
   EXPECT_EQ(c.take(2, 512), nullptr);
+
+  // Past its limit the cache gives back the largest blocks first, down to what it keeps.
+  int small[3], big[2];
+  for (int& x : small) c.put(1, 512, &x);
+  for (int& x : big) c.put(2, 4096, &x);
+  EXPECT_EQ(c.bytes(), 3 * 512u + 2 * 4096u);
+  std::vector<void*> freed;
+  c.drain([&](int, std::size_t, void* p) { freed.push_back(p); }, /*keep=*/3 * 512 + 4096);
+  EXPECT_EQ(freed, (std::vector<void*>{&big[0]}));  // the least recently freed big block
+  EXPECT_EQ(c.bytes(), 3 * 512u + 4096u);
+  c.drain([&](int, std::size_t, void* p) { freed.push_back(p); }, /*keep=*/1000);
+  EXPECT_EQ(freed, (std::vector<void*>{&big[0], &big[1], &small[0], &small[1]}));
+  EXPECT_EQ(c.bytes(), 512u);
+  EXPECT_EQ(c.take(1, 512), &small[2]);  // what stays is still served
+  c.drain([&](int, std::size_t, void* p) { freed.push_back(p); }, /*keep=*/4096);  // under the limit: nothing
+  EXPECT_EQ(freed.size(), 4u);
 }
 
 TEST(CudaHostPolicy, APinnedBlockIsReusedOnlyAfterTheCopiesThatReadIt) {

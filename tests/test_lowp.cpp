@@ -819,3 +819,26 @@ TEST(LowpTensor, AModelChangesDtypeByLoadingAnotherModelsState) {
   load(lin, f->fc);
   EXPECT_EQ(lin->weight.to_vector(), f->fc->weight.to_vector());
 }
+
+TEST(CudnnOperands, ViewsAtAnOddElementAreCopiedAlignedAndLargeTensorsGoThroughIm2col) {
+  // Note [cuDNN operands], on the CPU: the checks cuDNN's convolutions rely on.
+  auto base = chorus::arange<half>(0, 33);
+  auto odd = base.narrow(0, 1, 32);  // 2 bytes past an aligned start
+  ASSERT_NE(reinterpret_cast<std::uintptr_t>(odd.data()) % 16, 0u);
+  auto op = chorus::ops::detail::cudnn_operand(odd);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(op.data()) % 16, 0u);
+  EXPECT_EQ(op.to_vector(), odd.to_vector());
+  auto even = base.narrow(0, 0, 32);
+  EXPECT_EQ(chorus::ops::detail::cudnn_operand(even).data(), even.data());  // aligned already: no copy
+
+  chorus::ops::detail::ConvGeometry geo{};
+  geo.g.C = 3, geo.g.H = geo.g.W = geo.g.OH = geo.g.OW = 8, geo.g.kh = geo.g.kw = 1;
+  geo.g.sh = geo.g.sw = geo.g.dh = geo.g.dw = 1;
+  geo.N = 4, geo.O = 5, geo.groups = 1;
+  EXPECT_TRUE(geo.fits_int());
+  geo.N = std::int64_t{1} << 26;  // every size fits an int; the input's 2^32 elements do not
+  EXPECT_FALSE(geo.fits_int());
+  geo.N = 4, geo.g.C = 1 << 16, geo.O = 1 << 16;  // the weight's 2^32 elements
+  geo.g.H = geo.g.W = geo.g.OH = geo.g.OW = 1;
+  EXPECT_FALSE(geo.fits_int());
+}

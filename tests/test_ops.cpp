@@ -1,6 +1,7 @@
 // Forward values of the operations, broadcasting and argument errors.
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 
@@ -263,6 +264,31 @@ TEST(InPlace, IntegerTensors) {
   EXPECT_EQ(x.to_vector(), (std::vector<std::int64_t>{21, 43, 65, 25, 47, 69}));
   EXPECT_TRUE(throws_with([&] { x.add_(x, 2); }, {"add_", "alpha must be 1", "integer"}));
   EXPECT_EQ(x.to_vector()[0], 21);  // refused: nothing written
+  // A scalar that is not a whole number would be truncated (PyTorch promotes to float instead):
+  // refused, in place and out of place, with nothing written.
+  EXPECT_TRUE(throws_with([&] { x *= 0.5; }, {"mul_", "int64", "0.5", "not a whole number", "to<float>"}));
+  EXPECT_TRUE(throws_with([&] { (void)(x * 0.5); }, {"mul", "0.5"}));
+  EXPECT_TRUE(throws_with([&] { (void)(x / 2.0); }, {"mul", "0.5"}));
+  EXPECT_TRUE(throws_with([&] { (void)(x + 0.25); }, {"add", "0.25"}));
+  EXPECT_TRUE(throws_with([&] { x.sub_(1.5); }, {"sub_", "1.5"}));
+  EXPECT_TRUE(throws_with([&] { x.add_(std::nan("")); }, {"add_", "nan"}));
+  EXPECT_EQ(x.to_vector()[0], 21);
+  EXPECT_EQ((x * 3.0).to_vector()[0], 63);  // whole numbers are fine
+}
+
+// An expanded view has several elements at one address: a write to it is refused, as PyTorch's
+// "more than one element of the written-to tensor refers to a single memory location".
+TEST(InPlace, AnExpandedViewCannotBeWritten) {
+  auto base = from_vector<float>({1});
+  auto e = base.expand({4});
+  for (auto write : std::vector<std::function<void()>>{[&] { e.add_(from_vector<float>({1, 2, 3, 4})); },
+                                                       [&] { e.mul_(2.0); }, [&] { e.fill_(3); },
+                                                       [&] { e.copy_(zeros<float>({4})); }})
+    EXPECT_TRUE(throws_with(write, {"more than one element", "single memory location", "stride 0"}));
+  EXPECT_TRUE(values_are(base, {1}));
+  auto one = base.expand({1, 1});  // a new dimension of size 1: stride 0 is harmless there
+  EXPECT_NO_THROW(one.add_(1.0));
+  EXPECT_TRUE(values_are(base, {2}));
 }
 
 // An operand sharing x's storage is read whole before the first element is written.

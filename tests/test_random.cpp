@@ -66,6 +66,17 @@ TEST(Philox, GeneratorOffsetAdvancesByFourPerCall) {
   EXPECT_EQ(g.get_offset(), 0u);
   EXPECT_EQ(g.initial_seed(), 12u);
   EXPECT_TRUE(throws_with([&] { g.set_offset(3); }, {"multiple of 4", "3"}));
+  // set_state checks the offset as set_offset does (a dropout mask would repeat an earlier one),
+  // and a refused state changes nothing.
+  auto state = g.get_state();
+  auto bad = state;
+  bad[1] = 6;
+  (void)g.philox_engine_inputs(1);
+  EXPECT_TRUE(throws_with([&] { g.set_state(bad); }, {"set_state", "multiple of 4", "6"}));
+  EXPECT_EQ(g.get_offset(), 4u);
+  g.set_state(state);
+  EXPECT_EQ(g.get_offset(), 0u);
+  EXPECT_EQ(g.get_state(), state);
 }
 
 TEST(Philox, KeepThreshold) {

@@ -137,6 +137,35 @@ TEST(RNN, InitialisationIsUniformWithinOneOverSqrtHidden) {
     }
 }
 
+// A truncated-BPTT loop that writes the next window's state into the buffer this window started
+// from, before backward: the gradients would be computed from the new state, so backward
+// refuses, for the fused LSTM as for GRU and RNN (PyTorch: "modified by an inplace operation").
+TEST(RNN, WritingTheInitialStateBeforeBackwardIsRefused) {
+  auto x = r({5, 2, 3}, 1);
+  nn::LSTMT<double> lstm(3, 4);
+  auto h0 = zeros<double>({1, 2, 4}), c0 = zeros<double>({1, 2, 4});
+  {
+    auto [y, hc] = lstm->forward(x, {h0, c0});
+    c0.copy_(std::get<1>(hc).detach());
+    EXPECT_TRUE(throws_with([&] { y.sum().backward(); }, {"modified by an inplace operation", "LSTMLayerBackward"}));
+  }
+  {
+    auto [y, hc] = lstm->forward(x, {h0, c0});
+    h0.copy_(std::get<0>(hc).detach());
+    EXPECT_TRUE(throws_with([&] { y.sum().backward(); }, {"modified by an inplace operation", "LSTMLayerBackward"}));
+  }
+  nn::GRUT<double> gru(3, 4);
+  auto g0 = zeros<double>({1, 2, 4});
+  auto [yg, hg] = gru->forward(x, g0);
+  g0.copy_(hg.detach());
+  EXPECT_TRUE(throws_with([&] { yg.sum().backward(); }, {"modified by an inplace operation"}));
+  // Backward first, then the write: the loop as it should be.
+  auto [y, hc] = lstm->forward(x, {h0, c0});
+  y.sum().backward();
+  h0.copy_(std::get<0>(hc).detach());
+  c0.copy_(std::get<1>(hc).detach());
+}
+
 TEST(RNN, OutputAndStateShapes) {
   const std::int64_t S = 5, B = 3, F = 4, H = 6;
   for (std::int64_t layers : {1, 2})

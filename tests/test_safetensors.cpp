@@ -328,6 +328,19 @@ TEST(Safetensors, GroupsAndSchedulerResumeExactly) {
   save(*opt_f, dir.file("nosched.safetensors"));
   EXPECT_TRUE(throws_with([&] { load(*opt_lr, dir.file("nosched.safetensors"), {.scheduler = &other}); }, {"no learning-rate scheduler"}));
   EXPECT_TRUE(throws_with([&] { load(plain, dir.file("optim.safetensors")); }, {"2 parameter groups", "has 1"}));
+
+  // A scheduler that refuses the saved epoch (6 of a 5-step cycle): nothing is loaded, not the
+  // momentum buffers, the lrs or the momenta either.
+  Mlp fresh;
+  auto opt_x = make(fresh);
+  optim::OneCycleLR short_cycle(*opt_x, {.max_lr = 0.2, .total_steps = 5});
+  const double lr0 = opt_x->lr(0), m0 = opt_x->momentum(0);
+  EXPECT_TRUE(throws_with([&] { load(*opt_x, dir.file("optim.safetensors"), {.scheduler = &short_cycle}); },
+                          {"OneCycleLR"}));
+  EXPECT_EQ(opt_x->lr(0), lr0);
+  EXPECT_EQ(opt_x->momentum(0), m0);
+  EXPECT_EQ(short_cycle.last_epoch(), 0);
+  for (const auto& st : opt_x->state()) EXPECT_TRUE(st.empty());
 }
 
 // ---- 16-bit checkpoints (issue 19) ----

@@ -2,3 +2,4 @@
 // seeding, state and replica bookkeeping (Note [compiled chorus] in include/chorus/compiled.hpp).
 #include <chorus/core/generator_impl.hpp>
 #include <chorus/core/runtime_impl.hpp>
+CHORUS_DEFINE_INSTANCES(CHORUS_CORE_GENERATOR_INSTANCES, CHORUS_ALL_DTYPES)

@@ -1,6 +1,7 @@
 // chorus::compiled: the elementwise, in-place, factory, dropout and printing operators (Note
 // [compiled chorus] in include/chorus/compiled.hpp).
 #include <chorus/chorus.hpp>
+#include <chorus/ops/print_impl.hpp>
 
 CHORUS_DEFINE_INSTANCES(CHORUS_OPS_ELEMENTWISE_INSTANCES, CHORUS_ALL_DTYPES)
 CHORUS_DEFINE_INSTANCES(CHORUS_OPS_FACTORY_INSTANCES, CHORUS_ALL_DTYPES)

@@ -440,7 +440,9 @@ TEST(Cuda, ALossDoesNotWaitForTheDevice) {
 
 TEST(Cuda, PeerAccessIsEnabledForEveryPairThatCan) {
   REQUIRE_GPU();
+  // Note [peer access]: between the devices in use, each connected as the next one is used.
   const int n = cuda_device_count();
+  for (int d = 0; d < n; ++d) (void)allocator_of(Device::cuda(d));
   for (int d = 0; d < n; ++d) {
     auto& alloc = static_cast<CudaCachingAllocator&>(allocator_of(Device::cuda(d)));
     std::vector<int> expected;

@@ -17,6 +17,27 @@ using chorus::testing::kGpu;
 using chorus::testing::op_tol;
 using chorus::testing::r;
 
+#if CHORUS_HAS_CUDNN
+TEST(CudaCudnn, EachThreadHasItsOwnHandleForAStreamAndGivesItBack) {
+  REQUIRE_GPU();
+  // Note [cuDNN handles]: two threads on one stream never share a handle; a thread's handles go
+  // back to the pool when it ends, and the next thread takes one from there.
+  namespace cudnn = backend::cuda::cudnn;
+  const cudaStream_t s = current_stream(kGpu).handle();
+  const cudnnHandle_t mine = cudnn::handle_for(kGpu, s);
+  EXPECT_EQ(cudnn::handle_for(kGpu, s), mine);  // the same thread: the same handle
+  cudnnHandle_t first = nullptr, second = nullptr;
+  std::thread([&] { first = cudnn::handle_for(kGpu, s); }).join();
+  EXPECT_NE(first, nullptr);
+  EXPECT_NE(first, mine);
+  std::thread([&] { second = cudnn::handle_for(kGpu, s); }).join();
+  EXPECT_EQ(second, first);  // reused from the pool
+  cudaStream_t used = nullptr;
+  CHORUS_CUDNN_CHECK(cudnnGetStream(second, &used));
+  EXPECT_EQ(used, s);
+}
+#endif
+
 template <class T>
 class CudaLayers : public ::testing::Test {};
 TYPED_TEST_SUITE(CudaLayers, chorus::testing::FloatTypes);

@@ -3,8 +3,12 @@
 #include <chorus/distributed.hpp>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 
 #include "../test_util.hpp"
@@ -70,6 +74,24 @@ TEST(ProcessGroupLocal, TorchrunWithoutNcclIsRefusedClearly) {
   env.set("RANK", "3");
   env.set("WORLD_SIZE", "2");
   EXPECT_THROW(dist::ProcessGroup bad, Error);
+}
+
+// `mpirun -np 2` on a program built without MPI would start two jobs that each say "world 1"
+// and write the same checkpoints: refused, naming what to link. `mpirun -np 1` is a world of 1.
+TEST(ProcessGroupLocal, SeveralProcessesFromAnMpiLauncherWithoutMpiAreRefused) {
+  for (auto [name, value] : std::vector<std::pair<const char*, const char*>>{
+           {"OMPI_COMM_WORLD_SIZE", "2"}, {"PMI_SIZE", "4"}, {"OMPI_COMM_WORLD_RANK", "1"}, {"PMIX_RANK", "3"}}) {
+    EnvGuard env;
+    env.set(name, value);
+    EXPECT_TRUE(chorus::testing::throws_with([] { dist::ProcessGroup g; },
+                            {"dist::init", "MPI launcher", name, "built without MPI", "chorus::distributed"}))
+        << name;
+  }
+  EnvGuard env;
+  env.set("OMPI_COMM_WORLD_SIZE", "1");
+  env.set("OMPI_COMM_WORLD_RANK", "0");
+  dist::ProcessGroup one;
+  EXPECT_EQ(one.world_size(), 1);
 }
 
 // Note [timeout precedence]: a timeout set in code wins over CHORUS_DIST_TIMEOUT_S, which
@@ -312,3 +334,53 @@ TEST(DistributedSamplerLocal, HugeDatasetSizesDoNotWrap) {
 }
 
 }  // namespace
+
+// Note [checkpointer]: what a directory may hold that the Checkpointer did not write, or no
+// longer holds, is a chorus::Error naming it, never another exception or a silent fresh start.
+TEST(CheckpointerLocal, StrayNamesMissingLatestAndUnwritableDirectoriesAreErrors) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("chorus-ckpt-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  manual_seed(5);
+  nn::LinearT<double> model(3, 2);
+  optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9});
+  auto step = [&] {
+    auto loss = model(randn<double>({4, 3})).sum();
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+  };
+  dist::Checkpointer ckpt(dir.string(), model, opt, {.keep = 1});
+  EXPECT_EQ(ckpt.resume(), 0);  // nothing there: a fresh start
+  step();
+  ckpt.save(1);
+  // A stray directory named like a checkpoint, beyond int64: ignored by keep-N, the save goes on.
+  fs::create_directories(dir / "step-99999999999999999999");
+  step();
+  EXPECT_NO_THROW(ckpt.save(2));
+  EXPECT_FALSE(fs::exists(dir / "step-1"));  // keep = 1
+  EXPECT_TRUE(fs::exists(dir / "step-99999999999999999999"));
+  EXPECT_EQ(ckpt.latest_step(), 2);
+  // `latest` naming a step beyond int64.
+  std::ofstream(dir / "latest") << "step-99999999999999999999\n";
+  EXPECT_TRUE(chorus::testing::throws_with([&] { ckpt.resume(); }, {"latest' names 'step-99999999999999999999'", "not a checkpoint"}));
+  // No `latest` with step-2 there: refused, not a silent restart from step 0.
+  fs::remove(dir / "latest");
+  EXPECT_TRUE(chorus::testing::throws_with([&] { ckpt.resume(); }, {"holds step-2", "no readable 'latest'"}));
+  std::ofstream(dir / "latest") << "step-2\n";
+  EXPECT_EQ(ckpt.resume(), 2);
+  // A truncated optimizer file: refused before the model is touched.
+  const auto weights = model->weight.to_vector();
+  fs::resize_file(dir / "step-2" / "optimizer.safetensors", 20);
+  {
+    NoGradGuard g;
+    model->weight.fill_(7.0);
+  }
+  EXPECT_THROW(ckpt.resume(), Error);
+  EXPECT_EQ(model->weight.to_vector(), std::vector<double>(weights.size(), 7.0));
+  // A directory that cannot be made (a file stands in its path).
+  std::ofstream(dir / "file") << "x";
+  dist::Checkpointer blocked((dir / "file" / "ckpt").string(), model, opt);
+  EXPECT_TRUE(chorus::testing::throws_with([&] { blocked.save(3); }, {"Checkpointer: cannot write step 3", "file/ckpt"}));
+  fs::remove_all(dir);
+}

@@ -79,11 +79,17 @@ class GradScaler {
   std::int64_t get_growth_interval() const { return o_.growth_interval; }
 
   /// loss * scale (recorded: backward gives scaled gradients); the loss itself when disabled.
+  /// A 16-bit loss is scaled in float32, as PyTorch's float32 scale promotes it (65536 times a
+  /// float16 loss would overflow): the result is then a Tensor<float>, disabled or not.
   template <class T>
-  Tensor<T> scale(const Tensor<T>& loss) const {
-    if (!o_.enabled) return loss;
+  auto scale(const Tensor<T>& loss) const {
     CHORUS_CHECK(loss.defined(), "GradScaler::scale: the loss is an undefined tensor");
-    return mul(loss, scale_);
+    if constexpr (is_reduced_floating_v<T>) {
+      auto wide = loss.template to<float>();
+      return o_.enabled ? mul(wide, scale_) : wide;
+    } else {
+      return o_.enabled ? mul(loss, scale_) : loss;
+    }
   }
 
   /// Divides the gradients of `opt`'s parameters by the scale, in place, and records per device

@@ -12,6 +12,7 @@
 // allocator must therefore know each using stream's device, not assume its own. Recording under
 // the wrong device fails, and a failure ignored there lets the memory be reused while the peer
 // copy still reads it.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -102,13 +103,34 @@ class BlockCache {
     bytes_ -= size;
     return p;
   }
-  /// Empties the cache, handing each block to `give_back(stream, size, p)`.
+  /// Hands blocks to `give_back(stream, size, p)`, the largest first, until at most `keep`
+  /// bytes stay cached (0, the default: all of them). A cache past its limit gives back only
+  /// down to `keep`: the small blocks a training step reuses stay, so the next step's
+  /// allocations do not all miss at once.
   template <class F>
-  void drain(F&& give_back) {
-    auto all = std::exchange(free_, {});
-    bytes_ = 0;
-    for (auto& [key, blocks] : all)
-      for (void* p : blocks) give_back(key.stream, key.size, p);
+  void drain(F&& give_back, std::size_t keep = 0) {
+    if (keep == 0) {
+      auto all = std::exchange(free_, {});
+      bytes_ = 0;
+      for (auto& [key, blocks] : all)
+        for (void* p : blocks) give_back(key.stream, key.size, p);
+      return;
+    }
+    std::vector<Key> keys;
+    for (const auto& [key, blocks] : free_)
+      if (!blocks.empty()) keys.push_back(key);
+    std::sort(keys.begin(), keys.end(), [](const Key& a, const Key& b) { return a.size > b.size; });
+    for (const Key& key : keys) {
+      auto& blocks = free_[key];
+      while (bytes_ > keep && !blocks.empty()) {
+        void* p = blocks.front();  // the least recently freed of its size
+        blocks.erase(blocks.begin());
+        bytes_ -= key.size;
+        give_back(key.stream, key.size, p);
+      }
+      if (blocks.empty()) free_.erase(key);
+      if (bytes_ <= keep) break;
+    }
   }
   std::size_t bytes() const { return bytes_; }
 

@@ -17,6 +17,7 @@
 #include <atomic>
 #include "../config.hpp"
 #if CHORUS_CUDA
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -64,11 +65,20 @@ class CudaCachingAllocator final : public Allocator {
       std::uint64_t keep = UINT64_MAX;  // never hand cached memory back to the driver
       CHORUS_CUDA_CHECK(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep));
     }
-    enable_peer_access();
   }
 
-  /// Devices that may read and write this device's memory directly (Note [peer access]).
-  const std::vector<int>& peers() const { return peers_; }
+  /// Devices this one shares memory with directly, either way (Note [peer access]).
+  std::vector<int> peers() const {
+    std::lock_guard<std::mutex> lk(m_);
+    return peers_;
+  }
+
+  /// Enables peer access between this device and `other`'s, each way the hardware allows (Note
+  /// [peer access]): the runtime calls it when the process starts using a second device.
+  void connect(CudaCachingAllocator& other) {
+    open_to(other.device_);
+    other.open_to(device_);
+  }
 
   void* allocate(std::size_t nbytes) override {
     if (nbytes == 0) return nullptr;
@@ -185,7 +195,7 @@ class CudaCachingAllocator final : public Allocator {
       std::lock_guard<std::mutex> lk(m_);
       flush = cache_.bytes() > kMaxCachedBytes;
     }
-    if (flush) release_cached();
+    if (flush) release_cached(kMaxCachedBytes / 2);
     cuda::DeviceGuard g(device_);
     void* p = nullptr;
     // Asking the pool what it holds costs a driver call: only when it may have to grow.
@@ -248,13 +258,14 @@ class CudaCachingAllocator final : public Allocator {
     (void)cuda::tolerate(cudaSetDevice(prev));
   }
 
-  /// Gives every block of the host-side cache back to the driver's pool, each freed on the
-  /// stream it was last freed on (stream order keeps the pool's reuse safe).
-  void release_cached() noexcept {
+  /// Gives blocks of the host-side cache back to the driver's pool until at most `keep` bytes
+  /// stay cached (0: all), each freed on the stream it was last freed on (stream order keeps the
+  /// pool's reuse safe).
+  void release_cached(std::size_t keep = 0) noexcept {
     std::vector<std::pair<cudaStream_t, void*>> all;
     try {
       std::lock_guard<std::mutex> lk(m_);
-      cache_.drain([&](cudaStream_t s, std::size_t, void* p) { all.emplace_back(s, p); });
+      cache_.drain([&](cudaStream_t s, std::size_t, void* p) { all.emplace_back(s, p); }, keep);
     } catch (...) {
       return;  // out of host memory listing them: keep them cached
     }
@@ -274,30 +285,32 @@ class CudaCachingAllocator final : public Allocator {
   // Note [peer access]: copies between GPUs go through the copy engines directly only when peer
   // access is on, and memory from a stream-ordered pool is accessible to another device only
   // once the pool grants it (cudaDeviceEnablePeerAccess does not cover pools). Without either,
-  // cudaMemcpyPeerAsync stages through the host and NCCL falls back to slower paths.
-  void enable_peer_access() {
-    int n = 0;
-    if (cuda::tolerate(cudaGetDeviceCount(&n)) != cudaSuccess) return;
+  // cudaMemcpyPeerAsync stages through the host and NCCL falls back to slower paths. It is
+  // enabled only between the devices the process uses (those with an allocator, connected as
+  // each next one is made): enabling it creates the peer's context, and a DDP rank per GPU that
+  // enabled it to every visible GPU would hold a context, hundreds of MiB, on all of them.
+  void open_to(int peer) {
     cuda::DeviceGuard g(device_);
-    for (int peer = 0; peer < n; ++peer) {
-      if (peer == device_) continue;
-      int can = 0;
-      CHORUS_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, peer));
-      if (can) {  // this device reads and writes the peer's memory
-        const cudaError_t e = cuda::tolerate(cudaDeviceEnablePeerAccess(peer, 0));
-        CHORUS_CHECK(e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled, "enabling peer access cuda:", device_,
-                     " -> cuda:", peer, ": ", cudaGetErrorString(e));
-      }
-      int peer_can = 0;
-      CHORUS_CUDA_CHECK(cudaDeviceCanAccessPeer(&peer_can, peer, device_));
-      if (peer_can && pool_) {  // the peer reads and writes this device's pool
-        cudaMemAccessDesc desc{};
-        desc.location.type = cudaMemLocationTypeDevice;
-        desc.location.id = peer;
-        desc.flags = cudaMemAccessFlagsProtReadWrite;
-        CHORUS_CUDA_CHECK(cudaMemPoolSetAccess(pool_, &desc, 1));
-      }
-      if (can || peer_can) peers_.push_back(peer);
+    int can = 0;
+    CHORUS_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, peer));
+    if (can) {  // this device reads and writes the peer's memory
+      const cudaError_t e = cuda::tolerate(cudaDeviceEnablePeerAccess(peer, 0));
+      CHORUS_CHECK(e == cudaSuccess || e == cudaErrorPeerAccessAlreadyEnabled, "enabling peer access cuda:", device_,
+                   " -> cuda:", peer, ": ", cudaGetErrorString(e));
+    }
+    int peer_can = 0;
+    CHORUS_CUDA_CHECK(cudaDeviceCanAccessPeer(&peer_can, peer, device_));
+    if (peer_can && pool_) {  // the peer reads and writes this device's pool
+      cudaMemAccessDesc desc{};
+      desc.location.type = cudaMemLocationTypeDevice;
+      desc.location.id = peer;
+      desc.flags = cudaMemAccessFlagsProtReadWrite;
+      CHORUS_CUDA_CHECK(cudaMemPoolSetAccess(pool_, &desc, 1));
+    }
+    std::lock_guard<std::mutex> lk(m_);
+    if ((can || peer_can) && std::find(peers_.begin(), peers_.end(), peer) == peers_.end()) {
+      peers_.push_back(peer);
+      std::sort(peers_.begin(), peers_.end());
     }
   }
 

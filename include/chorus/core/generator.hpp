@@ -8,13 +8,12 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <random>
-#include <sstream>
 #include <utility>
 #include <vector>
 
 #include "../compiled.hpp"
 #include "../error.hpp"
+#include "dtype.hpp"
 #include "shape.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -128,7 +127,8 @@ inline constexpr int kUnmappedStreamShift = 56;
 
 class Generator {
  public:
-  explicit Generator(std::uint64_t seed = 5489u) : eng_(seed), seed_(seed) {}
+  CHORUS_INLINE explicit Generator(std::uint64_t seed = 5489u);
+  CHORUS_INLINE ~Generator();
   Generator(const Generator&) = delete;
   Generator& operator=(const Generator&) = delete;
 
@@ -177,39 +177,21 @@ class Generator {
 
   /// Fills out[0..n) with uniform numbers in [lo, hi).
   template <class T>
-  void uniform(T* out, std::int64_t n, double lo, double hi) {
-    std::lock_guard<std::mutex> lk(m_);
-    for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(lo + (hi - lo) * next_unit());
-  }
+    requires is_supported_scalar_v<T>
+  void uniform(T* out, std::int64_t n, double lo, double hi);
 
   /// Fills out[0..n) with normal numbers (Box–Muller on the generator's stream).
   template <class T>
-  void normal(T* out, std::int64_t n, double mean, double stddev) {
-    std::lock_guard<std::mutex> lk(m_);
-    constexpr double kTwoPi = 6.283185307179586476925286766559;
-    for (std::int64_t i = 0; i < n; i += 2) {
-      double u1 = 1.0 - next_unit();  // (0, 1]
-      double u2 = next_unit();
-      double r = std::sqrt(-2.0 * std::log(u1));
-      out[i] = static_cast<T>(mean + stddev * r * std::cos(kTwoPi * u2));
-      if (i + 1 < n) out[i + 1] = static_cast<T>(mean + stddev * r * std::sin(kTwoPi * u2));
-    }
-  }
+    requires is_supported_scalar_v<T>
+  void normal(T* out, std::int64_t n, double mean, double stddev);
 
   /// Fills out[0..n) with 1 with probability p, else 0.
   template <class T>
-  void bernoulli(T* out, std::int64_t n, double p) {
-    std::lock_guard<std::mutex> lk(m_);
-    for (std::int64_t i = 0; i < n; ++i) out[i] = next_unit() < p ? T(1) : T(0);
-  }
+    requires is_supported_scalar_v<T>
+  void bernoulli(T* out, std::int64_t n, double p);
 
   /// A uniformly random integer in [0, n).
-  std::uint64_t below(std::uint64_t n) {
-    std::lock_guard<std::mutex> lk(m_);
-    return std::uniform_int_distribution<std::uint64_t>(0, n - 1)(eng_);
-  }
-
-  std::mt19937_64& engine() { return eng_; }
+  CHORUS_INLINE std::uint64_t below(std::uint64_t n);
 
   /// The whole state (PyTorch's Generator::get_state): seed, Philox offset and the host
   /// engine's words, to restore with set_state() for a bitwise resume (dist::Checkpointer).
@@ -217,9 +199,10 @@ class Generator {
   void set_state(const std::vector<std::uint64_t>& state);
 
  private:
-  double next_unit() { return static_cast<double>(eng_() >> 11) * 0x1.0p-53; }  // [0, 1)
+  struct Engine;  // the host engine (std::mt19937_64), in generator_impl.hpp
+  CHORUS_INLINE double next_unit();  // [0, 1), under m_
   mutable std::mutex m_;
-  std::mt19937_64 eng_;
+  std::unique_ptr<Engine> eng_;
   std::uint64_t seed_;
   std::uint64_t offset_ = 0;
 };
@@ -306,6 +289,13 @@ class ReplicaRandomScope {
 CHORUS_INLINE PhiloxLayout philox_layout(Generator& gen, const Shape& shape);
 
 CHORUS_NAMESPACE_END
+
+// The host engine's fills take every dtype (all listed): defined in generator_impl.hpp.
+#define CHORUS_CORE_GENERATOR_INSTANCES(X, T)                           \
+  X(void Generator::uniform<T>(T*, std::int64_t, double, double)) \
+  X(void Generator::normal<T>(T*, std::int64_t, double, double))  \
+  X(void Generator::bernoulli<T>(T*, std::int64_t, double))
+CHORUS_EXTERN_INSTANCES(CHORUS_CORE_GENERATOR_INSTANCES, CHORUS_ALL_DTYPES)
 
 #if !CHORUS_COMPILED
 #include "generator_impl.hpp"

@@ -1,16 +1,62 @@
 #pragma once
-// The definitions of core/generator.hpp that are not per-number hot paths (seeding, state,
+// The definitions of core/generator.hpp (the host engine and its fills, seeding, state,
 // replica bookkeeping, Philox layouts): compiled into chorus::compiled (src/core/runtime.cpp),
 // included by generator.hpp itself only in the header-only form (Note [compiled chorus]).
+#include <random>
+#include <sstream>
+
 #include "generator.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 
 // ---- Generator ----
 
+struct Generator::Engine {
+  std::mt19937_64 eng;
+};
+
+CHORUS_INLINE Generator::Generator(std::uint64_t seed)
+    : eng_(std::make_unique<Engine>(Engine{std::mt19937_64(seed)})), seed_(seed) {}
+CHORUS_INLINE Generator::~Generator() = default;
+
+CHORUS_INLINE double Generator::next_unit() { return static_cast<double>(eng_->eng() >> 11) * 0x1.0p-53; }
+
+template <class T>
+  requires is_supported_scalar_v<T>
+void Generator::uniform(T* out, std::int64_t n, double lo, double hi) {
+  std::lock_guard<std::mutex> lk(m_);
+  for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(lo + (hi - lo) * next_unit());
+}
+
+template <class T>
+  requires is_supported_scalar_v<T>
+void Generator::normal(T* out, std::int64_t n, double mean, double stddev) {
+  std::lock_guard<std::mutex> lk(m_);
+  constexpr double kTwoPi = 6.283185307179586476925286766559;
+  for (std::int64_t i = 0; i < n; i += 2) {
+    double u1 = 1.0 - next_unit();  // (0, 1]
+    double u2 = next_unit();
+    double r = std::sqrt(-2.0 * std::log(u1));
+    out[i] = static_cast<T>(mean + stddev * r * std::cos(kTwoPi * u2));
+    if (i + 1 < n) out[i + 1] = static_cast<T>(mean + stddev * r * std::sin(kTwoPi * u2));
+  }
+}
+
+template <class T>
+  requires is_supported_scalar_v<T>
+void Generator::bernoulli(T* out, std::int64_t n, double p) {
+  std::lock_guard<std::mutex> lk(m_);
+  for (std::int64_t i = 0; i < n; ++i) out[i] = next_unit() < p ? T(1) : T(0);
+}
+
+CHORUS_INLINE std::uint64_t Generator::below(std::uint64_t n) {
+  std::lock_guard<std::mutex> lk(m_);
+  return std::uniform_int_distribution<std::uint64_t>(0, n - 1)(eng_->eng);
+}
+
 CHORUS_INLINE void Generator::manual_seed(std::uint64_t seed) {
   std::lock_guard<std::mutex> lk(m_);
-  eng_.seed(seed);
+  eng_->eng.seed(seed);
   seed_ = seed;
   offset_ = 0;
 }
@@ -24,7 +70,7 @@ CHORUS_INLINE void Generator::set_offset(std::uint64_t offset) {
 CHORUS_INLINE std::vector<std::uint64_t> Generator::get_state() const {
   std::lock_guard<std::mutex> lk(m_);
   std::ostringstream os;
-  os << eng_;
+  os << eng_->eng;
   std::vector<std::uint64_t> out{seed_, offset_};
   std::istringstream is(os.str());
   for (std::uint64_t w; is >> w;) out.push_back(w);
@@ -34,6 +80,8 @@ CHORUS_INLINE std::vector<std::uint64_t> Generator::get_state() const {
 CHORUS_INLINE void Generator::set_state(const std::vector<std::uint64_t>& state) {
   const std::size_t words = get_state().size();
   CHORUS_CHECK(state.size() == words, "Generator::set_state: a state of ", state.size(), " words, expected ", words);
+  CHORUS_CHECK(state[1] % 4 == 0, "Generator::set_state: the Philox offset must be a multiple of 4, got ", state[1],
+               " (a state get_state() did not write)");
   std::ostringstream os;
   for (std::size_t i = 2; i < state.size(); ++i) os << state[i] << ' ';
   std::mt19937_64 eng;
@@ -43,7 +91,7 @@ CHORUS_INLINE void Generator::set_state(const std::vector<std::uint64_t>& state)
   std::lock_guard<std::mutex> lk(m_);
   seed_ = state[0];
   offset_ = state[1];
-  eng_ = eng;
+  eng_->eng = eng;
 }
 
 // ---- ReplicaRandomGroup ----

@@ -50,6 +50,8 @@ CHORUS_INLINE Allocator& Runtime::create_allocator(Device d) {
   auto* a = cuda_alloc_[d.index].load();
   if (!a) {
     a = new CudaCachingAllocator(d.index);  // lives as long as the runtime
+    for (auto& other : cuda_alloc_)  // peer access between the devices in use (Note [peer access])
+      if (auto* o = other.load()) a->connect(*o);
     cuda_alloc_[d.index].store(a, std::memory_order_release);
   }
   return *a;

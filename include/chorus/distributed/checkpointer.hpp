@@ -73,6 +73,7 @@ class Checkpointer {
  private:
   static std::string name_of(std::int64_t step);
   std::string read_latest() const;
+  void write_files(std::int64_t step, const Tensor<std::int64_t>& rng);
 
   void write(std::int64_t step, const Tensor<std::int64_t>& rng);
 

@@ -22,7 +22,15 @@ CHORUS_INLINE ProcessGroup::ProcessGroup(Options options) {
     init_torchrun();
     return;
   }
-  // World of 1, nothing to talk to.
+  // World of 1, nothing to talk to; unless an MPI launcher started several processes, which
+  // would each train alone and write the same checkpoints.
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"}) {
+    const int n = detail::env_int(v, 0);
+    const bool size = std::string_view(v).ends_with("SIZE");
+    CHORUS_CHECK(size ? n <= 1 : n == 0, "dist::init: started by an MPI launcher (", v, "=", n,
+                 "), but this program was built without MPI, so each process would train alone as a world of 1; "
+                 "link chorus::distributed (find_package(chorus COMPONENTS distributed)) where MPI is found");
+  }
 }
 
 CHORUS_INLINE ProcessGroup::~ProcessGroup() { (void)leave(); }

@@ -149,9 +149,20 @@ CHORUS_INLINE void load(optim::Optimizer& opt, const std::string& path, const io
     if (r.dtype == DType::Float64 && name.substr(dot + 1) != "step") t = t.as<double>().to(dev);
     state[i][name.substr(dot + 1)] = t;
   }
-  opt.load_state(std::move(state));
+  // Nothing changes unless everything loads (README): the checks above read only the file, the
+  // scheduler's state is checked before anything is written, and of the writes only a momentum
+  // or the state itself can still be refused: those go first and are undone if one is.
+  if (scheduler) scheduler->check_state(sched_epoch, sched_bases);
+  std::vector<double> old_momenta;
+  for (std::size_t g = 0; g < momenta.size(); ++g) old_momenta.push_back(opt.momentum(g));
+  try {
+    for (std::size_t g = 0; g < momenta.size(); ++g) opt.set_momentum(g, momenta[g]);
+    opt.load_state(std::move(state));
+  } catch (...) {
+    for (std::size_t g = 0; g < old_momenta.size(); ++g) opt.set_momentum(g, old_momenta[g]);
+    throw;
+  }
   for (std::size_t g = 0; g < lrs.size(); ++g) opt.set_lr(g, lrs[g]);
-  for (std::size_t g = 0; g < momenta.size(); ++g) opt.set_momentum(g, momenta[g]);
   if (scheduler) scheduler->load_state(sched_epoch, std::move(sched_bases));
   if (with.scaler) with.scaler->load_state_dict(scaler_state);
   if (with.master) {

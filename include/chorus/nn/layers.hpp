@@ -21,22 +21,8 @@ struct LinearOptions {
 template <class T = float>
 class LinearImpl : public Module {
  public:
-  LinearImpl(std::int64_t in_features, std::int64_t out_features, LinearOptions options = {})
-      : in_features(in_features), out_features(out_features), options(options) {
-    CHORUS_CHECK(in_features >= 0 && out_features >= 0, "Linear(", in_features, ", ", out_features,
-                 "): feature counts must be non-negative");
-    weight = register_parameter("weight", Tensor<T>::empty(Shape{out_features, in_features}, options.device));
-    if (options.bias) bias = register_parameter("bias", Tensor<T>::empty(Shape{out_features}, options.device));
-    reset_parameters();
-  }
-
-  void reset_parameters() {
-    init::kaiming_uniform_(weight, std::sqrt(5.0));
-    if (bias.defined()) {
-      const double bound = in_features > 0 ? 1.0 / std::sqrt(static_cast<double>(in_features)) : 0.0;
-      init::uniform_(bias, -bound, bound);
-    }
-  }
+  LinearImpl(std::int64_t in_features, std::int64_t out_features, LinearOptions options = {});
+  void reset_parameters();
 
   Tensor<T> forward(const Tensor<T>& x) const { return linear(x, weight, bias); }
   std::string name() const override {
@@ -47,6 +33,25 @@ class LinearImpl : public Module {
   LinearOptions options;
   Tensor<T> weight, bias;
 };
+
+template <class T>
+LinearImpl<T>::LinearImpl(std::int64_t in_features, std::int64_t out_features, LinearOptions options)
+    : in_features(in_features), out_features(out_features), options(options) {
+  CHORUS_CHECK(in_features >= 0 && out_features >= 0, "Linear(", in_features, ", ", out_features,
+               "): feature counts must be non-negative");
+  weight = register_parameter("weight", Tensor<T>::empty(Shape{out_features, in_features}, options.device));
+  if (options.bias) bias = register_parameter("bias", Tensor<T>::empty(Shape{out_features}, options.device));
+  reset_parameters();
+}
+
+template <class T>
+void LinearImpl<T>::reset_parameters() {
+  init::kaiming_uniform_(weight, std::sqrt(5.0));
+  if (bias.defined()) {
+    const double bound = in_features > 0 ? 1.0 / std::sqrt(static_cast<double>(in_features)) : 0.0;
+    init::uniform_(bias, -bound, bound);
+  }
+}
 
 /// Holder (Note [layer options] in nn/module.hpp): `LinearT<T>(4, 2, {.bias = false})`.
 template <class T = float>

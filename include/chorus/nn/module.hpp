@@ -64,29 +64,15 @@ class Module {
   Module& operator=(const Module& other);
   Module(Module&&) noexcept = default;
   Module& operator=(Module&&) noexcept = default;
-  virtual ~Module() = default;
+  CHORUS_INLINE virtual ~Module();
 
   /// Registers a parameter (a leaf that requires grad unless requires_grad is false).
   template <class T>
-  Tensor<T> register_parameter(std::string name, Tensor<T> tensor, bool requires_grad = true) {
-    detail::check_name(name, "parameter");
-    CHORUS_CHECK(tensor.defined(), "register_parameter('", name, "'): undefined tensor");
-    CHORUS_CHECK(tensor.is_leaf(), "register_parameter('", name, "'): a parameter must be a leaf tensor (detach it)");
-    check_unique(name);
-    if constexpr (is_floating_v<T>) tensor.requires_grad_(requires_grad);
-    params_.push_back({std::move(name), tensor});
-    return tensor;
-  }
+  Tensor<T> register_parameter(std::string name, Tensor<T> tensor, bool requires_grad = true);
 
   /// Registers a buffer: state that is saved and moved with the module but not trained.
   template <class T>
-  Tensor<T> register_buffer(std::string name, Tensor<T> tensor) {
-    detail::check_name(name, "buffer");
-    CHORUS_CHECK(tensor.defined(), "register_buffer('", name, "'): undefined tensor");
-    check_unique(name);
-    buffers_.push_back({std::move(name), tensor});
-    return tensor;
-  }
+  Tensor<T> register_buffer(std::string name, Tensor<T> tensor);
 
   /// Registers a submodule held by a holder (nn::Linear, …) or a std::shared_ptr<Impl>.
   template <class Holder>
@@ -328,6 +314,12 @@ M clone(const M& module, Device device) {
 
 }  // namespace nn
 CHORUS_NAMESPACE_END
+
+// Module's registry takes every dtype (all listed): its definitions are in module_impl.hpp.
+#define CHORUS_NN_MODULE_INSTANCES(X, T)                                              \
+  X(Tensor<T> nn::Module::register_parameter<T>(std::string, Tensor<T>, bool)) \
+  X(Tensor<T> nn::Module::register_buffer<T>(std::string, Tensor<T>))
+CHORUS_EXTERN_INSTANCES(CHORUS_NN_MODULE_INSTANCES, CHORUS_ALL_DTYPES)
 
 /// Declares holder `Name` for the module implementation `NameImpl` (as TORCH_MODULE does).
 #define CHORUS_MODULE(Name)                                      \

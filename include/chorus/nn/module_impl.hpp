@@ -17,6 +17,28 @@ CHORUS_INLINE void check_name(const std::string& name, const char* what) {
 }
 }  // namespace detail
 
+CHORUS_INLINE Module::~Module() = default;
+
+template <class T>
+Tensor<T> Module::register_parameter(std::string name, Tensor<T> tensor, bool requires_grad) {
+  detail::check_name(name, "parameter");
+  CHORUS_CHECK(tensor.defined(), "register_parameter('", name, "'): undefined tensor");
+  CHORUS_CHECK(tensor.is_leaf(), "register_parameter('", name, "'): a parameter must be a leaf tensor (detach it)");
+  check_unique(name);
+  if constexpr (is_floating_v<T>) tensor.requires_grad_(requires_grad);
+  params_.push_back({std::move(name), tensor});
+  return tensor;
+}
+
+template <class T>
+Tensor<T> Module::register_buffer(std::string name, Tensor<T> tensor) {
+  detail::check_name(name, "buffer");
+  CHORUS_CHECK(tensor.defined(), "register_buffer('", name, "'): undefined tensor");
+  check_unique(name);
+  buffers_.push_back({std::move(name), tensor});
+  return tensor;
+}
+
 CHORUS_INLINE Module::Module(const Module& other)
     : params_(other.params_), buffers_(other.buffers_), training_(other.training_) {
   children_.reserve(other.children_.size());

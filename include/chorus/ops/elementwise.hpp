@@ -186,12 +186,26 @@ Tensor<T> div(const Tensor<T>& a, const Tensor<T>& b) {
 }
 
 // ---- with a scalar ----
+namespace ops::detail {
+/// An integer tensor takes only whole scalars: PyTorch would promote `x * 0.5` to float (and
+/// refuse `x *= 0.5`), which a Tensor<int64_t> cannot be, and truncating would be silently wrong.
+template <class T>
+void check_scalar_for(const char* op, double s) {
+  if constexpr (!is_floating_v<T>)
+    CHORUS_CHECK(std::isfinite(s) && s == std::trunc(s), op, ": an ", dtype_name(dtype_of<T>()),
+                 " tensor and the scalar ", s, ", which is not a whole number (PyTorch would make the result "
+                 "float): convert first, e.g. x.to<float>()");
+}
+}  // namespace ops::detail
+
 template <class T>
 Tensor<T> add(const Tensor<T>& a, double s) {
+  ops::detail::check_scalar_for<T>("add", s);
   return ops::detail::linear_pointwise("AddScalarBackward", a, backend::fn::AddScalar{s}, backend::fn::MulScalar{1.0});
 }
 template <class T>
 Tensor<T> mul(const Tensor<T>& a, double s) {
+  ops::detail::check_scalar_for<T>("mul", s);
   return ops::detail::linear_pointwise("MulScalarBackward", a, backend::fn::MulScalar{s}, backend::fn::MulScalar{s});
 }
 template <class T>

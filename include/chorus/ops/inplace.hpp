@@ -117,14 +117,17 @@ Tensor<T>& Tensor<T>::div_(const Tensor& other) {
 }
 template <class T>
 Tensor<T>& Tensor<T>::add_(double s) {
+  ops::detail::check_scalar_for<T>("add_", s);
   return ops::detail::unary_inplace("add_", *this, backend::fn::AddScalar{s});
 }
 template <class T>
 Tensor<T>& Tensor<T>::sub_(double s) {
+  ops::detail::check_scalar_for<T>("sub_", s);
   return ops::detail::unary_inplace("sub_", *this, backend::fn::AddScalar{-s});  // as x - s
 }
 template <class T>
 Tensor<T>& Tensor<T>::mul_(double s) {
+  ops::detail::check_scalar_for<T>("mul_", s);
   return ops::detail::unary_inplace("mul_", *this, backend::fn::MulScalar{s});
 }
 template <class T>

@@ -101,13 +101,36 @@ struct ConvGeometry {
   std::int64_t K = 0;  // C*kh*kw, the rows of the column matrix (checked when the geometry is made)
   std::int64_t cols() const { return K; }
   std::int64_t L() const { return g.OH * g.OW; }  // fits: the output [N, O, OH, OW] exists
-  /// cuDNN's descriptors take int: larger sizes go through im2col.
+  /// cuDNN's descriptors count in int (Note [cuDNN operands]): larger sizes go through im2col.
   bool fits_int() const {
+    constexpr std::int64_t kMax = std::numeric_limits<int>::max();
     for (std::int64_t v : {N, O, groups, g.C, g.H, g.W, g.OH, g.OW, g.kh, g.kw, g.sh, g.sw, g.ph, g.pw, g.dh, g.dw})
-      if (v > std::numeric_limits<int>::max()) return false;
+      if (v > kMax) return false;
+    // Each tensor's element count, and with it every stride (the batch stride is C*H*W).
+    std::int64_t n = 0;
+    for (auto dims : {std::array<std::int64_t, 4>{N, g.C, g.H, g.W}, std::array<std::int64_t, 4>{N, O, g.OH, g.OW},
+                      std::array<std::int64_t, 4>{O, g.C / groups, g.kh, g.kw}})
+      if (__builtin_mul_overflow(dims[0], dims[1], &n) || __builtin_mul_overflow(n, dims[2], &n) ||
+          __builtin_mul_overflow(n, dims[3], &n) || n > kMax)
+        return false;
     return true;
   }
 };
+
+/// Note [cuDNN operands]
+/// cuDNN's descriptors count in int, so each tensor of a cuDNN convolution has fewer than 2^31
+/// elements (ConvGeometry::fits_int, else im2col), and its tensor-core algorithms read 16-byte
+/// vectors, chosen for a shape without seeing the pointers: every operand is handed over
+/// contiguous and 16-byte aligned, so a view at another offset (a 16-bit tensor sliced at an odd
+/// element) is copied first. Fresh tensors come from the allocator aligned.
+template <class T>
+Tensor<T> cudnn_operand(const Tensor<T>& t) {
+  auto c = contiguous_data(t);
+  if (!c.defined() || reinterpret_cast<std::uintptr_t>(c.data()) % 16 == 0) return c;
+  auto aligned = Tensor<T>::empty(c.shape(), c.device());
+  backend::copy(aligned, c);
+  return aligned;
+}
 
 /// out[n, c] += bias[c] (bias read through strides [0, 1, 0]).
 template <class T>
@@ -148,7 +171,7 @@ class Conv2dBackward final : public autograd::Node<T> {
       : x_(std::move(x)), w_(std::move(w)), bias_(has_bias), geo_(geo) {}
   std::string name() const override { return "Conv2dBackward"; }
   typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& grads) override {
-    const auto gy = contiguous_data(grads[0]);
+    const auto gy = geo_.cudnn ? cudnn_operand(grads[0]) : contiguous_data(grads[0]);
     const auto& e = this->next_edges();
     const Device dev = gy.device();
     const std::int64_t L = geo_.L();
@@ -386,8 +409,8 @@ Tensor<T> conv2d(const Tensor<T>& x, const Tensor<T>& weight, const Tensor<T>& b
       return conv2d(float_copy(x), float_copy(weight), float_copy(bias), stride, padding, dilation, groups)
           .template to<T>();
   }
-  auto xc = contiguous_data(x.detach());
-  auto wc = contiguous_data(weight.detach());
+  auto xc = geo.cudnn ? cudnn_operand(x.detach()) : contiguous_data(x.detach());
+  auto wc = geo.cudnn ? cudnn_operand(weight.detach()) : contiguous_data(weight.detach());
   auto out = Tensor<T>::empty(Shape{N, O, g.OH, g.OW}, dev);
 #if CHORUS_ONEDNN_API
   if constexpr (std::is_same_v<T, float>) {

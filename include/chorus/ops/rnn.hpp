@@ -91,7 +91,11 @@ class LSTMLayerBackward final : public autograd::Node<T> {
                     Tensor<T> out, bool reverse)
       : w_hh_(std::move(w_hh)), h0_(std::move(h0)), c0_(std::move(c0)), act_(std::move(act)), cs_(std::move(cs)),
         out_(std::move(out)), bias_(has_bias), reverse_(reverse) {  // out: a detached alias (no cycle)
+    // The initial state may be the caller's buffer (a truncated-BPTT loop reuses it): a write
+    // to it before backward is refused, as for every tensor a node saves (Note [version counter]).
     this->save_version(w_hh_);
+    this->save_version(h0_);
+    this->save_version(c0_);
   }
   std::string name() const override { return "LSTMLayerBackward"; }
 

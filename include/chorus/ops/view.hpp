@@ -383,6 +383,12 @@ void check_inplace(const Tensor<T>& t, const char* op) {
                ": a leaf tensor that requires grad is used in an in-place operation (wrap it in NoGradGuard)");
   CHORUS_CHECK(!(autograd::is_grad_enabled() && t.grad_fn()), op,
                ": in-place operations on tensors recorded by autograd are not supported");
+  // An expanded view (stride 0 along a dimension of more than one element) would take every
+  // write to one location, the last one winning: refused, as PyTorch does.
+  for (std::int64_t d = 0; d < t.dim(); ++d)
+    CHORUS_CHECK(!(t.strides()[d] == 0 && t.shape()[d] > 1), op,
+                 ": more than one element of the written-to tensor refers to a single memory location (shape ",
+                 t.shape(), " has stride 0 along dimension ", d, ", an expanded view); write into a clone() instead");
 }
 }  // namespace ops::detail
 

@@ -52,6 +52,8 @@ class LRScheduler {
 
   /// Restores a saved state (last_epoch and base lrs) and applies it to the optimizer.
   void load_state(std::int64_t last_epoch, std::vector<double> base_lrs);
+  /// Throws where load_state would refuse that state; changes nothing.
+  void check_state(std::int64_t last_epoch, const std::vector<double>& base_lrs) const;
 
  protected:
   explicit LRScheduler(Optimizer& opt);

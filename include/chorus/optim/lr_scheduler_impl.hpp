@@ -21,12 +21,16 @@ CHORUS_INLINE std::vector<double> LRScheduler::get_last_lr() const {
   return out;
 }
 
-CHORUS_INLINE void LRScheduler::load_state(std::int64_t last_epoch, std::vector<double> base_lrs) {
+CHORUS_INLINE void LRScheduler::check_state(std::int64_t last_epoch, const std::vector<double>& base_lrs) const {
   CHORUS_CHECK(base_lrs.size() == opt_->num_groups(), name(), ": state has ", base_lrs.size(),
                " base learning rates for ", opt_->num_groups(), " parameter groups");
   CHORUS_CHECK(last_epoch >= 0, name(), ": state has a negative epoch ", last_epoch);
   for (double b : base_lrs) CHORUS_CHECK(std::isfinite(b) && b >= 0, name(), ": state has a base lr of ", b);
   check_epoch(last_epoch);
+}
+
+CHORUS_INLINE void LRScheduler::load_state(std::int64_t last_epoch, std::vector<double> base_lrs) {
+  check_state(last_epoch, base_lrs);
   last_epoch_ = last_epoch;
   base_lrs_ = std::move(base_lrs);
   apply();

@@ -36,7 +36,7 @@ class Optimizer {
 
   /// Parameters in groups; parameter i (in the flattened order) belongs to group group_of(i).
   explicit Optimizer(std::vector<std::vector<AnyTensor>> groups);
-  virtual ~Optimizer() = default;
+  CHORUS_INLINE virtual ~Optimizer();
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;
 
@@ -152,6 +152,7 @@ template <class Options>
 class GroupedOptimizer : public Optimizer {
  public:
   using options_type = Options;
+  ~GroupedOptimizer() override;
   /// The options of a group (group 0 is the only one of an optimizer built from one list).
   Options& options(std::size_t group = 0) { return options_.at(group); }
   const Options& options(std::size_t group = 0) const { return options_.at(group); }
@@ -174,6 +175,10 @@ class GroupedOptimizer : public Optimizer {
   }
   std::vector<Options> options_;
 };
+
+// Out of the class, so that a unit that sees the instance declared extern calls the library's.
+template <class Options>
+GroupedOptimizer<Options>::~GroupedOptimizer() = default;
 }  // namespace detail
 
 /// Splits parameters into two groups the way ResNet and transformer recipes do: tensors of

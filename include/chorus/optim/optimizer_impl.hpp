@@ -8,6 +8,8 @@
 CHORUS_NAMESPACE_BEGIN
 namespace optim {
 
+CHORUS_INLINE Optimizer::~Optimizer() = default;
+
 CHORUS_INLINE Optimizer::Optimizer(std::vector<AnyTensor> params)
     : Optimizer(std::vector<std::vector<AnyTensor>>{std::move(params)}) {}
 

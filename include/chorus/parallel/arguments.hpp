@@ -5,10 +5,10 @@
 #include <concepts>
 #include <cstddef>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <optional>
-#include <ranges>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -71,8 +71,11 @@ struct contains_tensor<std::unique_ptr<X, D>> : contains_tensor<std::remove_cvre
 template <class X>
 struct contains_tensor<std::reference_wrapper<X>> : contains_tensor<std::remove_cvref_t<X>> {};
 template <class X>
-  requires std::ranges::range<X>
-struct contains_tensor<X> : contains_tensor<std::remove_cvref_t<std::ranges::range_value_t<X>>> {};
+  requires requires(X& x) {
+    std::begin(x);
+    std::end(x);
+  }
+struct contains_tensor<X> : contains_tensor<std::remove_cvref_t<decltype(*std::begin(std::declval<X&>()))>> {};
 
 // The containers DataParallel sees into.
 template <class X>

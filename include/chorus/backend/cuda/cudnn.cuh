@@ -65,23 +65,54 @@ static_assert(static_cast<int>(CUDNN_DEFAULT_MATH) == static_cast<int>(ConvMath:
                   static_cast<int>(CUDNN_FMA_MATH) == static_cast<int>(ConvMath::Fma),
               "host_policy.hpp's ConvMath mirrors cudnnMathType_t");
 
-/// The cuDNN handle of one stream (made on first use, kept for the process; Note [per-thread lookups]).
+// Note [cuDNN handles]: unlike cuBLAS's, a cuDNN handle must not be used by two threads at once
+// (cuDNN's documentation), and a stream is shared between threads (a replica's worker and the
+// user's thread issue work on the same device's stream). So each thread has its own handle per
+// stream, taken from a per-device pool of idle handles and given back when the thread ends (as
+// PyTorch's DeviceThreadHandlePool): threads that come and go reuse handles instead of making
+// new ones, and the hot path is one lookup in the thread's own map.
+namespace detail {
+struct HandlePool {
+  std::mutex m;
+  std::map<int, std::vector<cudnnHandle_t>> idle;  // per device
+  static HandlePool& get() {
+    static auto* pool = new HandlePool();  // lives forever, as the handles
+    return *pool;
+  }
+};
+struct ThreadHandles {
+  struct Entry {
+    int device;
+    cudnnHandle_t handle;
+  };
+  std::unordered_map<cudaStream_t, Entry> by_stream;
+  ~ThreadHandles() {
+    auto& pool = HandlePool::get();
+    std::lock_guard<std::mutex> lk(pool.m);
+    for (auto& [stream, e] : by_stream) pool.idle[e.device].push_back(e.handle);
+  }
+};
+}  // namespace detail
+
+/// The calling thread's cuDNN handle for `stream` on `d` (Note [cuDNN handles]).
 inline cudnnHandle_t handle_for(Device d, cudaStream_t stream) {
-  thread_local std::unordered_map<cudaStream_t, cudnnHandle_t*> mine;
-  return per_thread_lookup<cudnnHandle_t>(mine, stream, [&]() -> cudnnHandle_t& {
-    static std::mutex m;
-    static auto* all = new std::map<cudaStream_t, cudnnHandle_t>();  // lives forever, as the cuBLAS handles
-    std::lock_guard<std::mutex> lk(m);
-    auto& h = (*all)[stream];
-    if (!h) {
-      ::chorus::cuda::DeviceGuard g(d.index);
-      cudnnHandle_t made = nullptr;
-      CHORUS_CUDNN_CHECK(cudnnCreate(&made));
-      CHORUS_CUDNN_CHECK(cudnnSetStream(made, stream));
-      h = made;
+  thread_local detail::ThreadHandles mine;
+  if (auto it = mine.by_stream.find(stream); it != mine.by_stream.end()) return it->second.handle;
+  cudnnHandle_t h = nullptr;
+  {
+    auto& pool = detail::HandlePool::get();
+    std::lock_guard<std::mutex> lk(pool.m);
+    auto& idle = pool.idle[d.index];
+    if (!idle.empty()) {
+      h = idle.back();
+      idle.pop_back();
     }
-    return h;
-  });
+  }
+  ::chorus::cuda::DeviceGuard g(d.index);
+  if (!h) CHORUS_CUDNN_CHECK(cudnnCreate(&h));
+  CHORUS_CUDNN_CHECK(cudnnSetStream(h, stream));
+  mine.by_stream.emplace(stream, detail::ThreadHandles::Entry{d.index, h});
+  return h;
 }
 
 /// Descriptors and algorithms of one convolution shape (Note [cuDNN convolutions]). Each

@@ -15,6 +15,17 @@
 CHORUS_NAMESPACE_BEGIN
 namespace backend::cuda {
 
+// Note [GPU paths not yet tuned]
+// Correct, but slower than they could be, and not yet measured on a GPU (the benchmarks name
+// the workloads that matter first):
+//  - conv2d's bias gradient and the 16-bit index_add and broadcast-reduce backward widen the
+//    whole gradient into a float copy before summing (one extra pass over memory each);
+//  - max/min/argmax, cumsum and softmax along a wide inner axis run one thread per column,
+//    where a block per row with a tree reduction would use the device;
+//  - topk makes k passes over its row (a radix select would make one);
+//  - randn/rand/randint of a GPU tensor draw on the host (the generator's engine) and copy
+//    from pageable memory: their numbers equal the CPU's, a Philox kernel would not.
+
 /// Sums of float and of the 16-bit types accumulate in double (as on the CPU: a 16-bit sum is
 /// then rounded once, and equals the CPU's bit for bit where the order does not matter).
 template <class T>
