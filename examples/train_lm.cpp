@@ -192,7 +192,10 @@ std::string generate(M& model, const Corpus& corpus, const Config& c, Device dev
 
 std::string vocab_ids(const std::string& vocab) {
   std::string s;
-  for (unsigned char ch : vocab) s += (s.empty() ? "" : ",") + std::to_string(ch);
+  for (unsigned char ch : vocab) {
+    if (!s.empty()) s += ',';
+    s += std::to_string(ch);
+  }
   return s;
 }
 

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <set>
 #include <numeric>
+#include <random>
 
 #include "test_util.hpp"
 

@@ -377,6 +377,25 @@ TEST(DataParallel, ForwardLossEqualsTheLossOfTheGatheredOutputs) {
       EXPECT_NEAR(got.item(), want.item(), 1e-12 * std::abs(want.item())) << what << ", cross_entropy";
       got.backward();
       expect_grads_equal<double>(cdp.module(), cref, 1e-12, what + ", cross_entropy");
+      // Ignored targets: each replica weighs by its targets that count, and one whose targets
+      // are all ignored (rows 8 and 9: the last of 3 or 8 devices) weighs nothing, not NaN.
+      for (std::int64_t ignore : {std::int64_t{-100}, std::int64_t{7}}) {
+        const auto ce_ignoring = [ignore](const Tensor<double>& out, const Tensor<std::int64_t>& y) {
+          return nn::functional::cross_entropy(out, y, Reduction::Mean, ignore);
+        };
+        const std::int64_t i = ignore;
+        auto sparse = from_vector<std::int64_t>({0, i, 2, i, i, 3, 0, 1, i, i});
+        cref.zero_grad();
+        cdp.zero_grad();
+        auto want_s = ce_ignoring(cref.forward(x), sparse);
+        want_s.backward();
+        auto got_s = ignore == -100 ? cdp.forward_loss(ce_ignoring, x, sparse)
+                                    : cdp.forward_loss(ce_ignoring, x, sparse, {.ignore_index = ignore});
+        EXPECT_TRUE(std::isfinite(got_s.item())) << what;
+        EXPECT_NEAR(got_s.item(), want_s.item(), 1e-12 * std::abs(want_s.item())) << what << ", ignoring " << ignore;
+        got_s.backward();
+        expect_grads_equal<double>(cdp.module(), cref, 1e-12, what + ", ignoring " + std::to_string(ignore));
+      }
     }
 }
 

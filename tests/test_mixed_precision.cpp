@@ -122,6 +122,43 @@ TEST(MasterWeights, StepsTheFloatCopiesAndRoundsOnceIntoTheModel) {
   EXPECT_NEAR(f.to_vector()[0], 0.5f - 40e-4f, 1e-6f);
 }
 
+// Clipping with master weights: one option of the step, on the masters' float32 gradients (the
+// 16-bit model's own cannot be clipped, and say where to clip instead); with a scaler they are
+// unscaled first, as PyTorch's unscale_, clip, step.
+TEST(MasterWeights, ClipsTheMastersGradientsInTheStep) {
+  auto run = [](bool scaled, bool by_hand) {
+    auto w = from_vector<bfloat16>({bfloat16(1.0f), bfloat16(-2.0f), bfloat16(0.5f)}).requires_grad_();
+    amp::MasterWeights master({w});
+    optim::SGD opt(master.parameters(), {.lr = 0.1});
+    amp::GradScaler scaler({.init_scale = 256.0});
+    auto loss = (w.to<float>() * from_vector<float>({3, 4, 12})).sum();  // gradient norm 13
+    if (scaled) scaler.scale(loss).backward();
+    else loss.backward();
+    if (by_hand) {
+      master.grads_to_master();
+      if (scaled) scaler.unscale_(opt);
+      EXPECT_NEAR(static_cast<double>(nn::utils::clip_grad_norm_(master.parameters(), 1.0)), 13.0, 1e-9);
+      if (scaled) EXPECT_TRUE(scaler.step(opt));
+      else opt.step();
+      master.master_to_model();
+    } else if (scaled) {
+      EXPECT_TRUE(master.step(scaler, opt, {.max_norm = 1.0}));
+    } else {
+      master.step(opt, {.max_norm = 1.0});
+    }
+    return master.parameters()[0].as<float>().to_vector();
+  };
+  for (bool scaled : {false, true}) {
+    const auto got = run(scaled, false);
+    EXPECT_EQ(got, run(scaled, true)) << "scaled " << scaled;
+    EXPECT_NEAR(got[2], 0.5f - 0.1f * 12.0f / 13.0f, 1e-5f);  // the gradient clipped to norm 1
+  }
+  auto v = from_vector<bfloat16>({bfloat16(1.0f)}).requires_grad_();
+  (v.to<float>() * 2.0f).sum().backward();
+  EXPECT_TRUE(throws_with([&] { nn::utils::clip_grad_norm_({v}, 1.0); },
+                          {"bfloat16 gradients", "master.step(opt, {.max_norm"}));
+}
+
 TEST(MasterWeights, AccumulatesGradientsInFloatAndMapsParameterGroups) {
   auto a = full<bfloat16>({2}, bfloat16(0.0f)).requires_grad_();
   auto b = full<bfloat16>({2}, bfloat16(0.0f)).requires_grad_();
@@ -361,4 +398,11 @@ TEST(MixedPrecision, CheckpointWithScalerAndMastersResumesBitwise) {
                           {"no master copy of parameter 0"}));
   EXPECT_EQ(resumed.scaler.get_scale(), scale);
   EXPECT_EQ(resumed.master().parameters()[0].as<float>().to_vector(), before);
+  // A file with masters loaded without them: the stale masters would overwrite the model at
+  // the next step, so it is refused, nothing loaded.
+  const auto lr = resumed.opt().lr(0);
+  EXPECT_TRUE(throws_with([&] { load(resumed.opt(), dir.file("optim.safetensors"), {.scheduler = &resumed.sched(),
+                                                                                    .scaler = &resumed.scaler}); },
+                          {"holds master weights", "{.master = &master}"}));
+  EXPECT_EQ(resumed.opt().lr(0), lr);
 }

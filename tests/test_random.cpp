@@ -2,7 +2,10 @@
 // the published Philox4x32-10 answers, the mask as a function of (seed, offset, stream index),
 // the CUDA kernel's thread mapping run on the CPU, and the same mask for a batch on 1 or k
 // (virtual CPU) devices under DataParallel.
+#include <algorithm>
 #include <cstdint>
+#include <numeric>
+#include <random>
 #include <set>
 
 #include "test_util.hpp"
@@ -316,4 +319,30 @@ TEST(DropoutDevices, ConcurrentDrawsNeverReuseAnOpenWindowsNumbers) {
   EXPECT_EQ(g.get_offset(), 2 * Generator::kWindow + 4);
   b.reset();  // committed already: destruction changes nothing
   EXPECT_EQ(g.get_offset(), 2 * Generator::kWindow + 4);
+}
+
+// Note [host engine]: HostEngine gives std::mt19937_64's numbers, through std::shuffle and the
+// standard distributions too, and copies as the engine does.
+TEST(HostEngine, IsStdMt19937_64BitForBit) {
+  HostEngine e(42);
+  std::mt19937_64 m(42);
+  for (int i = 0; i < 1000; ++i) ASSERT_EQ(e(), m()) << i;
+  HostEngine copy = e;
+  std::mt19937_64 mcopy = m;
+  EXPECT_TRUE(copy == e);
+  EXPECT_EQ(copy(), mcopy());
+  EXPECT_FALSE(copy == e);  // the copy moved on alone
+  EXPECT_EQ(e(), m());
+  std::vector<int> a(50), b(50);
+  std::iota(a.begin(), a.end(), 0);
+  std::iota(b.begin(), b.end(), 0);
+  std::shuffle(a.begin(), a.end(), e);
+  std::shuffle(b.begin(), b.end(), m);
+  EXPECT_EQ(a, b);
+  for (std::uint64_t n : {1ull, 7ull, 1000ull, 1ull << 40})
+    EXPECT_EQ(e.below(n), std::uniform_int_distribution<std::uint64_t>(0, n - 1)(m)) << n;
+  e.seed(7);
+  m.seed(7);
+  EXPECT_EQ(std::uniform_real_distribution<double>(0, 1)(e), std::uniform_real_distribution<double>(0, 1)(m));
+  EXPECT_TRUE(HostEngine() == HostEngine(5489u));
 }

@@ -103,6 +103,61 @@ TEST(Ddp, Bf16ModelGradientsAreAveraged) {
   }
 }
 
+// A model with parameters of three dtypes (bfloat16 and double layers, a float scale): one
+// Finalize node per dtype (Note [DDP graph nodes]), the step finalized once, after the last;
+// every gradient is the average of the ranks' (exact for double, within rounding for bfloat16).
+namespace {
+struct Mixed : nn::Module {
+  nn::LinearT<bfloat16> low;
+  nn::LinearT<double> high;
+  Tensor<float> scale;
+  Mixed()
+      : low(register_module("low", nn::LinearT<bfloat16>(4, 3))),
+        high(register_module("high", nn::LinearT<double>(3, 2))),
+        scale(register_parameter("scale", full<float>({1}, 1.5f))) {}
+  Tensor<double> forward(const Tensor<bfloat16>& x) {
+    return high(low(x).to<double>()) * scale.to<double>();
+  }
+};
+}  // namespace
+
+TEST(Ddp, ParametersOfSeveralDtypesAreReducedInOneStep) {
+  const int w = pg().world_size(), r = pg().rank();
+  manual_seed(8);
+  Mixed plain;
+  manual_seed(8);
+  DistributedDataParallel<Mixed> ddp{Mixed()};
+  for (int step = 0; step < 2; ++step) {
+    manual_seed(static_cast<std::uint64_t>(80 + 10 * r + step));
+    auto x = randn<bfloat16>({5, 4});
+    auto y = randn<double>({5, 2});
+    plain.zero_grad();
+    nn::functional::mse_loss(plain.forward(x), y).backward();
+    ddp.zero_grad();
+    nn::functional::mse_loss(ddp(x), y).backward();
+    auto pp = plain.parameters(), dp = ddp.parameters();
+    ASSERT_EQ(pp.size(), 5u);
+    for (std::size_t i = 0; i < pp.size(); ++i) {
+      pp[i].visit([&](const auto& p) {
+        using T = typename std::decay_t<decltype(p)>::value_type;
+        std::vector<double> mine, got;
+        for (auto v : p.grad().to_vector()) mine.push_back(static_cast<double>(v));
+        for (auto v : dp[i].template as<T>().grad().to_vector()) got.push_back(static_cast<double>(v));
+        const auto every = gather_all(mine);
+        for (std::size_t k = 0; k < got.size(); ++k) {
+          double mean = 0, big = 0;
+          for (int q = 0; q < w; ++q) {
+            mean += every[q][k] / w;
+            big = std::max(big, std::abs(every[q][k]));
+          }
+          const double tol = std::is_same_v<T, double> ? 1e-12 * (1 + big) : (w + 1) * 0x1p-7 * (1 + big);
+          ASSERT_NEAR(got[k], mean, tol) << "parameter " << i << " [" << k << "] step " << step;
+        }
+      });
+    }
+  }
+}
+
 // PyTorch's fp16_compress_hook / bf16_compress_hook: each float32 bucket is converted to 16
 // bits, divided by the world size (in 16 bits), summed across the ranks and converted back into
 // the bucket. The reference applies the same steps to every rank's local gradients.

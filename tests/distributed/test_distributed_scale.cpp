@@ -306,6 +306,56 @@ TEST(Ddp, JoinWithUnevenInputsGivesPyTorchsResult) {
   pg().barrier();
 }
 
+// A shadow step (Note [DDP join]): a finished rank steps its optimizer with the averaged
+// gradients the others step with, so every rank's Adam state stays the last rank's (a
+// checkpoint saved by any rank resumes the same run) and the parameters need no final copy; a
+// ZeroRedundancyOptimizer, whose step is a collective, works only that way, and join refuses to
+// start without it instead of hanging in the step's broadcasts.
+TEST(Ddp, JoinWithAShadowStepKeepsEveryRanksOptimizerAndTakesPartInZero) {
+  const int w = pg().world_size(), r = pg().rank();
+  auto batches = [](int q) { return 2 + q; };
+  auto train = [&](auto& ddp, optim::Optimizer& opt, bool shadow) {
+    auto loop = [&] {
+      for (int s = 0; s < batches(r); ++s) {
+        auto [x, y] = batch_of(r, s);
+        opt.zero_grad();
+        nn::functional::mse_loss(ddp(x), y).backward();
+        opt.step();
+      }
+    };
+    if (shadow) ddp.join(loop, [&] { opt.step(); });
+    else ddp.join(loop);
+  };
+  // Adam: the same state on every rank (the plain join leaves the finished ranks' behind).
+  manual_seed(21);
+  DistributedDataParallel<Mlp<double>> ddp(Mlp<double>(5, 8, 3));
+  optim::Adam adam(ddp.parameters(), {.lr = 0.01});
+  train(ddp, adam, true);
+  const auto moments = adam.state()[0].at("exp_avg").as<double>();
+  auto from_last = moments.clone();
+  pg().broadcast(from_last, w - 1);
+  EXPECT_EQ(moments.to_vector(), from_last.to_vector()) << "rank " << r;
+  auto params = values<double>(ddp.parameters());
+  auto last = ddp.parameters()[0].as<double>().clone();
+  pg().broadcast(last, w - 1);
+  EXPECT_EQ(params[0], last.to_vector());
+  // ZeRO over SGD with momentum: with the shadow step it equals the plain optimizer's join.
+  manual_seed(21);
+  DistributedDataParallel<Mlp<double>> plain_model(Mlp<double>(5, 8, 3));
+  manual_seed(21);
+  DistributedDataParallel<Mlp<double>> zero_model(Mlp<double>(5, 8, 3));
+  optim::SGD plain(plain_model.parameters(), {.lr = 0.05, .momentum = 0.9});
+  optim::ZeroRedundancyOptimizer<optim::SGD> zero(zero_model.parameters(), {.lr = 0.05, .momentum = 0.9});
+  train(plain_model, plain, false);
+  if (w > 1)
+    EXPECT_TRUE(throws_with([&] { train(zero_model, zero, false); }, {"ZeroRedundancyOptimizer", "pass the step"}));
+  train(zero_model, zero, true);
+  const auto a = values<double>(plain_model.parameters()), b = values<double>(zero_model.parameters());
+  for (std::size_t i = 0; i < a.size(); ++i)
+    for (std::size_t k = 0; k < a[i].size(); ++k) ASSERT_NEAR(a[i][k], b[i][k], 1e-12) << i << " " << k << " rank " << r;
+  pg().barrier();
+}
+
 TEST(Ddp, JoinRefusesAForwardThatDoesNotReduce) {
   DistributedDataParallel<Mlp<double>> ddp(Mlp<double>(5, 8, 3));
   auto x = randn<double>({4, 5});

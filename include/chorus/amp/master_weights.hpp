@@ -25,7 +25,9 @@
 //   opt.zero_grad(); loss.backward(); master.step(opt);   // grads in, step, weights out
 //
 // float16 adds a GradScaler (its range ends at 65504): master.step(scaler, opt), then
-// scaler.update().
+// scaler.update(). Gradient clipping is an option of the step, applied to the masters'
+// float32 gradients (unscaled first where a scaler is given): master.step(opt, {.max_norm = 1.0}).
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -36,6 +38,12 @@
 
 CHORUS_NAMESPACE_BEGIN
 namespace amp {
+
+/// What MasterWeights::step does between moving the gradients in and stepping.
+struct MasterStepOptions {
+  std::optional<double> max_norm;  ///< clip the masters' gradients to this total norm (clip_grad_norm_)
+  double norm_type = 2.0;          ///< the norm's order (> 0, or infinity)
+};
 
 class MasterWeights {
  public:
@@ -55,12 +63,14 @@ class MasterWeights {
   /// Writes each master into its 16-bit parameter, rounded once.
   void master_to_model();
 
-  /// grads_to_master(), opt.step(), master_to_model(): `opt` must step parameters() (or of()).
-  void step(optim::Optimizer& opt);
-  /// The same with loss scaling (float16): the masters' gradients are unscaled and checked,
-  /// and the step and the write-back are skipped when one was inf or NaN. Returns whether
-  /// the optimizer stepped; call scaler.update() after it, as with scaler.step(opt).
-  bool step(GradScaler& scaler, optim::Optimizer& opt);
+  /// grads_to_master(), clipping when asked, opt.step(), master_to_model(): `opt` must step
+  /// parameters() (or of()).
+  void step(optim::Optimizer& opt, MasterStepOptions options = {});
+  /// The same with loss scaling (float16): the masters' gradients are unscaled (before any
+  /// clipping) and checked, and the step and the write-back are skipped when one was inf or
+  /// NaN. Returns whether the optimizer stepped; call scaler.update() after it, as with
+  /// scaler.step(opt).
+  bool step(GradScaler& scaler, optim::Optimizer& opt, MasterStepOptions options = {});
 
   std::size_t size() const { return model_.size(); }
   /// Whether parameter i has a master copy (false: a float32/float64 parameter, its own master).

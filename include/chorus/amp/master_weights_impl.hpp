@@ -2,6 +2,7 @@
 // The definitions of amp/master_weights.hpp (MasterWeights): compiled into chorus::compiled
 // (src/amp/amp.cpp), included by master_weights.hpp itself in the header-only form (Note
 // [compiled chorus]).
+#include "../nn/utils.hpp"
 #include "master_weights.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -65,14 +66,19 @@ CHORUS_INLINE void MasterWeights::master_to_model() {
   });
 }
 
-CHORUS_INLINE void MasterWeights::step(optim::Optimizer& opt) {
+CHORUS_INLINE void MasterWeights::step(optim::Optimizer& opt, MasterStepOptions options) {
   grads_to_master();
+  if (options.max_norm) (void)nn::utils::clip_grad_norm_(master_, *options.max_norm, options.norm_type);
   opt.step();
   master_to_model();
 }
 
-CHORUS_INLINE bool MasterWeights::step(GradScaler& scaler, optim::Optimizer& opt) {
+CHORUS_INLINE bool MasterWeights::step(GradScaler& scaler, optim::Optimizer& opt, MasterStepOptions options) {
   grads_to_master();
+  if (options.max_norm) {  // PyTorch's order: unscale, clip, then the scaler's step
+    scaler.unscale_(opt);
+    (void)nn::utils::clip_grad_norm_(master_, *options.max_norm, options.norm_type);
+  }
   const bool stepped = scaler.step(opt);
   if (stepped) master_to_model();
   return stepped;

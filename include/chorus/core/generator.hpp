@@ -14,6 +14,7 @@
 #include "../compiled.hpp"
 #include "../error.hpp"
 #include "dtype.hpp"
+#include "host_engine.hpp"
 #include "shape.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -127,8 +128,7 @@ inline constexpr int kUnmappedStreamShift = 56;
 
 class Generator {
  public:
-  CHORUS_INLINE explicit Generator(std::uint64_t seed = 5489u);
-  CHORUS_INLINE ~Generator();
+  explicit Generator(std::uint64_t seed = 5489u) : eng_(seed), seed_(seed) {}
   Generator(const Generator&) = delete;
   Generator& operator=(const Generator&) = delete;
 
@@ -199,10 +199,9 @@ class Generator {
   void set_state(const std::vector<std::uint64_t>& state);
 
  private:
-  struct Engine;  // the host engine (std::mt19937_64), in generator_impl.hpp
-  CHORUS_INLINE double next_unit();  // [0, 1), under m_
+  double next_unit() { return static_cast<double>(eng_() >> 11) * 0x1.0p-53; }  // [0, 1), under m_
   mutable std::mutex m_;
-  std::unique_ptr<Engine> eng_;
+  HostEngine eng_;  // Note [host engine]
   std::uint64_t seed_;
   std::uint64_t offset_ = 0;
 };

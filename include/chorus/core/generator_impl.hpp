@@ -6,20 +6,11 @@
 #include <sstream>
 
 #include "generator.hpp"
+#include "host_engine_impl.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 
 // ---- Generator ----
-
-struct Generator::Engine {
-  std::mt19937_64 eng;
-};
-
-CHORUS_INLINE Generator::Generator(std::uint64_t seed)
-    : eng_(std::make_unique<Engine>(Engine{std::mt19937_64(seed)})), seed_(seed) {}
-CHORUS_INLINE Generator::~Generator() = default;
-
-CHORUS_INLINE double Generator::next_unit() { return static_cast<double>(eng_->eng() >> 11) * 0x1.0p-53; }
 
 template <class T>
   requires is_supported_scalar_v<T>
@@ -51,12 +42,12 @@ void Generator::bernoulli(T* out, std::int64_t n, double p) {
 
 CHORUS_INLINE std::uint64_t Generator::below(std::uint64_t n) {
   std::lock_guard<std::mutex> lk(m_);
-  return std::uniform_int_distribution<std::uint64_t>(0, n - 1)(eng_->eng);
+  return eng_.below(n);
 }
 
 CHORUS_INLINE void Generator::manual_seed(std::uint64_t seed) {
   std::lock_guard<std::mutex> lk(m_);
-  eng_->eng.seed(seed);
+  eng_.seed(seed);
   seed_ = seed;
   offset_ = 0;
 }
@@ -70,7 +61,7 @@ CHORUS_INLINE void Generator::set_offset(std::uint64_t offset) {
 CHORUS_INLINE std::vector<std::uint64_t> Generator::get_state() const {
   std::lock_guard<std::mutex> lk(m_);
   std::ostringstream os;
-  os << eng_->eng;
+  os << detail::HostEngineAccess::of(eng_);
   std::vector<std::uint64_t> out{seed_, offset_};
   std::istringstream is(os.str());
   for (std::uint64_t w; is >> w;) out.push_back(w);
@@ -91,7 +82,7 @@ CHORUS_INLINE void Generator::set_state(const std::vector<std::uint64_t>& state)
   std::lock_guard<std::mutex> lk(m_);
   seed_ = state[0];
   offset_ = state[1];
-  eng_->eng = eng;
+  detail::HostEngineAccess::of(eng_) = eng;
 }
 
 // ---- ReplicaRandomGroup ----

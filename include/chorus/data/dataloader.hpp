@@ -25,12 +25,12 @@
 #include <mutex>
 #include <numeric>
 #include <optional>
-#include <random>
 #include <thread>
 #include <type_traits>
 #include <typeinfo>
 
 #include "../compiled.hpp"
+#include "../core/host_engine.hpp"
 #include "dataset.hpp"
 #include "pinned.hpp"
 
@@ -341,7 +341,7 @@ class DataLoader {
  private:
   std::shared_ptr<D> dataset_;
   DataLoaderOptions options_;
-  std::mt19937_64 rng_;
+  HostEngine rng_;  // std::mt19937_64's numbers (Note [host engine])
   std::uint64_t epoch_ = 0;
   std::size_t window_ = 0;  // batches the workers may build ahead (Note [prefetch window])
   std::weak_ptr<Epoch> active_;

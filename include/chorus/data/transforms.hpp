@@ -5,10 +5,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
-#include <random>
 #include <vector>
 
 #include "../compiled.hpp"
+#include "../core/host_engine.hpp"
 #include "../core/shape.hpp"
 #include "../error.hpp"
 
@@ -29,8 +29,8 @@ namespace detail {
 CHORUS_INLINE void check_image(const Image& img, const char* what);
 }  // namespace detail
 
-/// The generator a transform draws from.
-using TransformRng = std::mt19937_64;
+/// The generator a transform draws from: std::mt19937_64's numbers (Note [host engine]).
+using TransformRng = HostEngine;
 /// A transform: an image (and a generator) to an image.
 using Transform = std::function<Image(Image, TransformRng&)>;
 

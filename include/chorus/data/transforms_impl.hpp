@@ -1,6 +1,8 @@
 #pragma once
 // The definitions of data/transforms.hpp: compiled into chorus::compiled (src/data/loader.cpp),
 // included by transforms.hpp itself only in the header-only form (Note [compiled chorus]).
+#include <random>
+
 #include "transforms.hpp"
 
 CHORUS_NAMESPACE_BEGIN

@@ -2,12 +2,15 @@
 // DistributedDataParallel: one process per device, gradients averaged over the process group
 // (the buckets and graph nodes behind it: reducer.hpp, Notes [DDP buckets], [DDP graph nodes]).
 #include <algorithm>
+#include <array>
+#include <cstddef>
 #include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <unordered_set>
 #include <vector>
 
@@ -37,14 +40,15 @@ CHORUS_INLINE void sync_from(ProcessGroup& group, int root, const std::vector<nn
 /// One round of flags (Note [DDP join]); true while some rank still trains, whose highest rank
 /// then goes to `last_joiner`.
 CHORUS_INLINE bool join_round(ProcessGroup& group, bool training, int& last_joiner);
+/// One Finalize node per dtype of the parameters (Note [DDP graph nodes]), by DType.
+using FinalizeSlots = std::array<std::shared_ptr<void>, 5>;
 /// Sets each trained parameter's grad_fn to a ParamReady node whose edge leads to the Finalize
-/// node of its dtype (made once per forward in `finalize_f` (float) or `finalize_d`);
-/// `ready_nodes` gets the nodes, in parameter order.
-CHORUS_INLINE void wire_params(const std::shared_ptr<Reducer>& reducer, Device device, std::shared_ptr<void>& finalize_f,
-                               std::shared_ptr<void>& finalize_d, std::vector<const void*>& ready_nodes);
+/// node of its dtype (made once per forward in its slot of `finalize`); `ready_nodes` gets the
+/// nodes, in parameter order.
+CHORUS_INLINE void wire_params(const std::shared_ptr<Reducer>& reducer, Device device, FinalizeSlots& finalize,
+                               std::vector<const void*>& ready_nodes);
 /// Makes the trained parameters plain leaves again and drops the Finalize nodes.
-CHORUS_INLINE void unwire_params(const Reducer& reducer, std::shared_ptr<void>& finalize_f,
-                                 std::shared_ptr<void>& finalize_d);
+CHORUS_INLINE void unwire_params(const Reducer& reducer, FinalizeSlots& finalize);
 /// The current buckets, as lists of parameter names (first reduced first).
 CHORUS_INLINE std::vector<std::vector<std::string>> bucket_names(const Reducer& reducer);
 }  // namespace dist::detail
@@ -106,8 +110,13 @@ class DistributedDataParallel {
     reducer_->prepare_step();
     Wiring wiring(*this);
     auto out = call(std::forward<Args>(args)...);
+    int dtypes = 0;
+    for (const auto& f : finalize_) dtypes += f != nullptr;
     wiring.restore();
-    if (options_.find_unused_parameters) mark_unused(out);
+    // The step ends with the last Finalize node backward runs: one per dtype it can reach
+    // (Note [DDP graph nodes]); finding them walks the graph, needed only with several dtypes.
+    if (options_.find_unused_parameters || dtypes > 1) dtypes = reachable_dtypes(out, options_.find_unused_parameters);
+    reducer_->expect_finalizers(dtypes);
     return out;
   }
   template <class... Args>
@@ -130,14 +139,21 @@ class DistributedDataParallel {
   };
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
-  /// Uneven inputs, PyTorch's `with ddp.join(): ...` (Note [DDP join]): runs `loop` (this rank's
-  /// training loop over its own batches; every forward in it a training step), then, until every
-  /// rank's loop has ended, takes part in the other ranks' steps with zero gradients, so that
-  /// nobody waits for a collective a finished rank never starts. The gradients are averaged over
-  /// the whole world (a finished rank adds zeros: PyTorch's divide_by_initial_world_size). At the
-  /// end every rank holds the parameters and buffers of the last rank to finish.
-  template <class F>
-  void join(F&& loop) {
+  /// Uneven inputs, PyTorch's `with Join([ddp, ...]): ...` (Note [DDP join]): runs `loop` (this
+  /// rank's training loop over its own batches; every forward in it a training step), then,
+  /// until every rank's loop has ended, takes part in the other ranks' steps with zero
+  /// gradients, so that nobody waits for a collective a finished rank never starts. The gradients
+  /// are averaged over the whole world (a finished rank adds zeros: PyTorch's
+  /// divide_by_initial_world_size). `shadow_step`, when given, runs after each of those
+  /// reductions, with the averaged gradients in grad() that the other ranks step with: pass the
+  /// step the loop takes after backward (`[&] { opt.step(); sched.step(); }`). It is required
+  /// with a ZeroRedundancyOptimizer, whose step is a collective too (join refuses to start
+  /// without it), and it keeps every rank's optimizer state the same as the last rank's (a
+  /// checkpoint then resumes bitwise whichever rank saved it). At the end every rank holds the
+  /// parameters and buffers of the last rank to finish.
+  template <class F, class S = std::nullptr_t>
+  void join(F&& loop, S&& shadow_step = nullptr) {
+    constexpr bool has_shadow = !std::is_null_pointer_v<std::decay_t<S>>;
     CHORUS_CHECK(!joining_, "DistributedDataParallel::join: already inside join()");
     if (group_.world_size() == 1) {
       std::forward<F>(loop)();
@@ -146,6 +162,11 @@ class DistributedDataParallel {
     CHORUS_CHECK(!nn::module_of(module_).any_meets_other_replicas(),
                  "DistributedDataParallel::join: the module holds a SyncBatchNorm, whose statistics reductions a "
                  "rank that ran out of data cannot take part in");
+    if constexpr (!has_shadow)
+      CHORUS_CHECK(!group_.has_collective_step(parameters()),
+                   "DistributedDataParallel::join: a ZeroRedundancyOptimizer steps this module's parameters, and its "
+                   "step is a collective the ranks that ran out of data must take part in: pass the step, "
+                   "ddp.join(loop, [&] { opt.step(); })");
     joining_ = true;
     last_joiner_ = -1;
     struct Reset {
@@ -159,6 +180,7 @@ class DistributedDataParallel {
         sync_from(last_joiner_, {}, root.named_buffers(), /*buffers_only=*/true);
       }
       reducer_->shadow_step();
+      if constexpr (has_shadow) shadow_step();
     }
     joining_ = false;
     if (last_joiner_ >= 0) {
@@ -204,21 +226,22 @@ class DistributedDataParallel {
   /// Sets each trained parameter's grad_fn to a ParamReady node for the length of forward.
   struct Wiring {
     explicit Wiring(DistributedDataParallel& d) : d_(d) {
-      dist::detail::wire_params(d_.reducer_, d_.device_, d_.finalize_f_, d_.finalize_d_, d_.ready_nodes_);
+      dist::detail::wire_params(d_.reducer_, d_.device_, d_.finalize_, d_.ready_nodes_);
     }
     void restore() {
       if (restored_) return;
       restored_ = true;
-      dist::detail::unwire_params(*d_.reducer_, d_.finalize_f_, d_.finalize_d_);
+      dist::detail::unwire_params(*d_.reducer_, d_.finalize_);
     }
     ~Wiring() { restore(); }
     DistributedDataParallel& d_;
     bool restored_ = false;
   };
 
-  /// find_unused_parameters: parameters whose ParamReady node the outputs cannot reach.
+  /// How many dtypes of parameters the outputs' graph reaches; with `mark`
+  /// (find_unused_parameters) the parameters it cannot reach are marked unused.
   template <class R>
-  void mark_unused(const R& out) {
+  int reachable_dtypes(const R& out, bool mark) {
     std::unordered_set<const void*> seen;
     auto visit_tensor = [&](const auto& t) {
       using T = typename std::decay_t<decltype(t)>::value_type;
@@ -228,18 +251,26 @@ class DistributedDataParallel {
     };
     if constexpr (parallel::detail::is_tensor_v<R>) visit_tensor(out);
     else std::apply([&](const auto&... t) { (visit_tensor(t), ...); }, out);
-    for (std::size_t i = 0; i < ready_nodes_.size(); ++i)
-      if (!seen.count(ready_nodes_[i])) reducer_->set_unused(i);
+    std::array<bool, 5> reached{};
+    for (std::size_t i = 0; i < ready_nodes_.size(); ++i) {
+      if (seen.count(ready_nodes_[i])) reached[static_cast<std::size_t>(reducer_->params()[i].tensor.dtype())] = true;
+      else if (mark) reducer_->set_unused(i);
+    }
+    return static_cast<int>(std::count(reached.begin(), reached.end(), true));
   }
 
   // Note [DDP join]
   // PyTorch's Join for DDP. Inside join(), every forward of a rank that still has data starts
   // with an all-gather of one flag per rank (1: still training); a rank whose loop has ended
   // answers each such round with 0 and then runs the step's collectives with zero gradients
-  // (Reducer::shadow_step), until a round finds every flag 0. The flags also name the last rank
-  // to finish (the highest rank still training): buffers come from it while the others join,
-  // and its parameters and buffers go to every rank at the end (the finished ranks skipped the
-  // optimizer steps of the rounds they shadowed). One all-gather of a flag per step is the cost.
+  // (Reducer::shadow_step, which leaves the averaged gradients in grad() as a real step does),
+  // then the caller's shadow step (its optimizer's), until a round finds every flag 0. The
+  // flags also name the last rank to finish (the highest rank still training): buffers come
+  // from it while the others join, and its parameters and buffers go to every rank at the end
+  // (without a shadow step the finished ranks skipped the optimizer steps of the rounds they
+  // shadowed). An optimizer whose step is a collective (ZeroRedundancyOptimizer) notes its
+  // parameters in the process group, so a join that could not take part in it refuses to
+  // start. One all-gather of a flag per step is the cost.
   /// One round of flags; true while some rank still trains.
   bool join_round(bool training) { return dist::detail::join_round(group_, training, last_joiner_); }
 
@@ -255,7 +286,7 @@ class DistributedDataParallel {
   Device device_;
   std::shared_ptr<dist::detail::Reducer> reducer_;
   std::vector<const void*> ready_nodes_;
-  std::shared_ptr<void> finalize_f_, finalize_d_;
+  dist::detail::FinalizeSlots finalize_;
   bool sync_ = true;
   bool joining_ = false;  // inside join() (Note [DDP join])
   int last_joiner_ = -1;  // the highest rank still training in the latest round

@@ -117,11 +117,8 @@ CHORUS_INLINE bool join_round(ProcessGroup& group, bool training, int& last_join
 /// The Finalize node of dtype T of the forward being wired (made by its first parameter of T).
 template <class T>
 std::shared_ptr<autograd::Node<T>> finalize_node(const std::shared_ptr<Reducer>& reducer, Device device,
-                                                  std::shared_ptr<void>& finalize_f, std::shared_ptr<void>& finalize_d) {
-  auto& slot = [&]() -> std::shared_ptr<void>& {
-    if constexpr (std::is_same_v<T, float>) return finalize_f;
-    else return finalize_d;
-  }();
+                                                  FinalizeSlots& finalize) {
+  auto& slot = finalize[static_cast<std::size_t>(dtype_of<T>())];
   if (!slot) {
     auto node = std::make_shared<Finalize<T>>(reducer);
     node->set_stream(&current_stream(device));
@@ -130,18 +127,18 @@ std::shared_ptr<autograd::Node<T>> finalize_node(const std::shared_ptr<Reducer>&
   return std::static_pointer_cast<autograd::Node<T>>(std::static_pointer_cast<Finalize<T>>(slot));
 }
 
-CHORUS_INLINE void wire_params(const std::shared_ptr<Reducer>& reducer, Device device, std::shared_ptr<void>& finalize_f,
-                               std::shared_ptr<void>& finalize_d, std::vector<const void*>& ready_nodes) {
+CHORUS_INLINE void wire_params(const std::shared_ptr<Reducer>& reducer, Device device, FinalizeSlots& finalize,
+                               std::vector<const void*>& ready_nodes) {
   const auto& params = reducer->params();
   ready_nodes.clear();
   for (std::size_t i = 0; i < params.size(); ++i) {
     params[i].tensor.visit([&](const auto& p) {
       using T = typename std::decay_t<decltype(p)>::value_type;
       if constexpr (is_floating_v<T>) {
-        auto finalize = finalize_node<T>(reducer, device, finalize_f, finalize_d);
+        auto last = finalize_node<T>(reducer, device, finalize);
         auto node = std::make_shared<ParamReady<T>>(reducer, i);
         node->set_stream(&current_stream(p.device()));
-        node->add_next_edge({finalize, 0});
+        node->add_next_edge({last, 0});
         auto& impl = *p.impl();
         impl.output_nr = node->add_input(impl.shape, p.device());
         impl.grad_fn = node;
@@ -151,15 +148,13 @@ CHORUS_INLINE void wire_params(const std::shared_ptr<Reducer>& reducer, Device d
   }
 }
 
-CHORUS_INLINE void unwire_params(const Reducer& reducer, std::shared_ptr<void>& finalize_f,
-                                 std::shared_ptr<void>& finalize_d) {
+CHORUS_INLINE void unwire_params(const Reducer& reducer, FinalizeSlots& finalize) {
   for (auto& p : reducer.params())
     p.tensor.visit([](const auto& t) {
       t.impl()->grad_fn = nullptr;
       t.impl()->output_nr = 0;
     });
-  finalize_f.reset();
-  finalize_d.reset();
+  for (auto& f : finalize) f.reset();
 }
 
 CHORUS_INLINE std::vector<std::vector<std::string>> bucket_names(const Reducer& reducer) {

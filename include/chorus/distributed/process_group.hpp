@@ -16,8 +16,10 @@
 //  - otherwise (no MPI in the build, no torchrun): a world of 1 that needs nothing installed.
 #include <algorithm>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "../compiled.hpp"
@@ -136,6 +138,16 @@ class ProcessGroup {
 
   void check_usable(const std::string& what) const;
 
+  // ---- optimizers whose step is a collective (Note [DDP join]) ----
+
+  /// A ZeroRedundancyOptimizer notes its parameters here while it lives: a rank that ran out of
+  /// data must still take part in its steps, so DistributedDataParallel::join refuses to run
+  /// without them (instead of the other ranks waiting in the step's broadcasts until the timeout).
+  void add_collective_step(const std::vector<AnyTensor>& params);
+  void remove_collective_step(const std::vector<AnyTensor>& params) noexcept;
+  /// Whether an optimizer with a collective step steps any of `params`.
+  bool has_collective_step(const std::vector<AnyTensor>& params) const;
+
  private:
   /// shutdown() without the exception: why the leave was not clean (empty when it was, or when
   /// the group was left before).
@@ -184,6 +196,8 @@ class ProcessGroup {
   // Declared before the backends, destroyed after them: they refer to it.
   detail::GroupState state_;
   bool shut_down_ = false;
+  mutable std::mutex collective_m_;
+  std::unordered_multiset<const void*> collective_;  // parameters' impl keys
 #if CHORUS_DIST_MPI
   std::unique_ptr<detail::MpiBackend> mpi_;
 #endif

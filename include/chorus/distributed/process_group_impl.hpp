@@ -35,6 +35,22 @@ CHORUS_INLINE ProcessGroup::ProcessGroup(Options options) {
 
 CHORUS_INLINE ProcessGroup::~ProcessGroup() { (void)leave(); }
 
+CHORUS_INLINE void ProcessGroup::add_collective_step(const std::vector<AnyTensor>& params) {
+  std::lock_guard<std::mutex> lk(collective_m_);
+  for (const auto& p : params) collective_.insert(p.impl_key());
+}
+CHORUS_INLINE void ProcessGroup::remove_collective_step(const std::vector<AnyTensor>& params) noexcept {
+  std::lock_guard<std::mutex> lk(collective_m_);
+  for (const auto& p : params)
+    if (auto it = collective_.find(p.impl_key()); it != collective_.end()) collective_.erase(it);
+}
+CHORUS_INLINE bool ProcessGroup::has_collective_step(const std::vector<AnyTensor>& params) const {
+  std::lock_guard<std::mutex> lk(collective_m_);
+  for (const auto& p : params)
+    if (collective_.count(p.impl_key())) return true;
+  return false;
+}
+
 CHORUS_INLINE std::string ProcessGroup::backend() const {
   return state_.launcher == Launcher::Torchrun ? "nccl" : (has_mpi() ? "mpi" : "local");
 }

@@ -19,10 +19,13 @@
 // parameter is a plain leaf again (the optimizer sees nothing). When backward reaches a
 // ParamReady node, it accumulates the gradient into grad() (what AccumulateGrad would have
 // done), copies grad() into its bucket and, when the bucket is complete, starts its all-reduce.
-// Every ParamReady node has one edge to a Finalize node, which the engine therefore runs after
-// the last of them: it starts what is left and waits for all buckets, whose averages are then
-// the grad()s. Reducing the accumulated grad() (not just this backward's gradient) gives
-// no_sync()'s semantics: steps under no_sync accumulate locally, the next step reduces the sum.
+// Every ParamReady node has one edge to a Finalize node of its dtype (a node's inputs have one
+// dtype), which the engine therefore runs after the last of them; forward counts the Finalize
+// nodes backward can reach (one per dtype of the parameters, the graph walked only when there
+// are several), and the last to run starts what is left and waits for all buckets, whose
+// averages are then the grad()s. Reducing the accumulated grad() (not just this backward's
+// gradient) gives no_sync()'s semantics: steps under no_sync accumulate locally, the next step
+// reduces the sum.
 #include <algorithm>
 #include <exception>
 #include <memory>
@@ -100,6 +103,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   /// The Finalize node: starts what is left, waits for every bucket, writes the averages back.
   void finalize();
+  /// This step's Finalize nodes: one per dtype of the parameters backward reaches (Note [DDP
+  /// graph nodes]); finalizer_ran() finalizes once the last of them has run.
+  void expect_finalizers(int n);
+  void finalizer_ran();
 
   /// One reducing step of the other ranks while this rank has run out of data (Note [DDP
   /// join]): the collectives of a step in the same order — the bucket rebuild, every bucket's
@@ -182,6 +189,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<bool> ready_, used_;
   std::vector<std::size_t> ready_order_;
   std::size_t next_bucket_ = 0, ready_count_ = 0, early_launches_ = 0;
+  int finalizers_pending_ = 0;  // this step's Finalize nodes still to run
   std::size_t steps_ = 0;
   bool rebuilt_ = false, started_ = false, finalized_ = false, armed_ = false;
   dist::CommHook hook_ = dist::CommHook::allreduce;
@@ -211,7 +219,7 @@ class Finalize final : public autograd::Node<T> {
   explicit Finalize(std::shared_ptr<Reducer> reducer) : reducer_(std::move(reducer)) {}
   std::string name() const override { return "DistributedDataParallel::Finalize"; }
   typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&&) override {
-    reducer_->finalize();
+    reducer_->finalizer_ran();
     return {};
   }
 

@@ -123,10 +123,26 @@ CHORUS_INLINE void Reducer::finalize() {
   ++steps_;
 }
 
+CHORUS_INLINE void Reducer::expect_finalizers(int n) {
+  std::lock_guard<std::mutex> lk(m_);
+  finalizers_pending_ = n;
+}
+
+CHORUS_INLINE void Reducer::finalizer_ran() {
+  {
+    std::lock_guard<std::mutex> lk(m_);
+    if (--finalizers_pending_ > 0) return;  // another dtype's Finalize node is still to run
+  }
+  finalize();
+}
+
 CHORUS_INLINE void Reducer::shadow_step() {
   prepare_step();
   {
     std::lock_guard<std::mutex> lk(m_);
+    // This rank used nothing: finalize() points every parameter some rank used at its averaged
+    // gradient, as a real step leaves it (Note [DDP join]: a shadow optimizer step reads it).
+    used_.assign(params_.size(), false);
     NoGradGuard ng;
     for (auto& b : buckets_) {
       b.flat.visit([](const auto& f) {

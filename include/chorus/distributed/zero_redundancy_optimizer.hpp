@@ -85,7 +85,11 @@ class ZeroRedundancyOptimizer final : public optim::Optimizer {
       }
     if (local_index_.empty()) mine[0].params.push_back(AnyTensor(Tensor<float>::empty(Shape{0}, device_)));
     local_.emplace(std::move(mine));
+    group_.add_collective_step(params_);  // Note [DDP join]: a rank out of data must take part in step()
   }
+  ~ZeroRedundancyOptimizer() override { group_.remove_collective_step(params_); }
+  ZeroRedundancyOptimizer(const ZeroRedundancyOptimizer&) = delete;
+  ZeroRedundancyOptimizer& operator=(const ZeroRedundancyOptimizer&) = delete;
 
   /// Steps this rank's shard, then brings every rank's updated parameters to every rank (a
   /// collective: every rank calls it).

@@ -128,6 +128,11 @@ CHORUS_INLINE void load(optim::Optimizer& opt, const std::string& path, const io
   }
   std::vector<optim::Optimizer::State> state(opt.parameters().size());
   for (const auto& [name, r] : f.tensors) {
+    // Master weights saved and none to load them into: the stale masters would overwrite the
+    // model at the next step (training would jump back), so the load is refused.
+    CHORUS_CHECK(with.master || name.rfind("master.", 0) != 0, "load: '", path,
+                 "' holds master weights (", name, "): pass the program's amp::MasterWeights, load(opt, path, "
+                 "{.master = &master})");
     if (name.rfind("master.", 0) == 0) continue;
     const auto dot = name.find('.');
     CHORUS_CHECK(dot != std::string::npos && dot > 0 && name.find_first_not_of("0123456789") == dot, "load: '", path,

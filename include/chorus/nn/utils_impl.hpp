@@ -21,7 +21,8 @@ CHORUS_INLINE std::vector<DeviceGrads> device_grads(const std::vector<AnyTensor>
     else if constexpr (std::is_same_v<T, double>) dg->f64.add(g);
     else if constexpr (is_reduced_floating_v<T>)
       CHORUS_FAIL("clip_grad: ", dtype_name(dtype_of<T>()),
-                  " gradients are not supported yet");
+                  " gradients: clip the float32 master weights' instead, in the step: "
+                  "master.step(opt, {.max_norm = ...}) (amp::MasterWeights)");
     else static_assert(sizeof(T) == 0, "clip_grad: add the gradient type to DeviceGrads");
   });
   return out;

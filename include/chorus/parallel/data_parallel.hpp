@@ -66,6 +66,14 @@ struct WithCriterion {
 };
 }  // namespace parallel::detail
 
+/// How DataParallel::forward_loss combines the replicas' losses: `{.reduction = Reduction::Sum}`.
+struct ForwardLossOptions {
+  Reduction reduction = Reduction::Mean;  ///< Mean: weighted by what each replica averaged over; Sum: added
+  /// An integer target's value that the criterion skips (cross_entropy's and nll_loss's default):
+  /// under Reduction::Mean each replica weighs by its count of the other targets.
+  std::int64_t ignore_index = -100;
+};
+
 template <class M>
 class DataParallel : public parallel::DataParallelCore {
   static_assert(std::is_base_of_v<nn::Module, M> || requires { typename M::ImplType; },
@@ -123,23 +131,29 @@ class DataParallel : public parallel::DataParallelCore {
   /// batch's loss on the output device (the "DataParallelCriterion" PyTorch users write): the
   /// input and the target are split along their scatter dims (the target is argument 1), and only
   /// the per-replica losses, one value each, travel to the output device, where they combine
-  /// (Reduction::Mean: weighted by each replica's share of the rows, for a criterion that
-  /// averages over its rows as the default mse_loss and cross_entropy do; Reduction::Sum: added).
-  /// The outputs are never gathered, so the primary device holds its own chunk's only. The
-  /// criterion is called on the replicas' threads at once: it must not write shared state.
+  /// (Reduction::Mean: weighted by each replica's share of what the criterion averaged over, its
+  /// rows, or for an integer target its targets other than `ignore_index`, as the default
+  /// mse_loss and cross_entropy average; Reduction::Sum: added). The outputs are never gathered,
+  /// so the primary device holds its own chunk's only. The criterion is called on the replicas'
+  /// threads at once: it must not write shared state.
   template <class Criterion, class Input, class Target>
-  auto forward_loss(Criterion&& criterion, const Input& input, const Target& target,
-                    Reduction reduction = Reduction::Mean) {
+  auto forward_loss(Criterion&& criterion, const Input& input, const Target& target, ForwardLossOptions options) {
     parallel::detail::check_argument<Input>();
     parallel::detail::check_argument<Target>();
-    CHORUS_CHECK(reduction != Reduction::None, "DataParallel::forward_loss: the replicas' losses combine by "
-                                               "Reduction::Mean or Reduction::Sum, not None");
+    CHORUS_CHECK(options.reduction != Reduction::None, "DataParallel::forward_loss: the replicas' losses combine by "
+                                                       "Reduction::Mean or Reduction::Sum, not None");
     parallel::detail::check_dims_fit("DataParallel::forward_loss", "scatter_dims", scatter_dims_.size(), 2,
                                      "arguments (input, target)");
     check_not_nested();
     const InUse in_use(in_forward_);  // Note [DataParallel threads]
     if (!replicator_) install(build(devices_));
-    return forward_split(WithLoss<std::remove_reference_t<Criterion>>{criterion, reduction}, input, target);
+    return forward_split(WithLoss<std::remove_reference_t<Criterion>, Target>{criterion, options, target}, input,
+                         target);
+  }
+  template <class Criterion, class Input, class Target>
+  auto forward_loss(Criterion&& criterion, const Input& input, const Target& target,
+                    Reduction reduction = Reduction::Mean) {
+    return forward_loss(std::forward<Criterion>(criterion), input, target, ForwardLossOptions{.reduction = reduction});
   }
 
   template <class... Args>
@@ -164,10 +178,11 @@ class DataParallel : public parallel::DataParallelCore {
       return out;
     }
   };
-  template <class Criterion>
+  template <class Criterion, class Target>
   struct WithLoss {
     Criterion& criterion;
-    Reduction reduction;
+    ForwardLossOptions options;
+    const Target& target;
     template <class Module>
     parallel::detail::WithCriterion<Module, Criterion> wrap(Module& m) const {
       return {m, criterion};
@@ -175,8 +190,18 @@ class DataParallel : public parallel::DataParallelCore {
     template <class R>
     R finish(const DataParallel& dp, std::vector<R>& losses, const parallel::ChunkPlan& plan) const {
       static_assert(parallel::detail::is_tensor_v<R>, "DataParallel::forward_loss: the criterion must return a tensor");
-      const std::int64_t batch = plan.offsets.back() + plan.sizes.back();
-      return parallel::detail::combine_losses(losses, plan.sizes, batch, reduction, dp.output_device_);
+      std::vector<std::int64_t> counts(plan.sizes.begin(), plan.sizes.begin() + static_cast<std::ptrdiff_t>(losses.size()));
+      if constexpr (std::is_same_v<Target, Tensor<std::int64_t>>) {
+        if (options.reduction == Reduction::Mean) {  // each replica's targets that count (on the host)
+          const auto t = target.to(Device::cpu());
+          const std::int64_t dim = wrap_dim(dp.scatter_dim(1), t.dim());
+          for (std::size_t r = 0; r < losses.size(); ++r) {
+            const auto chunk = t.narrow(dim, plan.offsets[r], plan.sizes[r]).contiguous().to_vector();
+            counts[r] = std::count_if(chunk.begin(), chunk.end(), [&](std::int64_t v) { return v != options.ignore_index; });
+          }
+        }
+      }
+      return parallel::detail::combine_losses(losses, counts, options.reduction, dp.output_device_);
     }
     template <class R>
     R primary(R loss) const {  // one replica: its loss is the batch's, if it is one value

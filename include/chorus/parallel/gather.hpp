@@ -2,6 +2,7 @@
 // gather: per-device outputs joined along a dimension on one device (differentiable; its
 // backward sends each device its slice of the gradient), also outputs that nest tensors in
 // tuples, vectors, maps and optionals (Note [nested arguments]), as torch.nn.parallel.gather.
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -89,13 +90,15 @@ Tensor<T> gather(const std::vector<Tensor<T>>& parts, std::int64_t dim, Device d
 
 namespace detail {
 
-/// The whole batch's loss from the replicas' losses (one value each, replica r over `rows[r]`
-/// of `batch` rows) on `device`: Reduction::Mean weights each by its share of the rows (the
-/// mean of a criterion that averages over its rows), Reduction::Sum adds them. Differentiable:
-/// one gather of the scalars, then a weighted sum on `device`.
+/// The whole batch's loss from the replicas' losses (one value each, replica r's a mean over
+/// `counts[r]` elements: its rows, or its targets not ignored) on `device`: Reduction::Mean
+/// weights each by its share of the counts (a replica that counted nothing, whose mean is NaN,
+/// weighs nothing; all of them counting nothing give NaN, as the gathered loss would),
+/// Reduction::Sum adds them. Differentiable: one gather of the scalars, then a weighted sum on
+/// `device`.
 template <class T>
-Tensor<T> combine_losses(const std::vector<Tensor<T>>& losses, const std::vector<std::int64_t>& rows,
-                         std::int64_t batch, Reduction reduction, Device device) {
+Tensor<T> combine_losses(const std::vector<Tensor<T>>& losses, const std::vector<std::int64_t>& counts,
+                         Reduction reduction, Device device) {
   CHORUS_CHECK(reduction != Reduction::None, "combine_losses: the replicas' losses combine by Reduction::Mean or "
                                              "Reduction::Sum, not None");
   std::vector<Tensor<T>> scalars;
@@ -105,12 +108,18 @@ Tensor<T> combine_losses(const std::vector<Tensor<T>>& losses, const std::vector
                  " in replica ", r, "; it must return one value (a reduced loss)");
     scalars.push_back(losses[r].dim() == 0 ? losses[r] : losses[r].reshape(Shape{}));
   }
-  auto all = gather(scalars, 0, device);
-  if (reduction == Reduction::Sum) return sum(all);
+  if (reduction == Reduction::Sum) return sum(gather(scalars, 0, device));
+  std::int64_t total = 0;
+  for (auto c : counts) total += c;
+  if (total == 0) return mul(sum(gather(scalars, 0, device)), std::numeric_limits<double>::quiet_NaN());
+  std::vector<Tensor<T>> counted;
   std::vector<T> share;
-  for (std::size_t r = 0; r < losses.size(); ++r)
-    share.push_back(static_cast<T>(static_cast<double>(rows[r]) / static_cast<double>(batch)));
-  return sum(mul(all, from_vector(share, device)));
+  for (std::size_t r = 0; r < losses.size(); ++r) {
+    if (counts[r] == 0) continue;
+    counted.push_back(scalars[r]);
+    share.push_back(static_cast<T>(static_cast<double>(counts[r]) / static_cast<double>(total)));
+  }
+  return sum(mul(gather(counted, 0, device), from_vector(share, device)));
 }
 
 /// Joins the replicas' values of one output (`parts`, one per replica) found at `path`.
