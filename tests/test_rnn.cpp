@@ -166,6 +166,24 @@ TEST(RNN, WritingTheInitialStateBeforeBackwardIsRefused) {
   c0.copy_(std::get<1>(hc).detach());
 }
 
+// Options in bare braces, as every other layer takes them (nn::Linear(4, 2, {.bias = false})).
+TEST(RNN, OptionsTakeBareBraces) {
+  nn::GRU gru(4, 6, {.batch_first = true});
+  nn::LSTM lstm(4, 6, {.num_layers = 2, .bidirectional = true});
+  nn::RNN rnn(4, 6, {.nonlinearity = "relu"});
+  nn::GRUCell gru_cell(4, 6, {.bias = false});
+  nn::LSTMCellT<double> lstm_cell(4, 6, {.bias = false});
+  EXPECT_TRUE(gru->options.batch_first);
+  EXPECT_EQ(lstm->options.num_layers, 2);
+  EXPECT_EQ(rnn->options.nonlinearity, "relu");
+  EXPECT_FALSE(gru_cell->options.bias);
+  EXPECT_FALSE(lstm_cell->options.bias);
+  auto [y, h] = gru(randn<float>({3, 5, 4}));  // batch first: [B, S, F]
+  EXPECT_EQ(y.shape(), (Shape{3, 5, 6}));
+  nn::GRU copy = gru;  // a holder: copies share the layer
+  EXPECT_EQ(copy.ptr(), gru.ptr());
+}
+
 TEST(RNN, OutputAndStateShapes) {
   const std::int64_t S = 5, B = 3, F = 4, H = 6;
   for (std::int64_t layers : {1, 2})

@@ -254,8 +254,15 @@ class RNNImpl : public detail::RNNImplBase<T> {
 
   RNNOptions options;
 };
+/// Holder (Note [layer options] in nn/module.hpp): `RNNT<T>(in, hidden, {.batch_first = true})`
+/// takes the options in bare braces, as nn::Linear does.
 template <class T = float>
-using RNNT = ModuleHolder<RNNImpl<T>>;
+class RNNT : public ModuleHolder<RNNImpl<T>> {
+ public:
+  using ModuleHolder<RNNImpl<T>>::ModuleHolder;
+  explicit RNNT(std::int64_t input_size, std::int64_t hidden_size, RNNOptions options = {})
+      : ModuleHolder<RNNImpl<T>>(std::make_shared<RNNImpl<T>>(input_size, hidden_size, options)) {}
+};
 using RNN = RNNT<float>;
 
 /// LSTM, as torch.nn.LSTM: forward returns (output, (h_n, c_n)), h_n (num_layers*D, batch,
@@ -283,8 +290,15 @@ class LSTMImpl : public detail::RNNImplBase<T> {
 
   LSTMOptions options;
 };
+/// Holder (Note [layer options] in nn/module.hpp): `LSTMT<T>(in, hidden, {.batch_first = true})`
+/// takes the options in bare braces, as nn::Linear does.
 template <class T = float>
-using LSTMT = ModuleHolder<LSTMImpl<T>>;
+class LSTMT : public ModuleHolder<LSTMImpl<T>> {
+ public:
+  using ModuleHolder<LSTMImpl<T>>::ModuleHolder;
+  explicit LSTMT(std::int64_t input_size, std::int64_t hidden_size, LSTMOptions options = {})
+      : ModuleHolder<LSTMImpl<T>>(std::make_shared<LSTMImpl<T>>(input_size, hidden_size, options)) {}
+};
 using LSTM = LSTMT<float>;
 
 /// GRU, as torch.nn.GRU: forward returns (output, h_n), shaped as RNN's.
@@ -306,8 +320,15 @@ class GRUImpl : public detail::RNNImplBase<T> {
 
   GRUOptions options;
 };
+/// Holder (Note [layer options] in nn/module.hpp): `GRUT<T>(in, hidden, {.batch_first = true})`
+/// takes the options in bare braces, as nn::Linear does.
 template <class T = float>
-using GRUT = ModuleHolder<GRUImpl<T>>;
+class GRUT : public ModuleHolder<GRUImpl<T>> {
+ public:
+  using ModuleHolder<GRUImpl<T>>::ModuleHolder;
+  explicit GRUT(std::int64_t input_size, std::int64_t hidden_size, GRUOptions options = {})
+      : ModuleHolder<GRUImpl<T>>(std::make_shared<GRUImpl<T>>(input_size, hidden_size, options)) {}
+};
 using GRU = GRUT<float>;
 
 }  // namespace nn

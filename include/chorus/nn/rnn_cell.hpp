@@ -238,8 +238,15 @@ class RNNCellImpl : public detail::RNNCellImplBase<T> {
  private:
   bool relu_;
 };
+/// Holder (Note [layer options] in nn/module.hpp): `RNNCellT<T>(in, hidden, {.bias = false})`
+/// takes the options in bare braces, as nn::Linear does.
 template <class T = float>
-using RNNCellT = ModuleHolder<RNNCellImpl<T>>;
+class RNNCellT : public ModuleHolder<RNNCellImpl<T>> {
+ public:
+  using ModuleHolder<RNNCellImpl<T>>::ModuleHolder;
+  explicit RNNCellT(std::int64_t input_size, std::int64_t hidden_size, RNNCellOptions options = {})
+      : ModuleHolder<RNNCellImpl<T>>(std::make_shared<RNNCellImpl<T>>(input_size, hidden_size, options)) {}
+};
 using RNNCell = RNNCellT<float>;
 
 struct LSTMCellOptions {
@@ -273,8 +280,15 @@ class LSTMCellImpl : public detail::RNNCellImplBase<T> {
 
   LSTMCellOptions options;
 };
+/// Holder (Note [layer options] in nn/module.hpp): `LSTMCellT<T>(in, hidden, {.bias = false})`
+/// takes the options in bare braces, as nn::Linear does.
 template <class T = float>
-using LSTMCellT = ModuleHolder<LSTMCellImpl<T>>;
+class LSTMCellT : public ModuleHolder<LSTMCellImpl<T>> {
+ public:
+  using ModuleHolder<LSTMCellImpl<T>>::ModuleHolder;
+  explicit LSTMCellT(std::int64_t input_size, std::int64_t hidden_size, LSTMCellOptions options = {})
+      : ModuleHolder<LSTMCellImpl<T>>(std::make_shared<LSTMCellImpl<T>>(input_size, hidden_size, options)) {}
+};
 using LSTMCell = LSTMCellT<float>;
 
 struct GRUCellOptions {
@@ -300,8 +314,15 @@ class GRUCellImpl : public detail::RNNCellImplBase<T> {
 
   GRUCellOptions options;
 };
+/// Holder (Note [layer options] in nn/module.hpp): `GRUCellT<T>(in, hidden, {.bias = false})`
+/// takes the options in bare braces, as nn::Linear does.
 template <class T = float>
-using GRUCellT = ModuleHolder<GRUCellImpl<T>>;
+class GRUCellT : public ModuleHolder<GRUCellImpl<T>> {
+ public:
+  using ModuleHolder<GRUCellImpl<T>>::ModuleHolder;
+  explicit GRUCellT(std::int64_t input_size, std::int64_t hidden_size, GRUCellOptions options = {})
+      : ModuleHolder<GRUCellImpl<T>>(std::make_shared<GRUCellImpl<T>>(input_size, hidden_size, options)) {}
+};
 using GRUCell = GRUCellT<float>;
 
 }  // namespace nn
