@@ -569,13 +569,14 @@ def tutorial_verdict(rc, timed_out, text):
 # train_lm's stage: a small transformer for a few steps on every GPU, on the repository's LICENSE.
 TRAIN_LM_ARGS = ["--model", "transformer", "--gpus", "--epochs", "1", "--steps", "30", "--batch", "16",
                  "--seq-len", "32", "--sample", "40", "--data", os.path.join(REPO, "LICENSE")]
+VAL_LOSS = re.compile(r"val loss ([0-9.]+|nan|inf)")  # train_lm's validation losses, in order
 
 
 def train_lm_verdict(rc, timed_out, text):
     """train_lm_cuda for a few steps: it passes when it exits 0, ran on the GPUs, and its
     validation loss after training is below the untrained model's ("before training: val loss
     X", then "epoch N: val loss Y")."""
-    losses = [float(v) for v in re.findall(r"val loss ([0-9.]+|nan|inf)", text)]
+    losses = [float(v) for v in VAL_LOSS.findall(text)]
     on_gpu = re.search(r"on \d+ device\(s\):( cuda:\d+)+\s*$", text, re.M) is not None
     learned = len(losses) >= 2 and losses[-1] < losses[0]
     ok = rc == 0 and not timed_out and on_gpu and learned
@@ -895,7 +896,7 @@ class Run:
             text = f.read()
         verdict, ok = train_lm_verdict(rc, to, text)
         self.stage("train_lm", {"rc": rc, "timed_out": to, "seconds": round(secs, 1),
-                                "losses": re.findall(r"val loss ([0-9.]+|nan|inf)", text), "verdict": verdict}, ok)
+                                "losses": VAL_LOSS.findall(text), "verdict": verdict}, ok)
 
     def distributed_stage(self):
         """DDP over NCCL on one GPU: scripts/gpu-check-distributed.sh (torchrun's environment, and

@@ -29,10 +29,13 @@ CHORUS_INLINE std::int64_t Checkpointer::resume() {
   const auto name = read_latest();
   if (name.empty()) return 0;
   const std::filesystem::path at = std::filesystem::path(dir_) / name;
-  // Every file is read whole before the first is applied: a truncated one changes nothing.
-  for (const char* file : {"model.safetensors", "optimizer.safetensors"}) (void)io::read((at / file).string());
+  // Every file's header is read and checked against its size before the first is applied: a
+  // truncated one changes nothing. The model loads from the file read here.
+  const auto model_path = (at / "model.safetensors").string();
+  const auto model = io::read(model_path);
+  (void)io::read((at / "optimizer.safetensors").string());
   auto f = io::read((at / "rng.safetensors").string());
-  chorus::load(module_, (at / "model.safetensors").string());
+  io::load_into(module_, model, "'" + model_path + "'");
   io::TrainingState with;
   with.scheduler = options_.scheduler;
   chorus::load(optimizer_, (at / "optimizer.safetensors").string(), with);
