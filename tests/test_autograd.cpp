@@ -1,5 +1,6 @@
 // The autograd engine: accumulation, graph release, grad mode, multi-device execution.
 #include <atomic>
+#include <chrono>
 #include <set>
 #include <thread>
 
@@ -142,6 +143,55 @@ TEST(Autograd, NodesRunOnTheStreamsTheirForwardRanOn) {
   std::set<Stream*> expected = {nullptr};  // the calling thread ran device 0's nodes inline
   for (int i = 1; i < 4; ++i) expected.insert(&get_stream(Device::cpu(i)));
   EXPECT_EQ(seen, expected);
+}
+
+namespace {
+// A pass-through node that sleeps `ms` before handing its gradient on.
+template <class T>
+class SleepBackward final : public autograd::Node<T> {
+ public:
+  explicit SleepBackward(int ms) : ms_(ms) {}
+  std::string name() const override { return "SleepBackward"; }
+  typename autograd::Node<T>::TensorList apply(typename autograd::Node<T>::TensorList&& g) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(ms_));
+    return {g[0]};
+  }
+
+ private:
+  int ms_;
+};
+
+template <class T>
+Tensor<T> sleepy(const Tensor<T>& x, int ms) {
+  auto out = x.detach().clone();
+  autograd::set_history(out, std::shared_ptr<autograd::Node<T>>(autograd::make_node<SleepBackward<T>, T>({&x}, ms)));
+  return out;
+}
+
+// x's gradient from three uses, one of them on device 1's worker, which (with `remote_ms`) or
+// the calling thread (`local_ms`) is delayed: 1e16 - 1e16 + 1 gives 1 or 0 by the order of
+// the additions.
+double gradient_with_delays(int local_ms, int remote_ms) {
+  auto x = ones<double>({1}).requires_grad_();
+  auto far = get_stream(Device::cpu(1)).async([&] {
+    auto xi = x.to(Device::cpu(1));
+    return sleepy(xi * 1.0, remote_ms).to(Device::cpu(0));
+  }).get();
+  auto near = sleepy(x * 1e16, local_ms);
+  (near.sum() + (x * -1e16).sum() + far.sum()).backward();
+  return x.grad().item();
+}
+}  // namespace
+
+// Gradients that meet at one input are added in an order fixed by the graph, not by which
+// thread delivered first: the same graph gives the same bits however the devices' work is
+// timed (DataParallel over CPU devices is reproducible run to run).
+TEST(Autograd, GradientsMeetingAtAnInputAreAddedInAFixedOrder) {
+  set_cpu_device_count(std::max(cpu_device_count(), 2));
+  const double remote_late = gradient_with_delays(0, 150);
+  const double local_late = gradient_with_delays(150, 0);
+  EXPECT_EQ(remote_late, local_late);
+  EXPECT_EQ(gradient_with_delays(0, 0), remote_late);
 }
 
 TEST(Autograd, ErrorInABackwardNodeNamesNodeAndDevice) {

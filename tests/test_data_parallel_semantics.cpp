@@ -445,3 +445,60 @@ TEST(DataParallel, ForwardLossKeepsThePrimarysPeakMemoryNearTheOthers) {
   EXPECT_LE(replicas[0], 1.2 * replicas[1]) << replicas[0] << " vs " << replicas[1];
   EXPECT_GT(replicas[1], 0.0);
 }
+
+// Note [BLAS threads shared by devices]: DataParallel over k CPU devices gives each its share
+// of the cores for OpenBLAS's products (each device's thread computes at once), unless the
+// program chose the count.
+TEST(DataParallel, CpuDevicesShareTheCoresForBlas) {
+  if (std::getenv("OPENBLAS_NUM_THREADS") || std::getenv("OMP_NUM_THREADS"))
+    GTEST_SKIP() << "the environment chose OpenBLAS's thread count";
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int before = backend::cpu::blas_threads();
+  if (before == 1 && cores > 1) GTEST_SKIP() << "this OpenBLAS is single-threaded";
+  DataParallel<Net<double>> one(Net<double>(), cpus(1));
+  EXPECT_EQ(backend::cpu::blas_threads(), before) << "one device computes alone";
+  DataParallel<Net<double>> three(Net<double>(), cpus(3));
+  EXPECT_EQ(backend::cpu::blas_threads(), std::max(1, cores / 3));
+  backend::cpu::set_blas_threads(2);
+  DataParallel<Net<double>> again(Net<double>(), cpus(3));
+  EXPECT_EQ(backend::cpu::blas_threads(), 2) << "the program's choice stands";
+}
+
+// An argument under kBroadcast reaches every replica whole, on its device (a mask [L, L]
+// beside a batch [N, L]); a gradient it needs is the replicas' summed, as on one device.
+namespace {
+struct MaskedScore : nn::Module {
+  nn::LinearT<double> fc;
+  MaskedScore() : fc(register_module("fc", nn::LinearT<double>(4, 4))) {}
+  Tensor<double> forward(const Tensor<double>& x, const Tensor<double>& mask) {
+    EXPECT_EQ(mask.shape(), Shape({4, 4}));
+    EXPECT_EQ(mask.device(), x.device());
+    return matmul(fc(x), mask);
+  }
+};
+}  // namespace
+
+TEST(DataParallel, ABroadcastArgumentReachesEveryReplicaWhole) {
+  manual_seed(3);
+  MaskedScore init;
+  auto x = randn<double>({6, 4});
+  auto mask = randn<double>({4, 4}).requires_grad_();
+  auto one = nn::clone(init, Device::cpu(0));
+  auto expected = one.forward(x, mask);
+  expected.sum().backward();
+  const auto mask_grad = mask.grad().clone();
+  mask.set_grad({});
+  DataParallel<MaskedScore> dp(nn::clone(init, Device::cpu(0)), {.devices = cpus(3), .scatter_dims = {0, kBroadcast}});
+  auto out = dp(x, mask);
+  EXPECT_TRUE(all_close(out, expected, 1e-14, 1e-14));
+  out.sum().backward();
+  EXPECT_TRUE(all_close(mask.grad(), mask_grad, 1e-13, 1e-13));
+  expect_grads_equal<double>(one, dp.module(), 1e-13, "broadcast mask");
+
+  auto ce = [](const Tensor<double>& y, const Tensor<double>& t) { return nn::functional::mse_loss(y, t); };
+  DataParallel<Net<double>> both(Net<double>(), {.devices = cpus(2), .scatter_dims = {0, kBroadcast}});
+  EXPECT_TRUE(throws_with([&] { both.forward_loss(ce, randn<double>({4, 6}), randn<double>({4, 3})); },
+                          {"forward_loss", "scatter_dims[1] is kBroadcast"}));
+  EXPECT_TRUE(throws_with([] { DataParallel<Net<double>> bad(Net<double>(), {.gather_dims = {kBroadcast}}); },
+                          {"gather_dims holds kBroadcast"}));
+}

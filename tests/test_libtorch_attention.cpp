@@ -65,7 +65,7 @@ void copy_parameters(torch::nn::Module& from, nn::Module& to) {
   ASSERT_EQ(ours, theirs);
   NoGradGuard g;
   for (auto& p : from.named_parameters()) {
-    auto& c = to.find_tensor(p.key())->as<double>();
+    auto& c = to.find_tensor(p.key()).as<double>();
     ASSERT_EQ(sizes_of(c.shape()), p.value().sizes().vec()) << p.key();
     c.copy_(from_torch(p.value()));
   }
@@ -105,7 +105,7 @@ void cross(const std::string& what, nn::Module& cm, torch::nn::Module& tm, const
     EXPECT_TRUE(same(a[i].grad(), b[i].grad(), "gradient of input " + std::to_string(i)));
   }
   for (auto& p : tm.named_parameters()) {
-    auto g = cm.find_tensor(p.key())->as<double>().grad();
+    auto g = cm.find_tensor(p.key()).as<double>().grad();
     ASSERT_TRUE(g.defined() && p.value().grad().defined()) << p.key() << " has no gradient";
     EXPECT_TRUE(same(g, p.value().grad(), "gradient of " + p.key()));
   }
@@ -371,7 +371,7 @@ void copy_by_name(torch::nn::Module& from, nn::Module& to) {
   std::sort(ours.begin(), ours.end());
   ASSERT_EQ(ours, theirs);
   NoGradGuard g;
-  for (auto& p : from.named_parameters()) to.find_tensor(p.key())->as<double>().copy_(from_torch(p.value()));
+  for (auto& p : from.named_parameters()) to.find_tensor(p.key()).as<double>().copy_(from_torch(p.value()));
 }
 }  // namespace
 

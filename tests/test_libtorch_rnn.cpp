@@ -31,11 +31,11 @@ void copy_from_torch(const torch::nn::Module& tm, nn::Module& cm) {
   NoGradGuard g;
   for (const auto& p : tm.named_parameters()) {
     torch_names.push_back(p.key());
-    auto* t = cm.find_tensor(p.key());
-    ASSERT_NE(t, nullptr) << "chorus has no parameter '" << p.key() << "'";
+    auto t = cm.find_tensor(p.key());
+    ASSERT_TRUE(t.defined()) << "chorus has no parameter '" << p.key() << "'";
     auto value = from_torch(p.value());
-    ASSERT_EQ(t->shape(), value.shape()) << p.key();
-    t->as<double>().copy_(value);
+    ASSERT_EQ(t.shape(), value.shape()) << p.key();
+    t.as<double>().copy_(value);
   }
   for (const auto& p : cm.named_parameters()) chorus_names.push_back(p.name);
   ASSERT_EQ(chorus_names, torch_names);

@@ -52,8 +52,8 @@ TEST(Module, NamedParametersAreDottedAndOrdered) {
   for (auto& p : net.parameters()) EXPECT_TRUE(p.requires_grad());
   // The registry and the members are the same tensors.
   EXPECT_EQ(net.named_parameters()[0].tensor.impl_key(), net.block->fc->weight.impl().get());
-  EXPECT_EQ(net.find_tensor("block.scale")->impl_key(), net.block->scale.impl().get());
-  EXPECT_EQ(net.find_tensor("nope.x"), nullptr);
+  EXPECT_EQ(net.find_tensor("block.scale").impl_key(), net.block->scale.impl().get());
+  EXPECT_FALSE(net.find_tensor("nope.x").defined());
 }
 
 TEST(Module, RegistrationErrors) {

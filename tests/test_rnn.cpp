@@ -39,9 +39,9 @@ std::vector<NameShape> names_and_shapes(const nn::Module& m) {
 void copy_by_name(const nn::Module& from, nn::Module& to) {
   NoGradGuard g;
   for (auto& p : from.named_parameters()) {
-    auto* t = to.find_tensor(p.name);
-    ASSERT_NE(t, nullptr) << p.name;
-    t->as<double>().copy_(p.tensor.as<double>());
+    auto t = to.find_tensor(p.name);
+    ASSERT_TRUE(t.defined()) << p.name;
+    t.as<double>().copy_(p.tensor.as<double>());
   }
 }
 
@@ -430,7 +430,7 @@ TEST(RNN, TheReverseDirectionReadsTheSequenceBackwards) {
     const bool rev = name.ends_with("_reverse");
     if (rev) name.resize(name.size() - 8);
     NoGradGuard g;
-    (rev ? bwd : fwd)->find_tensor(name)->as<double>().copy_(p.tensor.as<double>());
+    (rev ? bwd : fwd)->find_tensor(name).as<double>().copy_(p.tensor.as<double>());
   }
   auto x = r({5, 2, 3}, 2);
   auto h0 = r({2, 2, 4}, 3);
@@ -454,7 +454,7 @@ TEST(RNN, OneStepOfALayerIsItsCell) {
   auto strip = [](const nn::Module& layer, nn::Module& cell) {  // weight_ih_l0 -> weight_ih
     NoGradGuard g;
     for (auto& p : layer.named_parameters())
-      cell.find_tensor(p.name.substr(0, p.name.size() - 3))->as<double>().copy_(p.tensor.as<double>());
+      cell.find_tensor(p.name.substr(0, p.name.size() - 3)).as<double>().copy_(p.tensor.as<double>());
   };
   strip(*lstm, *lcell);
   strip(*gru, *gcell);

@@ -314,6 +314,51 @@ TYPED_TEST(Ddp, EqualsSingleProcessWithSmallBuckets) {
   check_equals_single_process<TypeParam>({.bucket_cap_bytes = 512, .first_bucket_bytes = 64}, 4);
 }
 
+// Tied weights under DDP (Note [tied parameters]): the tied tensor is reduced once, with the
+// gradient of both uses, and DDP equals one process on the whole batch; tying after wrapping is
+// refused at the next forward.
+struct TiedLm : nn::Module {
+  nn::EmbeddingT<double> emb;
+  nn::LinearT<double> head;
+  explicit TiedLm(bool tie = true)
+      : emb(register_module("emb", nn::EmbeddingT<double>(9, 4))), head(register_module("head", nn::LinearT<double>(4, 9))) {
+    if (tie) head->weight = emb->weight;
+  }
+  Tensor<double> forward(const Tensor<std::int64_t>& ids) { return head(chorus::tanh(emb(ids))); }
+};
+
+TEST(Ddp, TiedWeightsAreReducedOnceWithBothGradients) {
+  const int w = pg().world_size(), r = pg().rank();
+  const int batch = 12, per = batch / w;
+  ASSERT_EQ(batch % w, 0);
+  std::vector<std::int64_t> all_ids;
+  for (int i = 0; i < batch; ++i) all_ids.push_back((i * 5 + 2) % 9);
+  auto ids = from_vector(all_ids);
+  manual_seed(3);
+  TiedLm reference;
+  manual_seed(r == 0 ? 3 : 50 + r);
+  DistributedDataParallel<TiedLm> ddp{TiedLm()};
+  EXPECT_EQ(ddp.parameters().size(), 2u);  // emb.weight (also head.weight), head.bias
+  optim::SGD opt(ddp.parameters(), {.lr = 0.3});
+  optim::SGD ref_opt(reference.parameters(), {.lr = 0.3});
+  for (int step = 0; step < 3; ++step) {
+    auto out = ddp(ids.narrow(0, r * per, per));
+    opt.zero_grad();
+    ((out * out).sum() * (1.0 / per)).backward();  // DDP averages the ranks' gradients
+    opt.step();
+    auto ref = reference.forward(ids);
+    ref_opt.zero_grad();
+    ((ref * ref).sum() * (1.0 / batch)).backward();
+    ref_opt.step();
+  }
+  auto& m = ddp.module();
+  EXPECT_EQ(m.head->weight.impl(), m.emb->weight.impl());
+  const auto got = m.emb->weight.to_vector(), want = reference.emb->weight.to_vector();
+  for (std::size_t k = 0; k < got.size(); ++k) ASSERT_NEAR(got[k], want[k], 1e-12) << "element " << k << " on rank " << r;
+  m.head->weight = m.emb->weight.detach().clone().requires_grad_();
+  EXPECT_TRUE(throws_with([&] { ddp(ids); }, {"DistributedDataParallel: 'head.weight' is not the tensor it was"}));
+}
+
 // amp::GradScaler under DDP (Note [loss scaling]): an inf in the last rank's slice only reaches
 // every rank's gradients through the all-reduce, so every rank skips exactly those steps, and
 // the result equals one process that steps on the good batches only.

@@ -347,8 +347,9 @@ TEST(Ddp, JoinWithAShadowStepKeepsEveryRanksOptimizerAndTakesPartInZero) {
   optim::SGD plain(plain_model.parameters(), {.lr = 0.05, .momentum = 0.9});
   optim::ZeroRedundancyOptimizer<optim::SGD> zero(zero_model.parameters(), {.lr = 0.05, .momentum = 0.9});
   train(plain_model, plain, false);
-  if (w > 1)
+  if (w > 1) {
     EXPECT_TRUE(throws_with([&] { train(zero_model, zero, false); }, {"ZeroRedundancyOptimizer", "pass the step"}));
+  }
   train(zero_model, zero, true);
   const auto a = values<double>(plain_model.parameters()), b = values<double>(zero_model.parameters());
   for (std::size_t i = 0; i < a.size(); ++i)

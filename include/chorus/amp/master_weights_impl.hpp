@@ -2,6 +2,8 @@
 // The definitions of amp/master_weights.hpp (MasterWeights): compiled into chorus::compiled
 // (src/amp/amp.cpp), included by master_weights.hpp itself in the header-only form (Note
 // [compiled chorus]).
+#include <unordered_set>
+
 #include "../nn/utils.hpp"
 #include "master_weights.hpp"
 
@@ -10,9 +12,13 @@ namespace amp {
 
 CHORUS_INLINE MasterWeights::MasterWeights(const std::vector<AnyTensor>& model_params) {
   NoGradGuard no_grad;
+  std::unordered_set<const void*> seen;
   for (std::size_t i = 0; i < model_params.size(); ++i) {
     const auto& p = model_params[i];
     CHORUS_CHECK(p.defined(), "MasterWeights: parameter ", i, " is an undefined tensor");
+    CHORUS_CHECK(seen.insert(p.impl_key()).second, "MasterWeights: parameter ", i,
+                 " appears more than once (it would get two masters); module.parameters() lists a tied parameter "
+                 "once");
     CHORUS_CHECK(p.dtype() != DType::Int64, "MasterWeights: parameter ", i, " is an integer tensor");
     p.visit([&](const auto& t) {
       using T = typename std::decay_t<decltype(t)>::value_type;

@@ -48,8 +48,10 @@ Tensor<T> sum_into_unshared(std::vector<Tensor<T>>& parts) {
   for (std::size_t i = 1; i < parts.size(); ++i)
     CHORUS_CHECK(parts[i].device() == parts[0].device(), "autograd: gradients for one input arrived on ",
                  parts[0].device(), " and ", parts[i].device());
+  // The parts are added left to right (Note [gradients add in graph order]): a part's memory
+  // takes the sum only if it is the first or second, whose sum comes first anyway.
   std::size_t into = parts.size();
-  for (std::size_t i = 0; i < parts.size() && into == parts.size(); ++i)
+  for (std::size_t i = 0; i < std::min<std::size_t>(parts.size(), 2) && into == parts.size(); ++i)
     if (exclusively_owned(parts[i])) into = i;
   Tensor<T> sum;
   if (into < parts.size()) {

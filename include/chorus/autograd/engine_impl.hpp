@@ -13,6 +13,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include <algorithm>
+
 #include "engine.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -66,6 +68,16 @@ inline std::exception_ptr nested_error(const std::string& what) {
 }
 
 
+// Note [gradients add in graph order]
+// Gradients that meet at one input (a tensor used twice; a DataParallel primary parameter,
+// which gets replica 0's gradient and the replicas' sum) arrive in an order that depends on
+// which device's thread finished first. Floating-point addition is not associative, so
+// summing them as they arrived made DataParallel over CPU devices differ run to run in the
+// last bits. Each arrival carries its producer's place in the discovery walk from the roots
+// (fixed by the graph), and the node adds them in that order; sum_into_unshared adds its
+// parts left to right whichever part's memory it writes into. The same program and seed
+// give the same bits however the devices' work is timed.
+
 /// One backward pass over nodes of any dtype (Note [multi-device backward], Note [one graph
 /// over every dtype]).
 class GraphTask {
@@ -78,7 +90,7 @@ class GraphTask {
   void compute_dependencies(const std::vector<Edge>& roots) {
     std::vector<NodeBase*> stack;
     for (const auto& e : roots) {
-      if (e.valid() && seen_.insert({e.fn.get(), e.fn}).second) stack.push_back(e.fn.get());
+      if (e.valid() && seen_.insert({e.fn.get(), {e.fn, seen_.size()}}).second) stack.push_back(e.fn.get());
     }
     while (!stack.empty()) {
       NodeBase* n = stack.back();
@@ -86,7 +98,7 @@ class GraphTask {
       for (const auto& e : n->next_edges()) {
         if (!e.valid()) continue;
         ++deps_[e.fn.get()];
-        if (seen_.insert({e.fn.get(), e.fn}).second) stack.push_back(e.fn.get());
+        if (seen_.insert({e.fn.get(), {e.fn, seen_.size()}}).second) stack.push_back(e.fn.get());
       }
     }
   }
@@ -96,7 +108,7 @@ class GraphTask {
     std::vector<NodeBase*> ready;
     {
       std::lock_guard<std::mutex> lk(m_);
-      for (std::size_t i = 0; i < roots.size(); ++i) add_input(roots[i], std::move(seeds[i]));
+      for (std::size_t i = 0; i < roots.size(); ++i) add_input(roots[i], std::move(seeds[i]), 0);
       for (const auto& e : roots) {
         NodeBase* n = e.fn.get();
         if (deps_[n] == 0 && scheduled_.insert(n).second) ready.push_back(n);
@@ -110,14 +122,15 @@ class GraphTask {
   struct Arrival {
     AnyTensor grad;
     std::optional<Event> ready;  // CUDA, other stream: recorded where the gradient was produced
+    std::size_t from;            // the producer's place in the graph (Note [gradients add in graph order])
   };
 
   // Only records the gradient (m_ held); several gradients for one input are summed by
   // the thread that runs the node, outside the lock (Note [multi-device backward]).
-  void add_input(const Edge& e, AnyTensor g) {
+  void add_input(const Edge& e, AnyTensor g, std::size_t from) {
     auto& buf = buffers_[e.fn.get()];
     if (buf.empty()) buf.resize(e.fn->num_inputs());
-    Arrival a{std::move(g), std::nullopt};
+    Arrival a{std::move(g), std::nullopt, from};
     if (a.grad.device().is_cuda()) {  // produced on this thread's current stream for its device
       Stream& produced = current_stream(a.grad.device());
       if (e.fn->stream() != &produced) {  // the consumer runs elsewhere: it must wait for it
@@ -175,6 +188,8 @@ class GraphTask {
       }
       std::vector<std::vector<AnyTensor>> inputs(arrived.size());
       for (std::size_t i = 0; i < arrived.size(); ++i) {
+        std::stable_sort(arrived[i].begin(), arrived[i].end(),
+                         [](const Arrival& a, const Arrival& b) { return a.from < b.from; });
         inputs[i] = take_arrivals(arrived[i]);
         for (const auto& in : inputs[i])  // a node of another dtype handed on a wrong gradient
           CHORUS_CHECK(in.dtype() == n->dtype(), n->name(), " received a ", dtype_name(in.dtype()),
@@ -204,10 +219,11 @@ class GraphTask {
                      dtype_name(edges[i].fn->dtype()), " of shape ", meta.shape, " on ", meta.device);
       }
       std::lock_guard<std::mutex> lk(m_);
+      const std::size_t from = seen_.at(n).order;
       for (std::size_t i = 0; i < edges.size(); ++i) {
         const auto& e = edges[i];
         if (!e.valid()) continue;
-        if (i < outputs.size() && outputs[i].defined()) add_input(e, std::move(outputs[i]));
+        if (i < outputs.size() && outputs[i].defined()) add_input(e, std::move(outputs[i]), from);
         if (--deps_[e.fn.get()] == 0 && scheduled_.insert(e.fn.get()).second) ready.push_back(e.fn.get());
       }
     } catch (const Skip&) {
@@ -253,7 +269,11 @@ class GraphTask {
   Stream* home_;
   std::mutex m_;
   std::condition_variable cv_;
-  std::unordered_map<NodeBase*, NodePtr> seen_;  // keeps every node alive during the run
+  struct Seen {
+    NodePtr node;       // keeps every node alive during the run
+    std::size_t order;  // of discovery from the roots: fixed by the graph
+  };
+  std::unordered_map<NodeBase*, Seen> seen_;
   std::unordered_map<NodeBase*, int> deps_;
   std::unordered_map<NodeBase*, std::vector<std::vector<Arrival>>> buffers_;  // [node][input]
   std::unordered_set<NodeBase*> scheduled_;

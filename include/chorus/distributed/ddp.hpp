@@ -69,6 +69,7 @@ class DistributedDataParallel {
     CHORUS_CHECK(options_.bucket_cap_bytes > 0 && options_.first_bucket_bytes > 0,
                  "DistributedDataParallel: bucket sizes must be positive");
     reducer_ = dist::detail::setup_ddp(nn::module_of(module_), options_, group_, device_);
+    registered_ = nn::detail::registered_keys(nn::module_of(module_));
   }
 
   DistributedDataParallel(const DistributedDataParallel&) = delete;
@@ -85,6 +86,7 @@ class DistributedDataParallel {
   template <class... Args>
   auto forward(Args&&... args) {
     group_.check_usable("DistributedDataParallel::forward");
+    nn::detail::check_registry_unchanged(nn::module_of(module_), registered_, "DistributedDataParallel");
     if (joining_) {  // Note [DDP join]: this rank still trains
       CHORUS_CHECK(autograd::is_grad_enabled() && sync_ && nn::module_of(module_).is_training(),
                    "DistributedDataParallel::join: every forward inside join() must be a training step that "
@@ -285,6 +287,7 @@ class DistributedDataParallel {
   dist::ProcessGroup& group_;
   Device device_;
   std::shared_ptr<dist::detail::Reducer> reducer_;
+  std::vector<const void*> registered_;  // the module's tensors when built (Note [tied parameters])
   std::vector<const void*> ready_nodes_;
   dist::detail::FinalizeSlots finalize_;
   bool sync_ = true;

@@ -3,6 +3,7 @@
 // dist::init and the job's group): compiled into chorus::compiled and the MPI library
 // (src/distributed/local.cpp, mpi.cpp), included by process_group.hpp itself in the header-only
 // form (Note [compiled chorus]).
+#include "../backend/cpu/blas.hpp"
 #include "process_group.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -15,6 +16,8 @@ CHORUS_INLINE ProcessGroup::ProcessGroup(Options options) {
   if (!(detail::torchrun_present() && !detail::mpi_launcher_present())) {
     mpi_ = std::make_unique<detail::MpiBackend>(state_);
     state_.add_backend(mpi_.get());
+    // Note [BLAS threads shared by devices]: the node's ranks share its cores.
+    if (state_.default_device().is_cpu()) backend::cpu::share_blas_threads(state_.local_world);
     return;
   }
 #endif

@@ -47,10 +47,16 @@ CHORUS_INLINE void load_named(nn::Module& module, const std::vector<std::pair<st
   }
   std::vector<std::string> missing, unexpected;
   std::set<std::string> names, source_names;
+  std::set<const void*> loaded;  // tensors some source name loads
+  for (const auto& t : named)
+    if (by_name.count(t.name)) loaded.insert(t.tensor.impl_key());
   for (const auto& t : named) {
     names.insert(t.name);
-    if (!by_name.count(t.name)) missing.push_back(t.name);
+    // A tied tensor (Note [tied parameters]) loads through any one of its names: files often
+    // hold it once.
+    if (!by_name.count(t.name) && !loaded.count(t.tensor.impl_key())) missing.push_back(t.name);
   }
+  std::erase_if(named, [&](const nn::Module::NamedTensor& t) { return !by_name.count(t.name); });
   for (const auto& [name, s] : by_name) {
     source_names.insert(name);
     if (!names.count(name)) unexpected.push_back(original.at(name));

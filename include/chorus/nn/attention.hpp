@@ -62,18 +62,19 @@ class MultiheadAttentionImpl : public Module {
                  "MultiheadAttention: dropout must be in [0, 1], got ", options.dropout);
     head_dim = embed_dim / num_heads;
     const Device d = options.device;
+    using M = MultiheadAttentionImpl;
     // Registration order gives PyTorch's state_dict order.
     if (qkv_same_embed_dim()) {
-      in_proj_weight = register_parameter("in_proj_weight", Tensor<T>::empty({3 * embed_dim, embed_dim}, d));
+      register_parameter("in_proj_weight", &M::in_proj_weight, Tensor<T>::empty({3 * embed_dim, embed_dim}, d));
     } else {
-      q_proj_weight = register_parameter("q_proj_weight", Tensor<T>::empty({embed_dim, embed_dim}, d));
-      k_proj_weight = register_parameter("k_proj_weight", Tensor<T>::empty({embed_dim, kdim}, d));
-      v_proj_weight = register_parameter("v_proj_weight", Tensor<T>::empty({embed_dim, vdim}, d));
+      register_parameter("q_proj_weight", &M::q_proj_weight, Tensor<T>::empty({embed_dim, embed_dim}, d));
+      register_parameter("k_proj_weight", &M::k_proj_weight, Tensor<T>::empty({embed_dim, kdim}, d));
+      register_parameter("v_proj_weight", &M::v_proj_weight, Tensor<T>::empty({embed_dim, vdim}, d));
     }
-    if (options.bias) in_proj_bias = register_parameter("in_proj_bias", Tensor<T>::empty({3 * embed_dim}, d));
+    if (options.bias) register_parameter("in_proj_bias", &M::in_proj_bias, Tensor<T>::empty({3 * embed_dim}, d));
     if (options.add_bias_kv) {
-      bias_k = register_parameter("bias_k", Tensor<T>::empty({1, 1, embed_dim}, d));
-      bias_v = register_parameter("bias_v", Tensor<T>::empty({1, 1, embed_dim}, d));
+      register_parameter("bias_k", &M::bias_k, Tensor<T>::empty({1, 1, embed_dim}, d));
+      register_parameter("bias_v", &M::bias_v, Tensor<T>::empty({1, 1, embed_dim}, d));
     }
     out_proj = register_module("out_proj", LinearT<T>(embed_dim, embed_dim, {.bias = options.bias, .device = d}));
     reset_parameters();

@@ -36,10 +36,12 @@ class Conv2dImpl : public Module {
     CHORUS_CHECK(options.groups > 0 && in_channels % options.groups == 0 && out_channels % options.groups == 0,
                  "Conv2d(", in_channels, ", ", out_channels, "): groups=", options.groups,
                  " must divide both channel counts");
-    weight = register_parameter(
-        "weight", Tensor<T>::empty(Shape{out_channels, in_channels / options.groups, kernel_size[0], kernel_size[1]},
-                                   options.device));
-    if (options.bias) bias = register_parameter("bias", Tensor<T>::empty(Shape{out_channels}, options.device));
+    register_parameter(
+        "weight", &Conv2dImpl::weight,
+        Tensor<T>::empty(Shape{out_channels, in_channels / options.groups, kernel_size[0], kernel_size[1]},
+                         options.device));
+    if (options.bias)
+      register_parameter("bias", &Conv2dImpl::bias, Tensor<T>::empty(Shape{out_channels}, options.device));
     reset_parameters();
   }
 

@@ -29,7 +29,8 @@ class EmbeddingImpl : public Module {
                    " is out of range for ", num_embeddings, " embeddings");
       padding_idx = p < 0 ? p + num_embeddings : p;
     }
-    weight = register_parameter("weight", Tensor<T>::empty(Shape{num_embeddings, embedding_dim}, options.device));
+    register_parameter("weight", &EmbeddingImpl::weight,
+                       Tensor<T>::empty(Shape{num_embeddings, embedding_dim}, options.device));
     reset_parameters();
   }
   void reset_parameters() {

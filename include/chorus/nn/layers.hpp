@@ -39,8 +39,10 @@ LinearImpl<T>::LinearImpl(std::int64_t in_features, std::int64_t out_features, L
     : in_features(in_features), out_features(out_features), options(options) {
   CHORUS_CHECK(in_features >= 0 && out_features >= 0, "Linear(", in_features, ", ", out_features,
                "): feature counts must be non-negative");
-  weight = register_parameter("weight", Tensor<T>::empty(Shape{out_features, in_features}, options.device));
-  if (options.bias) bias = register_parameter("bias", Tensor<T>::empty(Shape{out_features}, options.device));
+  register_parameter("weight", &LinearImpl::weight,
+                     Tensor<T>::empty(Shape{out_features, in_features}, options.device));
+  if (options.bias)
+    register_parameter("bias", &LinearImpl::bias, Tensor<T>::empty(Shape{out_features}, options.device));
   reset_parameters();
 }
 

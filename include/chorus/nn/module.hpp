@@ -9,12 +9,29 @@
 // (clone(), DataParallel replicas) are made by copy constructors under a CloneScope (Note
 // [deep copy through copy constructors]); a submodule kept in a raw std::shared_ptr member
 // cannot be remapped that way, and clone() reports it instead of silently sharing it.
+//
+// Note [tied parameters]
+// PyTorch ties weights by assignment (`lm_head.weight = tok_emb.weight`): the module's
+// attribute is its registry. A C++ member is a separate handle, so a registry holding its own
+// copy of the handle would keep the old tensor after `head->weight = emb->weight` (LibTorch's
+// trap: the forward uses the new tensor, parameters() and checkpoints the old one). A member
+// registered with its pointer (`register_parameter("weight", &LinearImpl::weight, init)`, as
+// every library layer does) is instead read through the member at each walk, so the
+// assignment ties: one tensor, one gradient summed over both uses, listed once by
+// parameters()/named_parameters() (optimizers, clipping, master weights, DataParallel's flat
+// buffers and replicas, DDP and sharding all walk those), saved under both names by
+// named_tensors() and checkpoints, as PyTorch's state_dict(). A member set to a tensor that is
+// not a leaf is refused at the next walk; one left undefined is not registered (PyTorch's
+// None). Copies (clone(), replicas) keep the tie: the copy scope copies each tensor once.
+// Tie before wrapping the module in DataParallel or DDP: they refuse a module whose
+// registered tensors changed after they were built.
 #include <memory>
 #include <optional>
 #include <ostream>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "../core/any_tensor.hpp"
@@ -70,9 +87,32 @@ class Module {
   template <class T>
   Tensor<T> register_parameter(std::string name, Tensor<T> tensor, bool requires_grad = true);
 
+  /// Registers the member `member` of this module, set to `tensor`, as parameter `name`: the
+  /// registry then reads the member, so assigning it later re-registers it, as assigning a
+  /// module attribute does in PyTorch (Note [tied parameters]). Every library layer registers
+  /// its parameters and buffers this way.
+  template <class T, class M>
+  Tensor<T>& register_parameter(std::string name, Tensor<T> M::*member, Tensor<T> tensor,
+                                bool requires_grad = true) {
+    auto m = member_of<M>(member, name);
+    this->*m = register_parameter(name, std::move(tensor), requires_grad);
+    bind_member(params_.back(), m);
+    return this->*m;
+  }
+
   /// Registers a buffer: state that is saved and moved with the module but not trained.
   template <class T>
   Tensor<T> register_buffer(std::string name, Tensor<T> tensor);
+
+  /// Registers the member `member`, set to `tensor`, as buffer `name` (read through the
+  /// member, as register_parameter's member form).
+  template <class T, class M>
+  Tensor<T>& register_buffer(std::string name, Tensor<T> M::*member, Tensor<T> tensor) {
+    auto m = member_of<M>(member, name);
+    this->*m = register_buffer(name, std::move(tensor));
+    bind_member(buffers_.back(), m);
+    return this->*m;
+  }
 
   /// Registers a submodule held by a holder (nn::Linear, …) or a std::shared_ptr<Impl>.
   template <class Holder>
@@ -95,13 +135,16 @@ class Module {
     return module;
   }
 
-  /// Parameters in registration order, this module's first, then each child's (recursively).
+  /// Parameters in registration order, this module's first, then each child's (recursively);
+  /// a tensor registered under several names (tied) is listed once, at its first name.
   std::vector<AnyTensor> parameters(bool recurse = true) const;
-  /// Parameters with dotted names (`fc.weight`).
-  std::vector<NamedTensor> named_parameters(bool recurse = true) const;
+  /// Parameters with dotted names (`fc.weight`); with remove_duplicate false, a tied tensor
+  /// under each of its names.
+  std::vector<NamedTensor> named_parameters(bool recurse = true, bool remove_duplicate = true) const;
   std::vector<AnyTensor> buffers(bool recurse = true) const;
-  std::vector<NamedTensor> named_buffers(bool recurse = true) const;
-  /// Parameters then buffers, with dotted names (what a checkpoint holds).
+  std::vector<NamedTensor> named_buffers(bool recurse = true, bool remove_duplicate = true) const;
+  /// Parameters then buffers, with dotted names (what a checkpoint holds): a tied tensor under
+  /// each of its names, as PyTorch's state_dict().
   std::vector<NamedTensor> named_tensors() const;
   const std::vector<Child>& named_children() const { return children_; }
   std::vector<std::shared_ptr<Module>> children() const;
@@ -135,26 +178,56 @@ class Module {
   /// Prints the module tree with parameter shapes.
   void pretty_print(std::ostream& os, int indent = 0) const;
 
-  /// Calls f(AnyTensor&) for every parameter and buffer, recursively (each tensor once).
+  /// Calls f(AnyTensor&) for every registered parameter and buffer, recursively (a tied
+  /// tensor once per name; an unset member, none).
   template <class F>
   void for_each_tensor(F&& f) {
-    for (auto& p : params_) f(p.tensor);
-    for (auto& b : buffers_) f(b.tensor);
+    for (auto* slots : {&params_, &buffers_})
+      for (auto& s : *slots) {
+        AnyTensor t = current(s, "");
+        if (t.defined()) f(t);
+      }
     for (auto& c : children_) c.module->for_each_tensor(f);
   }
 
-  /// Replaces the tensor registered as `name` (a dotted path) by `value` of the same dtype
-  /// and shape, in place (the existing handles see the new values). Used by checkpoints.
-  AnyTensor* find_tensor(const std::string& dotted);
+  /// The tensor registered as `dotted` (a dotted path), or undefined when there is none.
+  AnyTensor find_tensor(const std::string& dotted) const;
 
  private:
+  // A registered tensor: held here, or read through a member of the derived module.
+  using MemberRef = std::variant<std::monostate, Tensor<float> Module::*, Tensor<double> Module::*,
+                                 Tensor<std::int64_t> Module::*, Tensor<bfloat16> Module::*,
+                                 Tensor<half> Module::*>;
+  struct Slot {
+    std::string name;
+    AnyTensor tensor;  // unset for a member slot
+    MemberRef member;
+  };
+
+  template <class M, class T>
+  Tensor<T> Module::*member_of(Tensor<T> M::*member, const std::string& name) {
+    static_assert(std::is_base_of_v<Module, M>, "register_parameter/register_buffer: the member must belong to a "
+                                                "class derived from nn::Module");
+    CHORUS_CHECK(member != nullptr, "register '", name, "': null member pointer");
+    CHORUS_CHECK(dynamic_cast<M*>(this) != nullptr, "register '", name,
+                 "': the member belongs to a class this module is not (register a module's own members)");
+    return static_cast<Tensor<T> Module::*>(member);
+  }
+  template <class T>
+  static void bind_member(Slot& slot, Tensor<T> Module::*member) {
+    slot.tensor = AnyTensor();
+    slot.member = member;
+  }
+  /// The tensor `slot` holds now (a member slot: the member's, which must be a leaf).
+  CHORUS_INLINE AnyTensor current(const Slot& slot, const std::string& prefix) const;
+
   void check_unique(const std::string& name) const;
 
   void collect(std::vector<NamedTensor>& out, const std::string& prefix, bool recurse,
-               std::vector<NamedTensor> Module::*which) const;
+               std::vector<Slot> Module::*which) const;
 
-  std::vector<NamedTensor> params_;
-  std::vector<NamedTensor> buffers_;
+  std::vector<Slot> params_;
+  std::vector<Slot> buffers_;
   std::vector<Child> children_;
   bool training_ = true;
 };
@@ -281,6 +354,12 @@ class DeviceCopyScope final : public CloneScope {
 /// Every module below (and including) `m`, with its dotted name.
 CHORUS_INLINE void walk(const Module& m, const std::string& prefix,
                         std::vector<std::pair<std::string, const std::shared_ptr<Module>*>>& out);
+
+/// The registered tensors of `root` (named_tensors(): a tied one under each name), as identities.
+CHORUS_INLINE std::vector<const void*> registered_keys(const Module& root);
+/// Refuses a module whose registered tensors are no longer `keys` (a parameter assigned or
+/// tied after `who` was built over it: Note [tied parameters]).
+CHORUS_INLINE void check_registry_unchanged(const Module& root, const std::vector<const void*>& keys, const char* who);
 
 /// Copy-constructs `original` while `scope` is active (made by `make_scope`), then checks
 /// that no submodule of the original gained a reference (which would mean a raw

@@ -26,7 +26,7 @@ Tensor<T> Module::register_parameter(std::string name, Tensor<T> tensor, bool re
   CHORUS_CHECK(tensor.is_leaf(), "register_parameter('", name, "'): a parameter must be a leaf tensor (detach it)");
   check_unique(name);
   if constexpr (is_floating_v<T>) tensor.requires_grad_(requires_grad);
-  params_.push_back({std::move(name), tensor});
+  params_.push_back({std::move(name), tensor, {}});
   return tensor;
 }
 
@@ -35,12 +35,13 @@ Tensor<T> Module::register_buffer(std::string name, Tensor<T> tensor) {
   detail::check_name(name, "buffer");
   CHORUS_CHECK(tensor.defined(), "register_buffer('", name, "'): undefined tensor");
   check_unique(name);
-  buffers_.push_back({std::move(name), tensor});
+  buffers_.push_back({std::move(name), tensor, {}});
   return tensor;
 }
 
 CHORUS_INLINE Module::Module(const Module& other)
     : params_(other.params_), buffers_(other.buffers_), training_(other.training_) {
+  // A member slot's tensor is the derived class's member, copied by its copy constructor.
   children_.reserve(other.children_.size());
   for (const auto& c : other.children_)
     children_.push_back({c.name, detail::map_module(c.module, c.clone), c.clone});
@@ -60,10 +61,21 @@ CHORUS_INLINE std::vector<AnyTensor> Module::parameters(bool recurse) const {
   return out;
 }
 
-CHORUS_INLINE std::vector<Module::NamedTensor> Module::named_parameters(bool recurse) const {
+namespace detail {
+CHORUS_INLINE std::vector<Module::NamedTensor> without_duplicates(std::vector<Module::NamedTensor> named) {
+  std::unordered_set<const void*> seen;
+  std::vector<Module::NamedTensor> out;
+  out.reserve(named.size());
+  for (auto& t : named)
+    if (seen.insert(t.tensor.impl_key()).second) out.push_back(std::move(t));
+  return out;
+}
+}  // namespace detail
+
+CHORUS_INLINE std::vector<Module::NamedTensor> Module::named_parameters(bool recurse, bool remove_duplicate) const {
   std::vector<NamedTensor> out;
   collect(out, "", recurse, &Module::params_);
-  return out;
+  return remove_duplicate ? detail::without_duplicates(std::move(out)) : out;
 }
 
 CHORUS_INLINE std::vector<AnyTensor> Module::buffers(bool recurse) const {
@@ -72,15 +84,15 @@ CHORUS_INLINE std::vector<AnyTensor> Module::buffers(bool recurse) const {
   return out;
 }
 
-CHORUS_INLINE std::vector<Module::NamedTensor> Module::named_buffers(bool recurse) const {
+CHORUS_INLINE std::vector<Module::NamedTensor> Module::named_buffers(bool recurse, bool remove_duplicate) const {
   std::vector<NamedTensor> out;
   collect(out, "", recurse, &Module::buffers_);
-  return out;
+  return remove_duplicate ? detail::without_duplicates(std::move(out)) : out;
 }
 
 CHORUS_INLINE std::vector<Module::NamedTensor> Module::named_tensors() const {
-  auto out = named_parameters();
-  for (auto& b : named_buffers()) out.push_back(std::move(b));
+  auto out = named_parameters(true, false);
+  for (auto& b : named_buffers(true, false)) out.push_back(std::move(b));
   return out;
 }
 
@@ -142,7 +154,7 @@ CHORUS_INLINE bool Module::any_meets_other_replicas() const {
 CHORUS_INLINE void Module::pretty_print(std::ostream& os, int indent) const {
   os << name() << "(";
   bool any = false;
-  for (const auto& p : params_) {
+  for (const auto& p : named_parameters(false, false)) {
     os << "\n" << std::string(indent + 2, ' ') << p.name << ": " << p.tensor.shape() << " "
        << dtype_name(p.tensor.dtype()) << " on " << p.tensor.device();
     any = true;
@@ -156,19 +168,36 @@ CHORUS_INLINE void Module::pretty_print(std::ostream& os, int indent) const {
   os << ")";
 }
 
-CHORUS_INLINE AnyTensor* Module::find_tensor(const std::string& dotted) {
+CHORUS_INLINE AnyTensor Module::find_tensor(const std::string& dotted) const {
   auto dot = dotted.find('.');
   if (dot == std::string::npos) {
-    for (auto& p : params_)
-      if (p.name == dotted) return &p.tensor;
-    for (auto& b : buffers_)
-      if (b.name == dotted) return &b.tensor;
-    return nullptr;
+    for (const auto* slots : {&params_, &buffers_})
+      for (const auto& s : *slots)
+        if (s.name == dotted) return current(s, "");
+    return {};
   }
   const std::string head = dotted.substr(0, dot);
-  for (auto& c : children_)
+  for (const auto& c : children_)
     if (c.name == head) return c.module->find_tensor(dotted.substr(dot + 1));
-  return nullptr;
+  return {};
+}
+
+CHORUS_INLINE AnyTensor Module::current(const Slot& slot, const std::string& prefix) const {
+  if (slot.member.index() == 0) return slot.tensor;
+  return std::visit(
+      [&](auto member) -> AnyTensor {
+        if constexpr (std::is_same_v<decltype(member), std::monostate>) {
+          return {};
+        } else {
+          const auto& t = this->*member;
+          CHORUS_CHECK(!t.defined() || t.is_leaf(), "'", prefix, slot.name,
+                       "' was assigned a tensor computed by an op (not a leaf); assign a parameter, or a "
+                       "detached tensor (x.detach().requires_grad_())");
+          if (!t.defined()) return {};
+          return AnyTensor(t);
+        }
+      },
+      slot.member);
 }
 
 CHORUS_INLINE void Module::check_unique(const std::string& name) const {
@@ -178,8 +207,9 @@ CHORUS_INLINE void Module::check_unique(const std::string& name) const {
 }
 
 CHORUS_INLINE void Module::collect(std::vector<NamedTensor>& out, const std::string& prefix, bool recurse,
-                                   std::vector<NamedTensor> Module::*which) const {
-  for (const auto& p : this->*which) out.push_back({prefix + p.name, p.tensor});
+                                   std::vector<Slot> Module::*which) const {
+  for (const auto& s : this->*which)
+    if (AnyTensor t = current(s, prefix); t.defined()) out.push_back({prefix + s.name, std::move(t)});
   if (!recurse) return;
   for (const auto& c : children_) c.module->collect(out, prefix + c.name + ".", true, which);
 }
@@ -190,6 +220,23 @@ CHORUS_INLINE std::shared_ptr<void> DeviceCopyScope::copy_tensor(const void* imp
   return visit_dtype(dtype, [&](auto tag) -> std::shared_ptr<void> {
     return deep_copy(*static_cast<const TensorImpl<decltype(tag)>*>(impl), device_);
   });
+}
+
+CHORUS_INLINE std::vector<const void*> registered_keys(const Module& root) {
+  std::vector<const void*> keys;
+  for (const auto& t : root.named_tensors()) keys.push_back(t.tensor.impl_key());
+  return keys;
+}
+
+CHORUS_INLINE void check_registry_unchanged(const Module& root, const std::vector<const void*>& keys, const char* who) {
+  const auto named = root.named_tensors();
+  for (std::size_t k = 0; k < std::max(named.size(), keys.size()); ++k) {
+    if (k < named.size() && k < keys.size() && named[k].tensor.impl_key() == keys[k]) continue;
+    const std::string what = k < named.size() ? "'" + named[k].name + "'" : std::string("a registered tensor");
+    CHORUS_FAIL(who, ": ", what, " is not the tensor it was when the ", who,
+                " was built (a member assigned or tied afterwards?); tie or replace parameters before building the ",
+                who, ", or build a new one");
+  }
 }
 
 CHORUS_INLINE void walk(const Module& m, const std::string& prefix,

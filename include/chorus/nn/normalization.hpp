@@ -74,13 +74,13 @@ class BatchNormImpl : public BatchNormBase {
                  ": momentum must be in [0, 1], got ", options.momentum.value_or(0));
     const Device d = options.device;
     if (options.affine) {
-      weight = register_parameter("weight", Tensor<T>::empty(Shape{num_features}, d));
-      bias = register_parameter("bias", Tensor<T>::empty(Shape{num_features}, d));
+      register_parameter("weight", &BatchNormImpl::weight, Tensor<T>::empty(Shape{num_features}, d));
+      register_parameter("bias", &BatchNormImpl::bias, Tensor<T>::empty(Shape{num_features}, d));
     }
     if (options.track_running_stats) {
-      running_mean = register_buffer("running_mean", Tensor<T>::empty(Shape{num_features}, d));
-      running_var = register_buffer("running_var", Tensor<T>::empty(Shape{num_features}, d));
-      num_batches_tracked = register_buffer("num_batches_tracked", zeros<std::int64_t>(Shape{}, d));
+      register_buffer("running_mean", &BatchNormImpl::running_mean, Tensor<T>::empty(Shape{num_features}, d));
+      register_buffer("running_var", &BatchNormImpl::running_var, Tensor<T>::empty(Shape{num_features}, d));
+      register_buffer("num_batches_tracked", &BatchNormImpl::num_batches_tracked, zeros<std::int64_t>(Shape{}, d));
     }
     reset_parameters();
   }
@@ -201,8 +201,8 @@ class LayerNormImpl : public Module {
                  "LayerNorm: normalized_shape must be non-empty, got ", normalized_shape);
     CHORUS_CHECK(options.eps > 0, "LayerNorm: eps must be positive, got ", options.eps);
     if (options.elementwise_affine) {
-      weight = register_parameter("weight", ones<T>(normalized_shape, options.device));
-      if (options.bias) bias = register_parameter("bias", zeros<T>(normalized_shape, options.device));
+      register_parameter("weight", &LayerNormImpl::weight, ones<T>(normalized_shape, options.device));
+      if (options.bias) register_parameter("bias", &LayerNormImpl::bias, zeros<T>(normalized_shape, options.device));
     }
   }
   explicit LayerNormImpl(std::int64_t dim, LayerNormOptions options = {}) : LayerNormImpl(Shape{dim}, options) {}

@@ -165,11 +165,11 @@ class RNNCellImplBase : public Module {
     CHORUS_CHECK(input_size > 0, kind, ": input_size must be positive, got ", input_size);
     CHORUS_CHECK(hidden_size > 0, kind, ": hidden_size must be positive, got ", hidden_size);
     const std::int64_t g = gates * hidden_size;
-    weight_ih = register_parameter("weight_ih", Tensor<T>::empty(Shape{g, input_size}, device));
-    weight_hh = register_parameter("weight_hh", Tensor<T>::empty(Shape{g, hidden_size}, device));
+    register_parameter("weight_ih", &RNNCellImplBase::weight_ih, Tensor<T>::empty(Shape{g, input_size}, device));
+    register_parameter("weight_hh", &RNNCellImplBase::weight_hh, Tensor<T>::empty(Shape{g, hidden_size}, device));
     if (bias) {
-      bias_ih = register_parameter("bias_ih", Tensor<T>::empty(Shape{g}, device));
-      bias_hh = register_parameter("bias_hh", Tensor<T>::empty(Shape{g}, device));
+      register_parameter("bias_ih", &RNNCellImplBase::bias_ih, Tensor<T>::empty(Shape{g}, device));
+      register_parameter("bias_hh", &RNNCellImplBase::bias_hh, Tensor<T>::empty(Shape{g}, device));
     }
     reset_parameters();
   }

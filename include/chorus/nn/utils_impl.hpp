@@ -2,6 +2,8 @@
 // The definitions of nn/utils.hpp (gradient clipping): compiled into chorus::compiled
 // (src/nn/utils.cpp), included by utils.hpp itself only in the header-only form (Note [compiled
 // chorus]).
+#include <unordered_set>
+
 #include "utils.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -9,6 +11,11 @@ namespace nn::utils {
 
 namespace detail {
 CHORUS_INLINE std::vector<DeviceGrads> device_grads(const std::vector<AnyTensor>& params) {
+  std::unordered_set<const void*> seen;
+  for (std::size_t i = 0; i < params.size(); ++i)
+    CHORUS_CHECK(!params[i].defined() || seen.insert(params[i].impl_key()).second, "clip_grad: parameter ", i,
+                 " appears more than once in the list (its gradient would count twice); module.parameters() lists "
+                 "a tied parameter once");
   std::vector<DeviceGrads> out;
   for_each_grad(params, [&](const auto& g) {
     using T = typename std::decay_t<decltype(g)>::value_type;

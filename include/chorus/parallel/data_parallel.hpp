@@ -144,6 +144,10 @@ class DataParallel : public parallel::DataParallelCore {
                                                        "Reduction::Mean or Reduction::Sum, not None");
     parallel::detail::check_dims_fit("DataParallel::forward_loss", "scatter_dims", scatter_dims_.size(), 2,
                                      "arguments (input, target)");
+    CHORUS_CHECK(scatter_dim(0) != kBroadcast && scatter_dim(1) != kBroadcast,
+                 "DataParallel::forward_loss: the input and the target are split by rows (scatter_dims[",
+                 scatter_dim(0) == kBroadcast ? 0 : 1, "] is kBroadcast); pass what every replica needs whole "
+                 "through forward() instead");
     check_not_nested();
     const InUse in_use(in_forward_);  // Note [DataParallel threads]
     if (!replicator_) install(build(devices_));

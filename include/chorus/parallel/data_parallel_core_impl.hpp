@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <string>
 
+#include "../backend/cpu/blas.hpp"
 #include "data_parallel_core.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -17,12 +18,21 @@ CHORUS_INLINE DataParallelCore::DataParallelCore(DataParallelOptions options)
       bucket_bytes_(options.bucket_bytes) {
   CHORUS_CHECK(!devices_.empty(), "DataParallel: no devices");
   CHORUS_CHECK(dim_ >= 0, "DataParallel: dim must be non-negative, got ", dim_);
+  for (const auto d : gather_dims_)
+    CHORUS_CHECK(d != kBroadcast, "DataParallel: gather_dims holds kBroadcast, which is for arguments "
+                 "(scatter_dims): every output is joined from the replicas'");
   for (const auto& d : devices_) {
     check_device(d);
     CHORUS_CHECK(d.kind == devices_[0].kind, "DataParallel: devices mix kinds (", devices_[0], " and ", d, ")");
   }
   output_device_ = options.output_device ? *options.output_device : devices_[0];
   check_device(output_device_);
+  if (devices_[0].is_cpu()) {  // Note [BLAS threads shared by devices]
+    std::vector<Device> distinct = devices_;
+    std::sort(distinct.begin(), distinct.end(), [](Device a, Device b) { return a.index < b.index; });
+    distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+    backend::cpu::share_blas_threads(static_cast<int>(distinct.size()));
+  }
 }
 
 CHORUS_INLINE void DataParallelCore::set_name_prefix_core(std::string prefix) {

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -24,7 +25,15 @@ CHORUS_NAMESPACE_BEGIN
 // tuple or pair (a forward returning anything else: gather_dims[0] for all of it). Arguments
 // and outputs past the lists, or with empty lists, use `dim`. A negative dim counts from each
 // tensor's last. Every split tensor must have the same size along its dim (the batch); a list
-// longer than the arguments or outputs is an error.
+// longer than the arguments or outputs is an error. An argument whose dim is kBroadcast is not
+// split: each replica gets all of it, on its device (an attention mask [L, L] beside a batch
+// [N, L]; its gradient, if it needs one, is the replicas' summed):
+//   DataParallel<Model> dp(model, {.scatter_dims = {0, kBroadcast}});
+//   auto out = dp(x, mask);  // x along 0; mask whole to every replica
+/// The scatter dim of an argument that every replica gets whole (Note [scatter and gather dims]).
+inline constexpr std::int64_t kBroadcast = std::numeric_limits<std::int64_t>::min();
+
+
 /// DataParallel's options (Note [scatter and gather dims]), with designated initializers:
 /// DataParallel<M> dp(module, {.devices = {...}, .scatter_dims = {0, 1}}).
 struct DataParallelOptions {

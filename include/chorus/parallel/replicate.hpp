@@ -261,6 +261,7 @@ class ReplicatorCore {
   }
 
   nn::Module& root_;
+  std::vector<const void*> registered_;  // the root's tensors when built (Note [tied parameters])
   std::vector<Device> devices_;
   std::shared_ptr<Communicator> comm_;
   std::size_t bucket_bytes_;

@@ -16,7 +16,11 @@ CHORUS_INLINE std::shared_ptr<void> ReplicaScope::copy_tensor(const void* impl, 
 
 CHORUS_INLINE ReplicatorCore::ReplicatorCore(nn::Module& primary, const std::vector<Device>& devices,
                                              std::shared_ptr<Communicator> comm, std::size_t bucket_bytes)
-    : root_(primary), devices_(devices), comm_(std::move(comm)), bucket_bytes_(bucket_bytes) {
+    : root_(primary),
+      registered_(nn::detail::registered_keys(primary)),
+      devices_(devices),
+      comm_(std::move(comm)),
+      bucket_bytes_(bucket_bytes) {
   for (auto& p : root_.named_parameters()) tensors_.push_back({p.name, p.tensor, true, p.tensor.shape()});
   for (auto& b : root_.named_buffers()) tensors_.push_back({b.name, b.tensor, false, b.tensor.shape()});
   check_on_primary();
@@ -122,6 +126,7 @@ CHORUS_INLINE void ReplicatorCore::join_idle(std::size_t used) {
 }
 
 CHORUS_INLINE void ReplicatorCore::check_on_primary() const {
+  nn::detail::check_registry_unchanged(root_, registered_, "DataParallel");
   for (const auto& e : tensors_) {
     CHORUS_CHECK(e.tensor.device() == devices_[0], "DataParallel: ", e.is_param ? "parameter '" : "buffer '", e.name,
                  "' is on ", e.tensor.device(), " but the primary device is ", devices_[0],

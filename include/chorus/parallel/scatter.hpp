@@ -8,6 +8,7 @@
 #include "../compiled.hpp"
 #include "arguments.hpp"
 #include "chunk_plan.hpp"
+#include "data_parallel_options.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace parallel {
@@ -35,6 +36,7 @@ class SplitMeasure {
   /// Adds the tensors of element `index`, split along `dim` (`listed`: taken from the dim list).
   template <class A>
   void add(const A& a, std::size_t index, std::int64_t dim, bool listed) {
+    if (dim == kBroadcast) return;  // not split: measures nothing
     auto leaf = [&](const auto& t, const LeafPath& path) {
       if (!t.defined()) {  // an undefined tensor inside a container reaches every replica undefined
         CHORUS_CHECK(path.parent != nullptr, who_, ": ", name(index, path), " is an undefined tensor");
@@ -68,12 +70,14 @@ class SplitMeasure {
   std::string first_;
 };
 
-/// Rows [offset, offset + size) along `dim` of every tensor of `a`, on `device` (undefined
-/// tensors stay undefined); a value without tensors as it is (a reference, not a copy).
+/// Rows [offset, offset + size) along `dim` of every tensor of `a`, on `device` (all of each,
+/// for kBroadcast; undefined tensors stay undefined); a value without tensors as it is (a
+/// reference, not a copy).
 template <class A>
 decltype(auto) scatter_part(const A& a, std::int64_t dim, std::int64_t offset, std::int64_t size, Device device) {
   auto part = [&](const auto& t) {
     if (!t.defined()) return t;
+    if (dim == kBroadcast) return t.to(device);
     return t.narrow(dim < 0 ? dim + t.dim() : dim, offset, size).to(device);
   };
   if constexpr (is_tensor_v<A>) return part(a);
