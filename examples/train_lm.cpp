@@ -30,7 +30,6 @@
 #include <random>
 #include <sstream>
 #include <string>
-#include <thread>
 #include <unistd.h>
 
 #include "device_options.hpp"
@@ -363,11 +362,6 @@ int main(int argc, char** argv) try {
                "positive and --dropout below 1");
   if (c.distributed) dist::init();
   else if (c.devices.empty()) c.devices = available_devices();
-  // Virtual CPU devices compute concurrently: split the cores between them rather than let each
-  // device's BLAS calls start a thread per core (oversubscription is many times slower).
-  const int sharing = c.distributed ? dist::group().local_world_size() : static_cast<int>(c.devices.size());
-  if (c.distributed ? dist::group().default_device().is_cpu() : c.devices[0].is_cpu())
-    backend::cpu::set_blas_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / sharing));
 
   const Corpus corpus = read_corpus(c);
   const auto vocab = static_cast<std::int64_t>(corpus.vocab.size());

@@ -23,7 +23,6 @@
 #include <numbers>
 #include <random>
 #include <string>
-#include <thread>
 #include <unistd.h>
 
 #include "device_options.hpp"
@@ -140,11 +139,6 @@ int main(int argc, char** argv) try {
   }
   CHORUS_CHECK(epochs > 0 && batch > 0 && workers >= 0, "--epochs and --batch must be positive, --workers >= 0");
   if (devices.empty()) devices = available_devices();
-  // Virtual CPU devices compute concurrently: split the cores between them rather than let
-  // each device's BLAS calls start a thread per core (oversubscription is many times slower).
-  if (devices[0].is_cpu())
-    backend::cpu::set_blas_threads(
-        std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / static_cast<int>(devices.size())));
   fs::create_directories(out_dir);
 
   if (data_dir.empty()) {

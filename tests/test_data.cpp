@@ -646,3 +646,13 @@ TEST(Transforms, ImagesAreCheckedBeforeTheyAreIndexed) {
   EXPECT_TRUE(throws_with([&] { data::transforms::RandomCrop(4, INT64_MAX / 2 - 1)(ramp(1, 4, 4), rng); },
                           {"overflows an int64"}));  // 2 * padding fits, + the height does not
 }
+
+// PyTorch's `dataset.tensors`: the data and the targets, the same tensors.
+TEST(TensorDataset, TensorsGivesTheDataAndTheTargets) {
+  auto x = randn<float>({5, 3});
+  auto y = from_vector<std::int64_t>({0, 1, 0, 1, 1});
+  data::TensorDataset ds(x, y);
+  auto [dx, dy] = ds.tensors();
+  EXPECT_EQ(dx.impl(), x.impl());
+  EXPECT_EQ(dy.impl(), y.impl());
+}

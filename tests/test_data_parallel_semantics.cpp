@@ -192,7 +192,9 @@ static_assert(parallel::detail::is_replicable_argument_v<std::array<Tensor<std::
 static_assert(parallel::detail::is_replicable_argument_v<std::tuple<int, std::vector<std::optional<Tensor<float>>>>>);
 static_assert(!parallel::detail::is_replicable_argument_v<AnyTensor>);
 static_assert(!parallel::detail::is_replicable_argument_v<const Tensor<float>*>);
-static_assert(!parallel::detail::is_replicable_argument_v<std::variant<int, Tensor<float>>>);
+static_assert(parallel::detail::is_replicable_argument_v<std::variant<int, Tensor<float>>>);
+static_assert(parallel::detail::is_replicable_argument_v<std::map<std::string, std::variant<Tensor<float>, double>>>);
+static_assert(!parallel::detail::is_replicable_argument_v<std::variant<int, AnyTensor>>);
 static_assert(!parallel::detail::is_replicable_argument_v<std::map<int, Tensor<float>>>);
 static_assert(!parallel::detail::is_replicable_argument_v<std::list<Tensor<float>>>);
 static_assert(!parallel::detail::is_replicable_argument_v<std::vector<std::shared_ptr<Tensor<float>>>>);

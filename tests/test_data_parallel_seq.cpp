@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <variant>
 #include <vector>
 
 #include "capsule_net.hpp"
@@ -431,4 +432,91 @@ TEST(DataParallelSeq, BadDimsAndSizesNameTheArgument) {
                           {"dims has 3 entries but there are 2 elements in the input"}));
   EXPECT_TRUE(throws_with([&] { parallel::scatter(std::make_tuple(x, h), cpus(2)); },
                           {"input[0] has 6 in dimension 0, input[1] has 1 in dimension 0"}));
+}
+
+// A GRU encoder-decoder on padded batches (targets padded with PAD, ignored by the loss) over
+// 3 devices, the loss on the replicas: each step's loss and gradients are one device's, and it
+// learns its batch.
+namespace {
+constexpr std::int64_t kPad = 0;
+struct Seq2Seq : nn::Module {
+  nn::EmbeddingT<double> src_emb, tgt_emb;
+  nn::GRUT<double> encoder, decoder;
+  nn::LinearT<double> out;
+  Seq2Seq()
+      : src_emb(register_module("src_emb", nn::EmbeddingT<double>(9, 6))),
+        tgt_emb(register_module("tgt_emb", nn::EmbeddingT<double>(9, 6))),
+        encoder(register_module("encoder", nn::GRUT<double>(6, 8, {.batch_first = true}))),
+        decoder(register_module("decoder", nn::GRUT<double>(6, 8, {.batch_first = true}))),
+        out(register_module("out", nn::LinearT<double>(8, 9))) {}
+  // src [N, S], tgt_in [N, T] -> logits [N, T, 9]; the encoder's last state starts the decoder.
+  Tensor<double> forward(const std::tuple<Tensor<std::int64_t>, Tensor<std::int64_t>>& batch) {
+    auto [enc, h] = encoder(src_emb(std::get<0>(batch)));
+    auto [dec, h_out] = decoder(tgt_emb(std::get<1>(batch)), h);
+    (void)enc;
+    (void)h_out;
+    return out(dec);
+  }
+};
+Tensor<double> seq_loss(const Tensor<double>& logits, const Tensor<std::int64_t>& target) {
+  return nn::functional::cross_entropy(logits.reshape({-1, 9}), target.reshape({-1}), Reduction::Mean, kPad);
+}
+}  // namespace
+
+TEST(DataParallelSeq, AGruEncoderDecoderOnPaddedBatchesTrainsAsOnOneDevice) {
+  // 6 pairs; shorter sequences padded with PAD (0); the target is the source reversed.
+  const auto src = from_vector<std::int64_t>({1, 2, 3, 4, 5, 6, 7, 0, 2, 2, 8, 0, 3, 5, 0, 0, 8, 1, 4, 6, 7, 7, 0, 0},
+                                             {6, 4});
+  const auto tgt_in = from_vector<std::int64_t>({1, 4, 3, 2, 1, 7, 6, 0, 1, 8, 2, 0, 1, 5, 0, 0, 1, 6, 4, 1, 1, 7, 0, 0},
+                                                {6, 4});
+  const auto tgt_out = from_vector<std::int64_t>({4, 3, 2, 1, 7, 6, 5, 0, 8, 2, 2, 0, 5, 3, 0, 0, 6, 4, 1, 8, 7, 7, 0, 0},
+                                                 {6, 4});
+  manual_seed(5);
+  Seq2Seq init;
+  auto one = nn::clone(init, Device::cpu(0));
+  DataParallel<Seq2Seq> dp(nn::clone(init, Device::cpu(0)), cpus(3));
+  optim::Adam one_opt(one.parameters(), {.lr = 0.03}), dp_opt(dp.parameters(), {.lr = 0.03});
+  std::vector<double> losses;
+  for (int step = 0; step < 40; ++step) {
+    const auto batch = std::make_tuple(src, tgt_in);
+    auto a = seq_loss(one.forward(batch), tgt_out);
+    auto b = dp.forward_loss(seq_loss, batch, tgt_out, {.ignore_index = kPad});
+    ASSERT_NEAR(b.item(), a.item(), kTol) << "step " << step;
+    one_opt.zero_grad();
+    dp_opt.zero_grad();
+    a.backward();
+    b.backward();
+    if (step % 10 == 0) chorus::testing::expect_grads_equal<double>(one, dp.module(), 1e-9, "step " + std::to_string(step));
+    one_opt.step();
+    dp_opt.step();
+    losses.push_back(b.item());
+  }
+  EXPECT_LT(losses.back(), 0.2 * losses.front());
+}
+
+// A dict of mixed values, as PyTorch users pass one: the tensors (a variant's active
+// alternative) are split, the other values reach every replica as they are.
+namespace {
+using Mixed = std::map<std::string, std::variant<Tensor<double>, double>>;
+struct MixedInputs : nn::Module {
+  nn::LinearT<double> fc;
+  MixedInputs() : fc(register_module("fc", nn::LinearT<double>(3, 2))) {}
+  Tensor<double> forward(const Mixed& in) {
+    return fc(std::get<Tensor<double>>(in.at("x"))) * std::get<double>(in.at("scale"));
+  }
+};
+}  // namespace
+
+TEST(DataParallelSeq, AVariantArgumentHasItsActiveAlternativeSplit) {
+  manual_seed(9);
+  MixedInputs init;
+  const Mixed in{{"x", r({6, 3}, 4)}, {"scale", 0.5}};
+  auto one = nn::clone(init, Device::cpu(0));
+  auto expected = one.forward(in);
+  DataParallel<MixedInputs> dp(nn::clone(init, Device::cpu(0)), cpus(3));
+  auto got = dp(in);
+  EXPECT_TRUE(all_close(got, expected, kTol, kTol));
+  expected.sum().backward();
+  got.sum().backward();
+  chorus::testing::expect_grads_equal<double>(one, dp.module(), kTol, "variant argument");
 }

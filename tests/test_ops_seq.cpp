@@ -475,3 +475,54 @@ TEST(OpsSeq, SavedTensorsAreVersionChecked) {
   idx.fill_(0);  // the index autograd saved changed: backward must refuse, as PyTorch does
   EXPECT_TRUE(throws_with([&] { y.sum().backward(); }, {"modified by an inplace operation"}));
 }
+
+// Tensor's method forms (LibTorch's x.abs(), x.exp(), ...) are the free functions, with their
+// gradients.
+TEST(OpsSeq, MethodFormsAreTheFreeFunctions) {
+  using F = std::function<Tensor<double>(const Tensor<double>&)>;
+  const std::vector<std::tuple<const char*, F, F>> pairs = {
+      {"neg", [](auto& x) { return x.neg(); }, [](auto& x) { return neg(x); }},
+      {"abs", [](auto& x) { return x.abs(); }, [](auto& x) { return abs(x); }},
+      {"exp", [](auto& x) { return x.exp(); }, [](auto& x) { return exp(x); }},
+      {"log", [](auto& x) { return x.abs().log(); }, [](auto& x) { return log(abs(x)); }},
+      {"sqrt", [](auto& x) { return x.abs().sqrt(); }, [](auto& x) { return sqrt(abs(x)); }},
+      {"square", [](auto& x) { return x.square(); }, [](auto& x) { return square(x); }},
+      {"pow", [](auto& x) { return x.pow(3.0); }, [](auto& x) { return pow(x, 3.0); }},
+      {"sin", [](auto& x) { return x.sin(); }, [](auto& x) { return sin(x); }},
+      {"cos", [](auto& x) { return x.cos(); }, [](auto& x) { return cos(x); }},
+      {"tanh", [](auto& x) { return x.tanh(); }, [](auto& x) { return tanh(x); }},
+      {"sigmoid", [](auto& x) { return x.sigmoid(); }, [](auto& x) { return sigmoid(x); }},
+      {"relu", [](auto& x) { return x.relu(); }, [](auto& x) { return relu(x); }},
+      {"gelu", [](auto& x) { return x.gelu(); }, [](auto& x) { return gelu(x); }},
+      {"clamp", [](auto& x) { return x.clamp(-0.5, 0.5); }, [](auto& x) { return clamp(x, -0.5, 0.5); }},
+      {"clamp_min", [](auto& x) { return x.clamp_min(0.1); }, [](auto& x) { return clamp_min(x, 0.1); }},
+      {"clamp_max", [](auto& x) { return x.clamp_max(0.1); }, [](auto& x) { return clamp_max(x, 0.1); }},
+      {"softmax", [](auto& x) { return x.softmax(1); }, [](auto& x) { return softmax(x, 1); }},
+      {"log_softmax", [](auto& x) { return x.log_softmax(-1); }, [](auto& x) { return log_softmax(x, -1); }},
+  };
+  Generator g(4);
+  const auto base = randn<double>({3, 4}, Device::cpu(), 0, 1, g);
+  for (const auto& [name, method, free] : pairs) {
+    auto a = base.clone().requires_grad_(), b = base.clone().requires_grad_();
+    auto ya = method(a), yb = free(b);
+    EXPECT_EQ(ya.to_vector(), yb.to_vector()) << name;
+    (ya * base).sum().backward();
+    (yb * base).sum().backward();
+    EXPECT_EQ(a.grad().to_vector(), b.grad().to_vector()) << name;
+  }
+}
+
+// cross_entropy's options refuse what PyTorch refuses, naming it.
+TEST(OpsSeq, CrossEntropyOptionsAreChecked) {
+  namespace F = nn::functional;
+  auto x = zeros<double>({2, 3});
+  auto t = from_vector<std::int64_t>({0, 2});
+  EXPECT_TRUE(throws_with([&] { F::cross_entropy(x, t, {.weight = ones<double>({2})}); }, {"weight must be [3]"}));
+  EXPECT_TRUE(throws_with([&] { F::cross_entropy(x, t, {.label_smoothing = 1.5}); }, {"label_smoothing", "[0, 1]"}));
+  EXPECT_TRUE(throws_with([&] { F::cross_entropy(zeros<double>({2, 3, 4}), t, {}); },
+                          {"target of shape [2]", "expected [2, 4]"}));
+  EXPECT_TRUE(throws_with([&] { F::cross_entropy(x, from_vector<std::int64_t>({0, 3}), {.label_smoothing = 0.1}); },
+                          {"target 3", "out of range"}));
+  // Label smoothing 1 on 3 classes: the loss of the uniform target, log 3, whatever the class.
+  EXPECT_NEAR(F::cross_entropy(x, t, {.label_smoothing = 1.0}).item(), std::log(3.0), 1e-15);
+}

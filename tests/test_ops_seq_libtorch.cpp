@@ -188,6 +188,51 @@ TEST(OpsSeqLibtorch, Reductions) {
   cross("norm-inf-ties", [](const TL& v) { return chorus::norm(v[0], kInf); },
         [](const TT& v) { return torch::linalg_vector_norm(v[0], kInf); }, {chorus::from_vector<double>({-2, 2, 1, -2})});
 }
+// cross_entropy with PyTorch's keyword arguments (class weight, ignore_index, label smoothing,
+// each reduction) and inputs of rank 1, 2, 3 and 4: values and the logits' gradients.
+TEST(OpsSeqLibtorch, CrossEntropyWithItsOptions) {
+  namespace F = chorus::nn::functional;
+  namespace TF = torch::nn::functional;
+  using R = chorus::Reduction;
+  struct Case {
+    const char* name;
+    Shape logits;
+    I64 target;
+    Shape target_shape;
+    bool weight;
+    std::int64_t ignore;
+    double smoothing;
+    R reduction;
+  };
+  const Case cases[] = {
+      {"weight-ignore-mean", {4, 5}, {1, 2, 4, 0}, {4}, true, 2, 0.0, R::Mean},
+      {"smoothing-mean", {4, 5}, {1, -100, 4, 0}, {4}, false, -100, 0.2, R::Mean},
+      {"weight-smoothing-sum", {4, 5}, {3, 3, 4, 0}, {4}, true, -100, 0.1, R::Sum},
+      {"rank3-none", {2, 5, 3}, {0, 4, 2, 1, 1, 3}, {2, 3}, true, 1, 0.3, R::None},
+      {"rank4-plain-mean", {2, 5, 2, 2}, {0, 4, 2, 1, 1, 3, 0, 0}, {2, 2, 2}, false, -100, 0.0, R::Mean},
+      {"one-example", {5}, {3}, {}, true, -100, 0.1, R::Mean},
+  };
+  const auto weight = r({5}, 6, 0.2, 2);
+  for (const auto& c : cases) {
+    const auto target = ids(c.target, c.target_shape);
+    const auto tt = to_torch(target);
+    cross(c.name,
+          [&](const TL& v) {
+            return F::cross_entropy(v[0], target,
+                                    {.weight = c.weight ? weight : Tensor<double>(), .ignore_index = c.ignore,
+                                     .reduction = c.reduction, .label_smoothing = c.smoothing});
+          },
+          [&](const TT& v) {
+            auto o = TF::CrossEntropyFuncOptions().ignore_index(c.ignore).label_smoothing(c.smoothing);
+            if (c.weight) o = o.weight(to_torch(weight));
+            if (c.reduction == R::Sum) o = o.reduction(torch::kSum);
+            if (c.reduction == R::None) o = o.reduction(torch::kNone);
+            return TF::cross_entropy(v[0], tt, o);
+          },
+          {r(c.logits, 5, -2, 2)});
+  }
+}
+
 #else
 TEST(OpsSeqLibtorch, Skipped) { GTEST_SKIP() << CHORUS_LIBTORCH_SKIP; }
 #endif

@@ -239,7 +239,7 @@ TEST(LRScheduler, LinearWarmupFollowsPyTorchsRecurrence) {
   OneParam<optim::AdamW> m(optim::AdamWOptions{.lr = 0.2});
   const double start = 0.25, end = 1.0;
   const int total = 4;
-  optim::LinearLR s(m.opt, start, end, total);
+  optim::LinearLR s(m.opt, {.start_factor = start, .end_factor = end, .total_iters = total});
   double lr = 0.2 * start;
   EXPECT_NEAR(m.opt.lr(0), lr, 1e-15);
   for (int t = 1; t <= 7; ++t) {
@@ -248,7 +248,7 @@ TEST(LRScheduler, LinearWarmupFollowsPyTorchsRecurrence) {
     EXPECT_NEAR(m.opt.lr(0), lr, 1e-15) << "epoch " << t;
   }
   EXPECT_NEAR(m.opt.lr(0), 0.2, 1e-15);
-  EXPECT_TRUE(throws_with([&] { optim::LinearLR(m.opt, 0.0); }, {"start_factor"}));
+  EXPECT_TRUE(throws_with([&] { optim::LinearLR(m.opt, {.start_factor = 0.0}); }, {"start_factor"}));
 }
 
 TEST(LRScheduler, OneCycleCosineAndMomentum) {
@@ -332,10 +332,10 @@ TEST(LRScheduler, OneCycleLinearRunsPyTorchsLoopToTheEnd) {
 // after a warmup ran past its total_steps (PyTorch's SequentialLR steps it, and it raises).
 TEST(LRScheduler, SequentialLRStopsWhereItsOneCycleStops) {
   OneParam<optim::SGD> m(optim::SGDOptions{.lr = 0.4});
-  auto warm = std::make_shared<optim::LinearLR>(m.opt, 0.1, 1.0, 3);
   auto cycle = std::make_shared<optim::OneCycleLR>(
       m.opt, optim::OneCycleOptions{.max_lr = 0.4, .total_steps = 5, .cycle_momentum = false});
-  optim::SequentialLR s(m.opt, {warm, cycle}, {3});
+  // One scheduler moved in, one shared.
+  optim::SequentialLR s(m.opt, {optim::LinearLR(m.opt, {.start_factor = 0.1, .total_iters = 3}), cycle}, {3});
   for (int e = 1; e <= 8; ++e) EXPECT_NO_THROW(s.step()) << "epoch " << e;  // the cycle's epochs 0..5
   EXPECT_TRUE(throws_with([&] { s.step(); }, {"OneCycleLR", "stepped 6 times", "total_steps = 5"}));
   EXPECT_EQ(s.last_epoch(), 8);
@@ -344,9 +344,8 @@ TEST(LRScheduler, SequentialLRStopsWhereItsOneCycleStops) {
 
 TEST(LRScheduler, SequentialWarmupThenCosine) {
   OneParam<optim::SGD> m(optim::SGDOptions{.lr = 0.4});
-  auto warm = std::make_shared<optim::LinearLR>(m.opt, 0.1, 1.0, 3);
-  auto cosine = std::make_shared<optim::CosineAnnealingLR>(m.opt, 5);
-  optim::SequentialLR s(m.opt, {warm, cosine}, {3});
+  optim::SequentialLR s(
+      m.opt, {optim::LinearLR(m.opt, {.start_factor = 0.1, .total_iters = 3}), optim::CosineAnnealingLR(m.opt, 5)}, {3});
   const double want[] = {0.04, 0.04 + 0.36 / 3, 0.04 + 0.72 / 3, 0.4, 0.2 * (1 + std::cos(M_PI / 5)),
                          0.2 * (1 + std::cos(2 * M_PI / 5))};
   for (double w : want) {

@@ -1,6 +1,6 @@
 // Must not compile (Note [nested arguments]): DataParallel scatters the tensors inside tuples,
-// pairs, arrays, vectors, optionals and string-keyed maps, but cannot see into a std::list (nor
-// an AnyTensor, a pointer or a variant): its tensors would reach every replica whole, unsplit.
+// pairs, arrays, vectors, optionals, variants and string-keyed maps, but cannot see into a
+// std::list (nor an AnyTensor or a pointer): its tensors would reach every replica whole, unsplit.
 // The test that builds this file passes when the build fails with DataParallel's message.
 #include <chorus/chorus.hpp>
 #include <list>

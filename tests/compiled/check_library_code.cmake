@@ -11,7 +11,7 @@
 set(ns "chorus::v0_1_[a-z_]+::")
 set(patterns
     "vtable for ${ns}nn::Module$"
-    "${ns}nn::Module::named_parameters\\(bool\\) const"
+    "${ns}nn::Module::named_parameters\\(bool, bool\\) const"
     "${ns}optim::SGD::step\\(\\)"
     "${ns}optim::Optimizer::load_state\\("
     "${ns}parallel::CopyCommunicator::reduce_add\\("

@@ -2,8 +2,9 @@
 //
 //   dist_resume DIR STEPS KILL_AT OUT
 //
-// trains an MLP with dropout under DistributedDataParallel on a DistributedSampler's batches
-// (Adam, StepLR; several epochs, so a checkpoint falls mid-epoch), with a Checkpointer in DIR
+// trains an MLP with SyncBatchNorm and dropout under DistributedDataParallel on a
+// DistributedSampler's batches (ZeroRedundancyOptimizer over Adam, StepLR; several epochs, so a
+// checkpoint falls mid-epoch), with a Checkpointer in DIR
 // every 3 steps, resuming from it when there is one. With KILL_AT >= 0, the last rank SIGKILLs
 // itself before step KILL_AT unless DIR/killed exists (it creates it first: one crash per job).
 // Rank 0 writes the final model to OUT, which must be bitwise the uninterrupted run's.
@@ -20,12 +21,14 @@ using namespace chorus;
 namespace {
 struct Net : nn::Module {
   nn::LinearT<double> fc1, fc2;
+  nn::SyncBatchNormT<double> bn;
   nn::Dropout drop;
   Net()
       : fc1(register_module("fc1", nn::LinearT<double>(6, 16))),
         fc2(register_module("fc2", nn::LinearT<double>(16, 2))),
+        bn(register_module("bn", nn::SyncBatchNormT<double>(16))),
         drop(register_module("drop", nn::Dropout(0.25))) {}
-  Tensor<double> forward(const Tensor<double>& x) { return fc2(drop(relu(fc1(x)))); }
+  Tensor<double> forward(const Tensor<double>& x) { return fc2(drop(relu(bn(fc1(x))))); }
 };
 }  // namespace
 
@@ -45,7 +48,7 @@ int main(int argc, char** argv) try {
   data::DataLoader loader(dataset, {.batch_size = 8}, sampler);
   const auto per_epoch = static_cast<std::int64_t>(loader.num_batches());
   DistributedDataParallel<Net> ddp(Net{});
-  optim::Adam opt(ddp.parameters(), {.lr = 1e-2});
+  optim::ZeroRedundancyOptimizer<optim::Adam> opt(ddp.parameters(), {.lr = 1e-2});
   optim::StepLR sched(opt, 4, 0.5);
   dist::Checkpointer ckpt(dir, ddp.module(), opt, {.every = 3, .scheduler = &sched});
   std::int64_t step = ckpt.resume();

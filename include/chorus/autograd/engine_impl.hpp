@@ -2,6 +2,7 @@
 // The backward engine's definitions: engine.hpp includes this only in the header-only form;
 // src/autograd/engine.cpp compiles them into chorus::compiled for the floating dtypes (Note
 // [compiled chorus]), which are all backward() takes.
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -12,8 +13,6 @@
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
-
-#include <algorithm>
 
 #include "engine.hpp"
 
@@ -71,9 +70,9 @@ inline std::exception_ptr nested_error(const std::string& what) {
 // Note [gradients add in graph order]
 // Gradients that meet at one input (a tensor used twice; a DataParallel primary parameter,
 // which gets replica 0's gradient and the replicas' sum) arrive in an order that depends on
-// which device's thread finished first. Floating-point addition is not associative, so
-// summing them as they arrived made DataParallel over CPU devices differ run to run in the
-// last bits. Each arrival carries its producer's place in the discovery walk from the roots
+// which device's thread finished first. Floating-point addition is not associative: summed
+// as they arrive, the last bits would depend on that timing, and a DataParallel run would not
+// repeat itself. Each arrival carries its producer's place in the discovery walk from the roots
 // (fixed by the graph), and the node adds them in that order; sum_into_unshared adds its
 // parts left to right whichever part's memory it writes into. The same program and seed
 // give the same bits however the devices' work is timed.
@@ -141,6 +140,19 @@ class GraphTask {
     buf[e.input_nr].push_back(std::move(a));
   }
 
+  /// Puts a node's arrivals in their producers' order (Note [gradients add in graph order]).
+  static void in_graph_order(std::vector<Arrival>& arrivals) {
+    if (arrivals.size() < 2) return;
+    std::vector<std::size_t> order(arrivals.size());
+    for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return arrivals[a].from < arrivals[b].from; });
+    std::vector<Arrival> sorted;
+    sorted.reserve(arrivals.size());
+    for (auto k : order) sorted.push_back(std::move(arrivals[k]));
+    arrivals = std::move(sorted);
+  }
+
   /// Orders the consumer's stream after each gradient's producer and notes the use of its
   /// memory there (CUDA; see Note [CUDA allocator]).
   static std::vector<AnyTensor> take_arrivals(std::vector<Arrival>& arrivals) {
@@ -188,8 +200,7 @@ class GraphTask {
       }
       std::vector<std::vector<AnyTensor>> inputs(arrived.size());
       for (std::size_t i = 0; i < arrived.size(); ++i) {
-        std::stable_sort(arrived[i].begin(), arrived[i].end(),
-                         [](const Arrival& a, const Arrival& b) { return a.from < b.from; });
+        in_graph_order(arrived[i]);
         inputs[i] = take_arrivals(arrived[i]);
         for (const auto& in : inputs[i])  // a node of another dtype handed on a wrong gradient
           CHORUS_CHECK(in.dtype() == n->dtype(), n->name(), " received a ", dtype_name(in.dtype()),

@@ -238,6 +238,26 @@ class Tensor {
   Tensor mean(std::int64_t dim, bool keepdim = false) const;
   Tensor matmul(const Tensor& other) const;
   Tensor bmm(const Tensor& other) const;
+  /// The method forms of the unary operators (LibTorch's x.abs(), x.exp(), ...): each is its
+  /// free function (chorus::abs(x), ...), differentiable the same way.
+  Tensor neg() const;
+  Tensor abs() const;
+  Tensor exp() const;
+  Tensor log() const;
+  Tensor sqrt() const;
+  Tensor square() const;
+  Tensor pow(double exponent) const;
+  Tensor sin() const;
+  Tensor cos() const;
+  Tensor tanh() const;
+  Tensor sigmoid() const;
+  Tensor relu() const;
+  Tensor gelu() const;
+  Tensor clamp(std::optional<double> min, std::optional<double> max = std::nullopt) const;
+  Tensor clamp_min(double min) const;
+  Tensor clamp_max(double max) const;
+  Tensor softmax(std::int64_t dim) const;
+  Tensor log_softmax(std::int64_t dim) const;
   template <class U>
   Tensor<U> to() const;  // dtype conversion (not differentiable)
 

@@ -3,6 +3,7 @@
 // (data + target); a dataset may also offer get_batch(indices) to build a batch at once.
 #include <concepts>
 #include <cstddef>
+#include <tuple>
 #include <vector>
 
 #include "../compiled.hpp"
@@ -62,6 +63,8 @@ class TensorDataset {
                  " disagree in dimension 0");
   }
   std::size_t size() const { return static_cast<std::size_t>(data_.size(0)); }
+  /// The data and the targets (PyTorch's `dataset.tensors`): `auto [x, y] = ds.tensors();`.
+  std::tuple<Tensor<T>, Tensor<U>> tensors() const { return {data_, target_}; }
   Example<Tensor<T>, Tensor<U>> get(std::size_t i) const {
     CHORUS_CHECK(i < size(), "TensorDataset: index ", i, " out of range for ", size(), " examples");
     return {data_.select(0, static_cast<std::int64_t>(i)).contiguous(),

@@ -20,9 +20,10 @@
 // assignment ties: one tensor, one gradient summed over both uses, listed once by
 // parameters()/named_parameters() (optimizers, clipping, master weights, DataParallel's flat
 // buffers and replicas, DDP and sharding all walk those), saved under both names by
-// named_tensors() and checkpoints, as PyTorch's state_dict(). A member set to a tensor that is
-// not a leaf is refused at the next walk; one left undefined is not registered (PyTorch's
-// None). Copies (clone(), replicas) keep the tie: the copy scope copies each tensor once.
+// named_tensors() and checkpoints, as PyTorch's state_dict(). A member left undefined is not
+// registered (PyTorch's None); one set to a tensor computed by an op is listed as it is, and
+// the optimizers and MasterWeights refuse it (a DataParallel replica's parameters are such
+// tensors). Copies (clone(), replicas) keep the tie: the copy scope copies each tensor once.
 // Tie before wrapping the module in DataParallel or DDP: they refuse a module whose
 // registered tensors changed after they were built.
 #include <memory>
@@ -184,7 +185,7 @@ class Module {
   void for_each_tensor(F&& f) {
     for (auto* slots : {&params_, &buffers_})
       for (auto& s : *slots) {
-        AnyTensor t = current(s, "");
+        AnyTensor t = current(s);
         if (t.defined()) f(t);
       }
     for (auto& c : children_) c.module->for_each_tensor(f);
@@ -204,8 +205,10 @@ class Module {
     MemberRef member;
   };
 
+  template <class T>
+  using MemberPtr = Tensor<T> Module::*;
   template <class M, class T>
-  Tensor<T> Module::*member_of(Tensor<T> M::*member, const std::string& name) {
+  MemberPtr<T> member_of(Tensor<T> M::*member, const std::string& name) {
     static_assert(std::is_base_of_v<Module, M>, "register_parameter/register_buffer: the member must belong to a "
                                                 "class derived from nn::Module");
     CHORUS_CHECK(member != nullptr, "register '", name, "': null member pointer");
@@ -218,8 +221,8 @@ class Module {
     slot.tensor = AnyTensor();
     slot.member = member;
   }
-  /// The tensor `slot` holds now (a member slot: the member's, which must be a leaf).
-  CHORUS_INLINE AnyTensor current(const Slot& slot, const std::string& prefix) const;
+  /// The tensor `slot` holds now (a member slot: the member's).
+  CHORUS_INLINE AnyTensor current(const Slot& slot) const;
 
   void check_unique(const std::string& name) const;
 

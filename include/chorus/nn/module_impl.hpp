@@ -173,7 +173,7 @@ CHORUS_INLINE AnyTensor Module::find_tensor(const std::string& dotted) const {
   if (dot == std::string::npos) {
     for (const auto* slots : {&params_, &buffers_})
       for (const auto& s : *slots)
-        if (s.name == dotted) return current(s, "");
+        if (s.name == dotted) return current(s);
     return {};
   }
   const std::string head = dotted.substr(0, dot);
@@ -182,7 +182,7 @@ CHORUS_INLINE AnyTensor Module::find_tensor(const std::string& dotted) const {
   return {};
 }
 
-CHORUS_INLINE AnyTensor Module::current(const Slot& slot, const std::string& prefix) const {
+CHORUS_INLINE AnyTensor Module::current(const Slot& slot) const {
   if (slot.member.index() == 0) return slot.tensor;
   return std::visit(
       [&](auto member) -> AnyTensor {
@@ -190,11 +190,7 @@ CHORUS_INLINE AnyTensor Module::current(const Slot& slot, const std::string& pre
           return {};
         } else {
           const auto& t = this->*member;
-          CHORUS_CHECK(!t.defined() || t.is_leaf(), "'", prefix, slot.name,
-                       "' was assigned a tensor computed by an op (not a leaf); assign a parameter, or a "
-                       "detached tensor (x.detach().requires_grad_())");
-          if (!t.defined()) return {};
-          return AnyTensor(t);
+          return t.defined() ? AnyTensor(t) : AnyTensor();
         }
       },
       slot.member);
@@ -209,7 +205,7 @@ CHORUS_INLINE void Module::check_unique(const std::string& name) const {
 CHORUS_INLINE void Module::collect(std::vector<NamedTensor>& out, const std::string& prefix, bool recurse,
                                    std::vector<Slot> Module::*which) const {
   for (const auto& s : this->*which)
-    if (AnyTensor t = current(s, prefix); t.defined()) out.push_back({prefix + s.name, std::move(t)});
+    if (AnyTensor t = current(s); t.defined()) out.push_back({prefix + s.name, std::move(t)});
   if (!recurse) return;
   for (const auto& c : children_) c.module->collect(out, prefix + c.name + ".", true, which);
 }

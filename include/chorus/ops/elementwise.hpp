@@ -281,6 +281,43 @@ Tensor<T> sigmoid(const Tensor<T>& x) {
   return ops::detail::pointwise("SigmoidBackward", x, backend::fn::Sigmoid{}, backend::fn::SigmoidBackward{}, true);
 }
 
+// The method forms (core/tensor.hpp), qualified: inside Tensor's scope the members hide the
+// free functions.
+template <class T>
+Tensor<T> Tensor<T>::neg() const { return ::chorus::neg(*this); }
+template <class T>
+Tensor<T> Tensor<T>::abs() const { return ::chorus::abs(*this); }
+template <class T>
+Tensor<T> Tensor<T>::exp() const { return ::chorus::exp(*this); }
+template <class T>
+Tensor<T> Tensor<T>::log() const { return ::chorus::log(*this); }
+template <class T>
+Tensor<T> Tensor<T>::sqrt() const { return ::chorus::sqrt(*this); }
+template <class T>
+Tensor<T> Tensor<T>::square() const { return ::chorus::square(*this); }
+template <class T>
+Tensor<T> Tensor<T>::pow(double exponent) const { return ::chorus::pow(*this, exponent); }
+template <class T>
+Tensor<T> Tensor<T>::sin() const { return ::chorus::sin(*this); }
+template <class T>
+Tensor<T> Tensor<T>::cos() const { return ::chorus::cos(*this); }
+template <class T>
+Tensor<T> Tensor<T>::tanh() const { return ::chorus::tanh(*this); }
+template <class T>
+Tensor<T> Tensor<T>::sigmoid() const { return ::chorus::sigmoid(*this); }
+template <class T>
+Tensor<T> Tensor<T>::relu() const { return ::chorus::relu(*this); }
+template <class T>
+Tensor<T> Tensor<T>::gelu() const { return ::chorus::gelu(*this); }
+template <class T>
+Tensor<T> Tensor<T>::clamp(std::optional<double> min, std::optional<double> max) const {
+  return ::chorus::clamp(*this, min, max);
+}
+template <class T>
+Tensor<T> Tensor<T>::clamp_min(double min) const { return ::chorus::clamp_min(*this, min); }
+template <class T>
+Tensor<T> Tensor<T>::clamp_max(double max) const { return ::chorus::clamp_max(*this, max); }
+
 // dropout lives in ops/dropout.hpp (Note [dropout random numbers]).
 
 // ---- operators ----

@@ -189,12 +189,7 @@ Tensor<T> mse_loss(const Tensor<T>& input, const Tensor<T>& target, Reduction re
   return out;
 }
 
-/// Cross entropy of logits [N, C] against class indices [N] (log_softmax + nll, fused).
-template <class T>
-Tensor<T> cross_entropy(const Tensor<T>& logits, const Tensor<std::int64_t>& target,
-                        Reduction reduction = Reduction::Mean, std::int64_t ignore_index = -100) {
-  return ops::detail::class_loss(false, logits, target, reduction, ignore_index);
-}
+// cross_entropy is in ops/cross_entropy.hpp (its options form is built from later operators).
 
 /// Negative log likelihood of log-probabilities [N, C] against class indices [N].
 template <class T>
@@ -209,6 +204,5 @@ CHORUS_NAMESPACE_END
 // The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
 #define CHORUS_OPS_LOSS_INSTANCES(X, T)                                                                                 \
   X(Tensor<T> nn::functional::mse_loss<T>(const Tensor<T>&, const Tensor<T>&, Reduction))                               \
-  X(Tensor<T> nn::functional::cross_entropy<T>(const Tensor<T>&, const Tensor<std::int64_t>&, Reduction, std::int64_t)) \
   X(Tensor<T> nn::functional::nll_loss<T>(const Tensor<T>&, const Tensor<std::int64_t>&, Reduction, std::int64_t))
 CHORUS_EXTERN_INSTANCES(CHORUS_OPS_LOSS_INSTANCES, CHORUS_ALL_DTYPES)

@@ -20,6 +20,8 @@
 #include "statistics.hpp"
 // Attention, built from the operators above.
 #include "attention.hpp"
+// cross_entropy's options form (class weight, label smoothing, any rank), built from them too.
+#include "cross_entropy.hpp"
 
 // The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp): Tensor<T>
 // whole for the floating dtypes (its members defined in the headers above), and for int64 the

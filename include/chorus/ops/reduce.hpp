@@ -223,6 +223,14 @@ template <class T>
 Tensor<T> log_softmax(const Tensor<T>& x, std::int64_t dim) {
   return ops::detail::softmax_impl(x, dim, true);
 }
+template <class T>
+Tensor<T> Tensor<T>::softmax(std::int64_t dim) const {
+  return ::chorus::softmax(*this, dim);
+}
+template <class T>
+Tensor<T> Tensor<T>::log_softmax(std::int64_t dim) const {
+  return ::chorus::log_softmax(*this, dim);
+}
 
 template <class T>
 Tensor<T> Tensor<T>::sum() const {

@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include <concepts>
+
 #include "../compiled.hpp"
 #include "optimizer.hpp"
 
@@ -29,6 +31,9 @@ class LRScheduler {
   virtual ~LRScheduler() = default;
   LRScheduler(const LRScheduler&) = delete;
   LRScheduler& operator=(const LRScheduler&) = delete;
+  /// Movable, so that SequentialLR can take schedulers by value.
+  LRScheduler(LRScheduler&&) noexcept = default;
+  LRScheduler& operator=(LRScheduler&&) = delete;
 
   /// Advances one epoch (or iteration) and sets the optimizer's learning rates.
   void step();
@@ -116,10 +121,17 @@ class CosineAnnealingLR final : public LRScheduler {
   double eta_min_;
 };
 
-/// Linear warmup: lr = base * (start + (end - start) * min(epoch, total_iters) / total_iters).
+struct LinearLROptions {
+  double start_factor = 1.0 / 3;  ///< the first epoch's factor, in (0, 1]
+  double end_factor = 1.0;        ///< the factor from total_iters on, in [0, 1]
+  std::int64_t total_iters = 5;   ///< epochs of the ramp
+};
+
+/// Linear warmup: lr = base * (start + (end - start) * min(epoch, total_iters) / total_iters):
+/// `optim::LinearLR warmup(opt, {.start_factor = 0.1, .total_iters = 100});`.
 class LinearLR final : public LRScheduler {
  public:
-  LinearLR(Optimizer& opt, double start_factor = 1.0 / 3, double end_factor = 1.0, std::int64_t total_iters = 5);
+  explicit LinearLR(Optimizer& opt, LinearLROptions options = {});
   double lr_at(double base, std::int64_t epoch) const override {
     const double f = static_cast<double>(std::min(epoch, total_)) / static_cast<double>(total_);
     return base * (start_ + (end_ - start_) * f);
@@ -181,10 +193,27 @@ class OneCycleLR final : public LRScheduler {
 
 /// Runs schedulers one after another: scheduler i (i >= 1) takes over at milestones[i - 1] and
 /// sees epochs counted from its milestone (torch.optim.lr_scheduler.SequentialLR). The
-/// schedulers must be built on the same optimizer; their base lrs are this one's.
+/// schedulers must be built on the same optimizer; their base lrs are this one's. They are
+/// taken by value (or shared):
+///   optim::SequentialLR s(opt, {optim::LinearLR(opt, {.start_factor = 0.1, .total_iters = 10}),
+///                               optim::CosineAnnealingLR(opt, 90)}, {10});
 class SequentialLR final : public LRScheduler {
  public:
-  SequentialLR(Optimizer& opt, std::vector<std::shared_ptr<LRScheduler>> schedulers, std::vector<std::int64_t> milestones);
+  /// One of the schedulers: moved in from a scheduler, or a shared one.
+  class Scheduler {
+   public:
+    template <class S>
+      requires std::derived_from<S, LRScheduler>
+    Scheduler(S&& scheduler) : ptr_(std::make_shared<S>(std::move(scheduler))) {}  // NOLINT
+    template <class S>
+      requires std::derived_from<S, LRScheduler>
+    Scheduler(std::shared_ptr<S> scheduler) : ptr_(std::move(scheduler)) {}  // NOLINT
+    const std::shared_ptr<LRScheduler>& ptr() const { return ptr_; }
+
+   private:
+    std::shared_ptr<LRScheduler> ptr_;
+  };
+  SequentialLR(Optimizer& opt, std::vector<Scheduler> schedulers, std::vector<std::int64_t> milestones);
   CHORUS_INLINE double lr_at(double base, std::int64_t epoch) const override;
   /// The active scheduler's limit, at its own epoch (PyTorch steps it, and it raises there).
   CHORUS_INLINE void check_epoch(std::int64_t epoch) const override;

@@ -69,12 +69,12 @@ CHORUS_INLINE CosineAnnealingLR::CosineAnnealingLR(Optimizer& opt, std::int64_t 
   start();
 }
 
-CHORUS_INLINE LinearLR::LinearLR(Optimizer& opt, double start_factor, double end_factor, std::int64_t total_iters)
-    : LRScheduler(opt), start_(start_factor), end_(end_factor), total_(total_iters) {
-  CHORUS_CHECK(start_factor > 0 && start_factor <= 1, "LinearLR: start_factor must be in (0, 1], got ",
-               start_factor);
-  CHORUS_CHECK(end_factor >= 0 && end_factor <= 1, "LinearLR: end_factor must be in [0, 1], got ", end_factor);
-  CHORUS_CHECK(total_iters > 0, "LinearLR: total_iters must be positive, got ", total_iters);
+CHORUS_INLINE LinearLR::LinearLR(Optimizer& opt, LinearLROptions o)
+    : LRScheduler(opt), start_(o.start_factor), end_(o.end_factor), total_(o.total_iters) {
+  CHORUS_CHECK(o.start_factor > 0 && o.start_factor <= 1, "LinearLR: start_factor must be in (0, 1], got ",
+               o.start_factor);
+  CHORUS_CHECK(o.end_factor >= 0 && o.end_factor <= 1, "LinearLR: end_factor must be in [0, 1], got ", o.end_factor);
+  CHORUS_CHECK(o.total_iters > 0, "LinearLR: total_iters must be positive, got ", o.total_iters);
   start();
 }
 
@@ -135,9 +135,10 @@ CHORUS_INLINE double OneCycleLR::interpolate(const double (&levels)[3], std::int
 
 // SequentialLR
 
-CHORUS_INLINE SequentialLR::SequentialLR(Optimizer& opt, std::vector<std::shared_ptr<LRScheduler>> schedulers,
+CHORUS_INLINE SequentialLR::SequentialLR(Optimizer& opt, std::vector<Scheduler> schedulers,
                                          std::vector<std::int64_t> milestones)
-    : LRScheduler(opt), schedulers_(std::move(schedulers)), milestones_(std::move(milestones)) {
+    : LRScheduler(opt), milestones_(std::move(milestones)) {
+  for (auto& s : schedulers) schedulers_.push_back(s.ptr());
   CHORUS_CHECK(!schedulers_.empty(), "SequentialLR: no schedulers");
   CHORUS_CHECK(milestones_.size() + 1 == schedulers_.size(), "SequentialLR: ", schedulers_.size(),
                " schedulers need ", schedulers_.size() - 1, " milestones, got ", milestones_.size());

@@ -32,17 +32,19 @@ inline constexpr bool is_tensor_v = is_tensor<std::remove_cvref_t<X>>::value;
 
 // Note [nested arguments]
 // DataParallel scatters every tensor of an argument, as PyTorch's scatter does: a Tensor, and
-// the tensors inside a std::tuple, std::pair, std::array, std::vector, std::optional or a
-// string-keyed std::map / std::unordered_map (nested as deep as wanted), each split along its
-// argument's scatter dim; every other value is copied to each replica, and an undefined tensor
+// the tensors inside a std::tuple, std::pair, std::array, std::vector, std::optional, the active
+// alternative of a std::variant (PyTorch's dict of mixed values is a
+// std::map<std::string, std::variant<Tensor<float>, int, ...>>) or a string-keyed std::map /
+// std::unordered_map (nested as deep as wanted), each split along its argument's scatter dim; every other value is copied to each replica, and an undefined tensor
 // inside such a container reaches every replica undefined (an LSTM's "no initial state").
 // Outputs of the same forms are gathered: each tensor joined along its output's gather dim, a
 // 0-dim tensor stacked into one value per replica, a non-tensor value taken from replica 0
 // after checking that every replica returned the same. A tensor that DataParallel cannot see
-// into -- an AnyTensor, behind a pointer, smart pointer, reference_wrapper or variant, or in
-// another container (std::list, std::set, std::span, ...) -- would reach every replica whole
-// (each would run the whole batch, the gathered output would have k times the rows), so such
-// an argument or output is refused at compile time (contains_tensor). A tensor inside a user's
+// into -- an AnyTensor, behind a pointer, smart pointer or reference_wrapper, or in another
+// container (std::list, std::set, std::span, ...) -- would reach every replica whole (each
+// would run the whole batch, the gathered output would have k times the rows), so such an
+// argument or output is refused at compile time (contains_tensor); so is an output variant
+// (the replicas could return different alternatives). A tensor inside a user's
 // own struct cannot be seen this way: pass it in one of the forms above.
 template <class X>
 struct contains_tensor;
@@ -102,6 +104,10 @@ template <class X>
 struct is_optional : std::false_type {};
 template <class X>
 struct is_optional<std::optional<X>> : std::true_type {};
+template <class X>
+struct is_variant : std::false_type {};
+template <class... Ts>
+struct is_variant<std::variant<Ts...>> : std::true_type {};
 
 /// X can be scattered (as an argument) and gathered (as an output, when `output`): its tensors
 /// all lie in containers DataParallel sees into; values without tensors are copied (an output's
@@ -121,8 +127,16 @@ constexpr bool splittable() {
     return splittable<typename D::value_type, output>();
   } else if constexpr (is_string_map<D>::value) {
     return splittable<typename D::mapped_type, output>();
+  } else if constexpr (is_variant<D>::value) {
+    // An argument's active alternative is split as that alternative would be; an output's
+    // could differ between the replicas.
+    if constexpr (output) return false;
+    else
+      return []<std::size_t... I>(std::index_sequence<I...>) {
+        return (splittable<std::variant_alternative_t<I, D>, false>() && ...);
+      }(std::make_index_sequence<std::variant_size_v<D>>{});
   } else {
-    return false;  // AnyTensor, a pointer, a variant, another container holding tensors
+    return false;  // AnyTensor, a pointer, another container holding tensors
   }
 }
 
@@ -134,9 +148,9 @@ template <class A>
 constexpr void check_argument() {
   static_assert(splittable<A, false>(),
                 "DataParallel: this forward argument holds tensors DataParallel cannot split (an AnyTensor, or a "
-                "tensor behind a pointer, smart pointer, reference_wrapper or variant, or in a container other than "
-                "std::tuple/pair/array/vector/optional/map<std::string, ...>): it would reach every replica whole, "
-                "unsplit (Note [nested arguments])");
+                "tensor behind a pointer, smart pointer or reference_wrapper, or in a container other than "
+                "std::tuple/pair/array/vector/optional/variant/map<std::string, ...>): it would reach every replica "
+                "whole, unsplit (Note [nested arguments])");
 }
 template <class R>
 constexpr void check_output() {
@@ -174,7 +188,20 @@ void for_each_tensor(const X& x, const LeafPath& path, F& f) {
     for (const auto& [k, v] : x) for_each_tensor(v, LeafPath{&path, 0, &k}, f);
   } else if constexpr (is_optional<D>::value) {
     if (x) for_each_tensor(*x, path, f);
+  } else if constexpr (is_variant<D>::value) {
+    std::visit([&](const auto& v) { for_each_tensor(v, path, f); }, x);
   }
+}
+
+template <class X, class F>
+std::remove_cvref_t<X> map_tensors(const X& x, F& f);
+
+/// map_tensors of a variant: the active alternative mapped, the same alternative.
+template <std::size_t I, class D, class F>
+D map_variant(const D& x, F& f) {
+  if constexpr (I + 1 < std::variant_size_v<D>)
+    if (x.index() != I) return map_variant<I + 1>(x, f);
+  return D(std::in_place_index<I>, map_tensors(std::get<I>(x), f));
 }
 
 /// A copy of x with every tensor t replaced by f(t) (values without tensors copied as they are).
@@ -200,6 +227,8 @@ std::remove_cvref_t<X> map_tensors(const X& x, F& f) {
     D out;
     for (const auto& [k, v] : x) out.emplace(k, map_tensors(v, f));
     return out;
+  } else if constexpr (is_variant<D>::value) {
+    return map_variant<0>(x, f);
   } else {
     static_assert(is_optional<D>::value, "map_tensors: a type check_argument refuses");
     return x ? D(map_tensors(*x, f)) : D();

@@ -109,7 +109,7 @@
 #define CHORUS_CUDA_COMPARE_OPS(X, f, M, T) \
   X(f, M, T, fn::Eq) X(f, M, T, fn::Ne) X(f, M, T, fn::Lt) X(f, M, T, fn::Le) X(f, M, T, fn::Gt) X(f, M, T, fn::Ge)
 #define CHORUS_CUDA_INDEX_INSTANCES(X)                                                                            \
-  X(where, std::int64_t, float) X(where, std::int64_t, double)                                                   \
+  X(where, std::int64_t, float) X(where, std::int64_t, double) X(where, std::int64_t, std::int64_t)              \
   CHORUS_CUDA_COMPARE_OPS(X, compare, std::int64_t, float) CHORUS_CUDA_COMPARE_OPS(X, compare, std::int64_t, double) \
   CHORUS_CUDA_COMPARE_OPS(X, compare, std::int64_t, std::int64_t)                                                \
   CHORUS_CUDA_WIDE(X, gather) CHORUS_CUDA_WIDE_INT(X, scatter_add) CHORUS_CUDA_WIDE_INT(X, one_hot)               \
