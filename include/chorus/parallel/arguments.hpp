@@ -35,8 +35,9 @@ inline constexpr bool is_tensor_v = is_tensor<std::remove_cvref_t<X>>::value;
 // the tensors inside a std::tuple, std::pair, std::array, std::vector, std::optional, the active
 // alternative of a std::variant (PyTorch's dict of mixed values is a
 // std::map<std::string, std::variant<Tensor<float>, int, ...>>) or a string-keyed std::map /
-// std::unordered_map (nested as deep as wanted), each split along its argument's scatter dim; every other value is copied to each replica, and an undefined tensor
-// inside such a container reaches every replica undefined (an LSTM's "no initial state").
+// std::unordered_map (nested as deep as wanted), each split along its argument's scatter dim;
+// every other value is copied to each replica, and an undefined tensor inside such a container
+// reaches every replica undefined (an LSTM's "no initial state").
 // Outputs of the same forms are gathered: each tensor joined along its output's gather dim, a
 // 0-dim tensor stacked into one value per replica, a non-tensor value taken from replica 0
 // after checking that every replica returned the same. A tensor that DataParallel cannot see
