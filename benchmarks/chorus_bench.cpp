@@ -8,7 +8,10 @@
 //                [--bf16]  (mlp-medium and transformer-lm also in bfloat16 with float32 master weights)
 //                [--sharded]  (DataParallel over k > 1 devices also with parallel::ShardedOptimizer)
 // Each DataParallel over k > 1 devices also gets its ceiling (class Ceiling): k threads each
-// stepping a model of its own on 1/k of the batch, the computation alone.
+// stepping a model of its own on 1/k of the batch, the computation alone. The run first names
+// the CPU (model and vector extensions), the route of its matrix products (Note [which GEMM])
+// and of chorus's own loops (Note [CPU capability]), and measures the `peak`: a 2048^3 float
+// product through that route on 1, 2, ... threads; each GEMM-bound row shows its share of it.
 //
 // Workloads (see benchmarks/README.md): tutorial = Linear(5, 2) forward over 100 samples in
 // batches of 30, data on the host, time per epoch; mlp-small = 784-512-512-10 ReLU MLP,
@@ -18,6 +21,7 @@
 // transformer-lm = the language models of lm_models.hpp (Adam), time per step.
 #include <chorus/chorus.hpp>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -285,6 +289,37 @@ std::string fmt_spread(const nlohmann::json& s) {
   return buf;
 }
 
+/// The CPU's model name and the vector extensions that decide its kernels (from /proc/cpuinfo).
+std::string cpu_description() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line, model = "unknown CPU", flags;
+  while (std::getline(in, line)) {
+    if (line.rfind("model name", 0) == 0 && model == "unknown CPU") model = line.substr(line.find(':') + 2);
+    if (line.rfind("flags", 0) == 0 && flags.empty()) flags = line + " ";
+  }
+  std::string out = model + ";";
+  for (const char* f : {"avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16"})
+    if (flags.find(std::string(" ") + f + " ") != std::string::npos) out += std::string(" ") + f;
+  return out;
+}
+
+/// The `peak` row: GFLOP/s of a 2048^3 float product through chorus's GEMM route on `threads`
+/// threads (best of 5 calls after a warm-up): what the GEMM-bound workloads are measured against.
+double sgemm_peak(int threads) {
+  set_num_threads(threads);
+  const std::int64_t n = 2048;
+  std::vector<float> a(n * n, 0.5f), b(n * n, 0.25f), c(n * n);
+  double best = 1e30;
+  for (int i = 0; i < 6; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    backend::cpu::gemm<float>(false, false, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (i > 0) best = std::min(best, s);
+  }
+  set_num_threads(1);
+  return 2.0 * n * n * n / best / 1e9;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -347,11 +382,24 @@ int main(int argc, char** argv) try {
         if (t == 1) break;
       }
 
+  // The machine and the routes its products and loops take, then the peak the workloads are
+  // measured against.
+  const std::string cpu = cpu_description(), route = backend::cpu::gemm_route(),
+                    capability = backend::cpu::cpu_capability_name(backend::cpu::get_cpu_capability());
+  std::map<int, double> peak;
+  for (int t : threads) peak[t] = sgemm_peak(t);
+  for (int d : devices) peak.emplace(d, sgemm_peak(d));
+  std::fprintf(stderr, "CPU: %s\nGEMM: %s\nchorus's loops: %s\n", cpu.c_str(), route.c_str(), capability.c_str());
+  for (const auto& [t, g] : peak) std::fprintf(stderr, "peak: 2048^3 sgemm, %d thread(s): %.1f GFLOP/s\n", t, g);
+
   using nlohmann::json;
+  json peaks = json::object();
+  for (const auto& [t, g] : peak) peaks[std::to_string(t)] = g;
   json records = json::array(), ratios = json::array(), scaling = json::array(), mixed = json::array(),
        overhead = json::array();
   auto write_json = [&] {  // after every workload: an interrupted run keeps what it measured
-    json doc = {{"machine", {{"cores", std::thread::hardware_concurrency()}}},
+    json doc = {{"machine", {{"cores", std::thread::hardware_concurrency()}, {"cpu", cpu}, {"gemm", route},
+                             {"cpu_capability", capability}, {"sgemm_peak_gflops", peaks}}},
                 {"rounds", rounds},
                 {"interleaved", !peers.empty()},
                 {"records", records},
@@ -441,8 +489,9 @@ int main(int argc, char** argv) try {
         std::snprintf(row, sizeof row, "%10s  %-20s", "-", "-");
         line += row;
       }
-      if (r.contains("gflops")) {
-        std::snprintf(row, sizeof row, " %8.1f", r["gflops"].get<double>());
+      if (r.contains("gflops")) {  // and its share of the 2048^3 sgemm's rate on as many threads
+        std::snprintf(row, sizeof row, " %8.1f %6.0f%%", r["gflops"].get<double>(),
+                      peak.count(t) ? 100.0 * r["gflops"].get<double>() / peak[t] : 0.0);
         line += row;
       }
       table.push_back(line);
@@ -476,8 +525,8 @@ int main(int argc, char** argv) try {
                           " / its ceiling, step time: " + fmt_spread(q["ratio"]));
           overhead.push_back(q);
         }
-    // bf16 against float32 at the same thread count, round by round (the honest CPU overhead:
-    // this machine has no bf16 instructions, so each product widens its operands to float).
+    // bf16 against float32 at the same thread count, round by round (products in oneDNN's bf16
+    // matmul where the CPU has bf16 instructions, widened to float elsewhere: Note [which GEMM]).
     for (const auto& r : ours) {
       const std::string c = r["config"];
       if (c.size() < 5 || c.substr(c.size() - 5) != " bf16") continue;
@@ -494,11 +543,13 @@ int main(int argc, char** argv) try {
     write_json();
   }
 
+  std::printf("\nCPU: %s\nGEMM: %s\nchorus's loops: %s\n", cpu.c_str(), route.c_str(), capability.c_str());
+  for (const auto& [t, g] : peak) std::printf("peak: 2048^3 sgemm, %d thread(s): %.1f GFLOP/s\n", t, g);
   std::printf("\n%d rounds; ratio = chorus / peer per round: median [min-max]; the peer at the same total thread "
               "count (its faster thread split)\n",
               rounds);
-  std::printf("%-14s %-30s %10s %10s  %-20s %8s\n", "workload", "chorus configuration", "chorus ms", "peer ms",
-              "ratio", "GFLOP/s");
+  std::printf("%-14s %-30s %10s %10s  %-20s %8s %7s\n", "workload", "chorus configuration", "chorus ms", "peer ms",
+              "ratio", "GFLOP/s", "of peak");
   for (const auto& line : table) std::printf("%s\n", line.c_str());
   write_json();
   std::printf("wrote %s\n", json_path.c_str());

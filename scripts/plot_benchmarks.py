@@ -59,8 +59,17 @@ def markdown(path):
     the same thread count, the ratio's median and min-max over the rounds; then the scaling."""
     with open(path) as f:
         doc = json.load(f)
-    label = {"1 thread(s)": "1 thread", "2 thread(s)": "2 threads"}
-    lines = [f"| workload | chorus configuration | chorus ms | LibTorch ms | ratio (median of {doc['rounds']} rounds) "
+    label = {"1 thread(s)": "1 thread", "2 thread(s)": "2 threads", "1 thread(s) bf16": "1 thread, bf16",
+             "2 thread(s) bf16": "2 threads, bf16"}
+    machine = doc.get("machine", {})
+    peaks = machine.get("sgemm_peak_gflops", {})
+    lines = []
+    if "cpu" in machine:
+        lines += [f"CPU: {machine['cpu']} ({machine['cores']} cores). GEMM: {machine['gemm']}. "
+                  f"chorus's loops: {machine['cpu_capability']}. Peak (a 2048³ sgemm through that route): " +
+                  ", ".join(f"{g:.0f} GFLOP/s on {t} thread{'s' if t != '1' else ''}" for t, g in peaks.items()) + ".",
+                  ""]
+    lines += [f"| workload | chorus configuration | chorus ms | LibTorch ms | ratio (median of {doc['rounds']} rounds) "
              "| min–max |", "|---|---|---:|---:|---:|---:|"]
     for q in doc["ratios"]:
         rec = next(r for r in doc["records"] if r["impl"] == "chorus" and r["workload"] == q["workload"]
@@ -69,7 +78,9 @@ def markdown(path):
         config = label.get(q["config"], q["config"]) if not m else (
             "DataParallel, 1 device" if m[1] == "1" else f"DataParallel, {m[1]} devices × 1 thread")
         if "gflops" in rec:
-            config += f" ({rec['gflops']:.0f} GFLOP/s)"
+            peak = peaks.get(str(q["threads"]))
+            share = f", {100 * rec['gflops'] / peak:.0f} % of peak" if peak else ""
+            config += f" ({rec['gflops']:.0f} GFLOP/s{share})"
         unit = "epoch" if q["workload"] == "tutorial" else "step"
         ms = lambda v: f"{v:.3f}" if v < 1 else f"{v:.2f}" if v < 100 else f"{v:.1f}"
         r = q["ratio"]
@@ -83,6 +94,10 @@ def markdown(path):
     lines.append("")
     lines.append(f"DataParallel over {doc['scaling'][0]['devices'] if doc['scaling'] else 2} virtual CPU devices against "
                  f"one device, median of the per-round speed-ups (min–max): {', '.join(sc)}.")
+    for q in doc.get("bf16_over_float32", []):
+        r = q["ratio"]
+        lines.append(f"bf16 {q['workload']}, {q['threads']} thread(s): bf16 / float32 step time {r['median']:.2f}× "
+                     f"({r['min']:.2f}–{r['max']:.2f}).")
     return "\n".join(lines)
 
 

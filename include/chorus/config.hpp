@@ -53,6 +53,17 @@
 #endif
 #endif
 
+// oneDNN (CPU convolutions, float and bfloat16 products), where CMake found it. nvcc's front
+// end stops with an internal error on oneDNN's C++ API (CUDA 13.0, g++ 12 headers): translation
+// units with the CUDA backend (nvcc's, and the C++ ones linking chorus::cuda_kernels, which
+// must agree with the library's ABI v0_1_cuda) use OpenBLAS for products and im2col for CPU
+// convolutions.
+#if defined(CHORUS_HAS_ONEDNN) && CHORUS_HAS_ONEDNN && !CHORUS_CUDA
+#define CHORUS_ONEDNN_API 1
+#else
+#define CHORUS_ONEDNN_API 0
+#endif
+
 #define CHORUS_NAMESPACE_BEGIN \
   namespace chorus {           \
   inline namespace CHORUS_ABI_NS {

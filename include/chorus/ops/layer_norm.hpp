@@ -55,24 +55,26 @@ class LayerNormBackward final : public autograd::Node<T> {
     Tensor<T> dx = want_x ? Tensor<T>::empty(shape_, dev) : Tensor<T>();
     std::vector<Acc> dw(want_w ? D : 0), db(want_b ? D : 0);
     std::vector<O> xhat(D), dyw(D), prod(D);
-    for (std::int64_t r = 0; r < R; ++r) {
-      const T* xr = x + r * D;
-      const T* gr = dy + r * D;
-      const O k = shift_[r], mu = mean_[r], rs = rstd_[r];
-      for (std::int64_t j = 0; j < D; ++j) {
-        xhat[j] = ((O(xr[j]) - k) - mu) * rs;
-        dyw[j] = w ? O(gr[j]) * O(w[j]) : O(gr[j]);
+    backend::cpu::at_cpu_width([&] {
+      for (std::int64_t r = 0; r < R; ++r) {
+        const T* xr = x + r * D;
+        const T* gr = dy + r * D;
+        const O k = shift_[r], mu = mean_[r], rs = rstd_[r];
+        for (std::int64_t j = 0; j < D; ++j) {
+          xhat[j] = ((O(xr[j]) - k) - mu) * rs;
+          dyw[j] = w ? O(gr[j]) * O(w[j]) : O(gr[j]);
+        }
+        if (want_w)
+          for (std::int64_t j = 0; j < D; ++j) dw[j] += Acc(O(gr[j]) * xhat[j]);
+        if (want_b)
+          for (std::int64_t j = 0; j < D; ++j) db[j] += Acc(O(gr[j]));
+        if (!want_x) continue;
+        for (std::int64_t j = 0; j < D; ++j) prod[j] = dyw[j] * xhat[j];  // dŷ · x̂
+        const O c1 = backend::cpu::vmath::sum<O>(prod.data(), D) / O(D), c2 = backend::cpu::vmath::sum<O>(dyw.data(), D) / O(D);
+        T* dxr = dx.data() + r * D;
+        for (std::int64_t j = 0; j < D; ++j) dxr[j] = T(rs * (dyw[j] - c2 - xhat[j] * c1));
       }
-      if (want_w)
-        for (std::int64_t j = 0; j < D; ++j) dw[j] += Acc(O(gr[j]) * xhat[j]);
-      if (want_b)
-        for (std::int64_t j = 0; j < D; ++j) db[j] += Acc(O(gr[j]));
-      if (!want_x) continue;
-      for (std::int64_t j = 0; j < D; ++j) prod[j] = dyw[j] * xhat[j];  // dŷ · x̂
-      const O c1 = backend::cpu::vmath::sum<O>(prod.data(), D) / O(D), c2 = backend::cpu::vmath::sum<O>(dyw.data(), D) / O(D);
-      T* dxr = dx.data() + r * D;
-      for (std::int64_t j = 0; j < D; ++j) dxr[j] = T(rs * (dyw[j] - c2 - xhat[j] * c1));
-    }
+    });
     const auto to_tensor = [&](const std::vector<Acc>& v) {
       auto t = Tensor<T>::empty(norm_shape_, dev);
       std::transform(v.begin(), v.end(), t.data(), [](Acc a) { return T(a); });
@@ -105,27 +107,29 @@ Tensor<T> layer_norm_cpu(const Tensor<T>& x_in, const Shape& normalized_shape, c
   std::vector<O> shift(R), mean(R), rstd(R), xc(D), sq(D);
   const T* w = wc.defined() ? wc.data() : nullptr;
   const T* b = bc.defined() ? bc.data() : nullptr;
-  for (std::int64_t r = 0; r < R; ++r) {
-    const T* xr = x.data() + r * D;
-    T* yr = y.data() + r * D;
-    const O k = O(xr[0]);  // the shift (Note [fused layer norm])
-    for (std::int64_t j = 0; j < D; ++j) xc[j] = O(xr[j]) - k;
-    const O mu = backend::cpu::vmath::sum<O>(xc.data(), D) / O(D);
-    for (std::int64_t j = 0; j < D; ++j) {
-      xc[j] -= mu;
-      sq[j] = xc[j] * xc[j];
+  backend::cpu::at_cpu_width([&] {
+    for (std::int64_t r = 0; r < R; ++r) {
+      const T* xr = x.data() + r * D;
+      T* yr = y.data() + r * D;
+      const O k = O(xr[0]);  // the shift (Note [fused layer norm])
+      for (std::int64_t j = 0; j < D; ++j) xc[j] = O(xr[j]) - k;
+      const O mu = backend::cpu::vmath::sum<O>(xc.data(), D) / O(D);
+      for (std::int64_t j = 0; j < D; ++j) {
+        xc[j] -= mu;
+        sq[j] = xc[j] * xc[j];
+      }
+      const O rs = O(1) / std::sqrt(backend::cpu::vmath::sum<O>(sq.data(), D) / O(D) + O(eps));
+      shift[r] = k;
+      mean[r] = mu;
+      rstd[r] = rs;
+      for (std::int64_t j = 0; j < D; ++j) {
+        O v = xc[j] * rs;
+        if (w) v *= O(w[j]);
+        if (b) v += O(b[j]);
+        yr[j] = T(v);
+      }
     }
-    const O rs = O(1) / std::sqrt(backend::cpu::vmath::sum<O>(sq.data(), D) / O(D) + O(eps));
-    shift[r] = k;
-    mean[r] = mu;
-    rstd[r] = rs;
-    for (std::int64_t j = 0; j < D; ++j) {
-      O v = xc[j] * rs;
-      if (w) v *= O(w[j]);
-      if (b) v += O(b[j]);
-      yr[j] = T(v);
-    }
-  }
+  });
   if (autograd::needs_grad(x_in, weight, bias)) {
     auto node = autograd::make_node<LayerNormBackward<T>, T>(
         {&x_in, weight.defined() ? &weight : nullptr, bias.defined() ? &bias : nullptr}, x, wc, std::move(shift),

@@ -124,10 +124,12 @@ class LSTMLayerBackward final : public autograd::Node<T> {
       const T* c = cs + t * B * H;
       const T* go = g_out + t * B * H;
       T* d = dG.data() + t * B * G;
-      for (std::int64_t b = 0; b < B; ++b) {
-        const std::int64_t r = b * G, x = b * H;
-        lstm_row_backward(a + r, c + x, cprev + x, go + x, pdh + x, pdc + x, d + r, H);
-      }
+      backend::cpu::at_cpu_width([&] {
+        for (std::int64_t b = 0; b < B; ++b) {
+          const std::int64_t r = b * G, x = b * H;
+          lstm_row_backward(a + r, c + x, cprev + x, go + x, pdh + x, pdc + x, d + r, H);
+        }
+      });
       // dh_prev = dG[t] @ W_hh ([B, 4H] x [4H, H])
       backend::gemm(false, false, B, H, G, T(1), d, G, wh, H, T(0), pdh, H, dev);
     }
@@ -203,10 +205,14 @@ std::tuple<Tensor<T>, Tensor<T>, Tensor<T>> lstm_layer(const Tensor<T>& gx_in, c
     backend::gemm(false, true, B, G, H, T(1), hprev, H, w_hh.data(), H, T(1), a, G, dev);  // + h W_hh^T
     T* c = cs.data() + t * B * H;
     T* h = out.data() + t * B * H;
-    for (std::int64_t b = 0; b < B; ++b) {
-      T* r = a + b * G;
-      detail::lstm_row_forward(r, r + H, r + 2 * H, r + 3 * H, cprev + b * H, c + b * H, h + b * H, H);
-    }
+    backend::cpu::at_cpu_width([&] {
+      backend::cpu::at_cpu_width([&] {
+        for (std::int64_t b = 0; b < B; ++b) {
+          T* r = a + b * G;
+          detail::lstm_row_forward(r, r + H, r + 2 * H, r + 3 * H, cprev + b * H, c + b * H, h + b * H, H);
+        }
+      });
+    });
   }
   const std::int64_t last = reverse ? 0 : S - 1;
   auto h_n = Tensor<T>::empty(Shape{B, H}, dev), c_n = Tensor<T>::empty(Shape{B, H}, dev);

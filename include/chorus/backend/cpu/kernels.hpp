@@ -122,45 +122,49 @@ void binary_same(const T* a, const T* b, T* out, std::int64_t n, Op op) {
 template <class T, class Op>
 void binary_broadcast(const T* a, const Strides& as, const T* b, const Strides& bs, T* out,
                       const Shape& shape, Op op) {
-  nd_apply<3>(shape, {as, bs, contiguous_strides(shape)},
-              [&](const auto& off, std::int64_t n, const auto& st) {
-                const T* pa = a + off[0];
-                const T* pb = b + off[1];
-                T* po = out + off[2];
-                if (st[0] == 1 && st[1] == 1) {
-                  for (std::int64_t i = 0; i < n; ++i) po[i] = static_cast<T>(op(load(pa[i]), load(pb[i])));
-                } else if (st[0] == 1 && st[1] == 0) {
-                  const auto vb = load(*pb);
-                  for (std::int64_t i = 0; i < n; ++i) po[i] = static_cast<T>(op(load(pa[i]), vb));
-                } else if (st[0] == 0 && st[1] == 1) {
-                  const auto va = load(*pa);
-                  for (std::int64_t i = 0; i < n; ++i) po[i] = static_cast<T>(op(va, load(pb[i])));
-                } else {
-                  for (std::int64_t i = 0; i < n; ++i)
-                    po[i] = static_cast<T>(op(load(pa[i * st[0]]), load(pb[i * st[1]])));
-                }
-              });
+  at_cpu_width([&] {
+    nd_apply<3>(shape, {as, bs, contiguous_strides(shape)},
+                [&](const auto& off, std::int64_t n, const auto& st) {
+                  const T* pa = a + off[0];
+                  const T* pb = b + off[1];
+                  T* po = out + off[2];
+                  if (st[0] == 1 && st[1] == 1) {
+                    for (std::int64_t i = 0; i < n; ++i) po[i] = static_cast<T>(op(load(pa[i]), load(pb[i])));
+                  } else if (st[0] == 1 && st[1] == 0) {
+                    const auto vb = load(*pb);
+                    for (std::int64_t i = 0; i < n; ++i) po[i] = static_cast<T>(op(load(pa[i]), vb));
+                  } else if (st[0] == 0 && st[1] == 1) {
+                    const auto va = load(*pa);
+                    for (std::int64_t i = 0; i < n; ++i) po[i] = static_cast<T>(op(va, load(pb[i])));
+                  } else {
+                    for (std::int64_t i = 0; i < n; ++i)
+                      po[i] = static_cast<T>(op(load(pa[i * st[0]]), load(pb[i * st[1]])));
+                  }
+                });
+  });
 }
 
 /// dst += src reduced onto dst's (broadcast) strides; src is contiguous of `shape`.
 template <class T>
 void reduce_add_broadcast(const T* src, const Shape& shape, T* dst, const Strides& dst_strides) {
-  nd_apply<2>(shape, {contiguous_strides(shape), dst_strides},
-              [&](const auto& off, std::int64_t n, const auto& st) {
-                const T* s = src + off[0];
-                T* d = dst + off[1];
-                if (st[1] == 0) {
-                  acc_t<T> acc = 0;
-                  for (std::int64_t i = 0; i < n; ++i) acc += s[i];
-                  if constexpr (is_reduced_floating_v<T>) {
-                    *d = static_cast<T>(acc + static_cast<acc_t<T>>(*d));  // one rounding
+  at_cpu_width([&] {
+    nd_apply<2>(shape, {contiguous_strides(shape), dst_strides},
+                [&](const auto& off, std::int64_t n, const auto& st) {
+                  const T* s = src + off[0];
+                  T* d = dst + off[1];
+                  if (st[1] == 0) {
+                    acc_t<T> acc = 0;
+                    for (std::int64_t i = 0; i < n; ++i) acc += s[i];
+                    if constexpr (is_reduced_floating_v<T>) {
+                      *d = static_cast<T>(acc + static_cast<acc_t<T>>(*d));  // one rounding
+                    } else {
+                      *d += static_cast<T>(acc);
+                    }
                   } else {
-                    *d += static_cast<T>(acc);
+                    for (std::int64_t i = 0; i < n; ++i) d[i * st[1]] += s[i];
                   }
-                } else {
-                  for (std::int64_t i = 0; i < n; ++i) d[i * st[1]] += s[i];
-                }
-              });
+                });
+  });
 }
 
 template <class T>
@@ -181,42 +185,46 @@ acc_t<T> sum_all(const T* in, std::int64_t n) {
 /// out[o, j] = scale * sum_i in[o, i, j] for contiguous in viewed as [outer, n, inner].
 template <class T>
 void sum_dim(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out, double scale) {
-  for (std::int64_t o = 0; o < outer; ++o) {
-    const T* base = in + o * n * inner;
-    T* dst = out + o * inner;
-    if (inner == 1) {
-      dst[0] = static_cast<T>(sum_all(base, n) * scale);
-      continue;
-    }
-    if constexpr (is_reduced_floating_v<T>) {  // accumulate in double, round once
-      std::vector<double> acc(static_cast<std::size_t>(inner), 0.0);
-      for (std::int64_t i = 0; i < n; ++i) {
-        const T* row = base + i * inner;
-        for (std::int64_t j = 0; j < inner; ++j) acc[j] += row[j];
+  at_cpu_width([&] {
+    for (std::int64_t o = 0; o < outer; ++o) {
+      const T* base = in + o * n * inner;
+      T* dst = out + o * inner;
+      if (inner == 1) {
+        dst[0] = static_cast<T>(sum_all(base, n) * scale);
+        continue;
       }
-      for (std::int64_t j = 0; j < inner; ++j) dst[j] = static_cast<T>(acc[j] * scale);
-      continue;
-    } else {
-      std::fill(dst, dst + inner, T(0));
-      for (std::int64_t i = 0; i < n; ++i) {
-        const T* row = base + i * inner;
-        for (std::int64_t j = 0; j < inner; ++j) dst[j] += row[j];
+      if constexpr (is_reduced_floating_v<T>) {  // accumulate in double, round once
+        std::vector<double> acc(static_cast<std::size_t>(inner), 0.0);
+        for (std::int64_t i = 0; i < n; ++i) {
+          const T* row = base + i * inner;
+          for (std::int64_t j = 0; j < inner; ++j) acc[j] += row[j];
+        }
+        for (std::int64_t j = 0; j < inner; ++j) dst[j] = static_cast<T>(acc[j] * scale);
+        continue;
+      } else {
+        std::fill(dst, dst + inner, T(0));
+        for (std::int64_t i = 0; i < n; ++i) {
+          const T* row = base + i * inner;
+          for (std::int64_t j = 0; j < inner; ++j) dst[j] += row[j];
+        }
+        if (scale != 1.0)
+          for (std::int64_t j = 0; j < inner; ++j) dst[j] = static_cast<T>(dst[j] * scale);
       }
-      if (scale != 1.0)
-        for (std::int64_t j = 0; j < inner; ++j) dst[j] = static_cast<T>(dst[j] * scale);
     }
-  }
+  });
 }
 
 /// out[o, i, j] = in[o, j] * scale (the backward of sum_dim).
 template <class T>
 void expand_dim(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out, double scale) {
-  for (std::int64_t o = 0; o < outer; ++o)
-    for (std::int64_t i = 0; i < n; ++i) {
-      T* dst = out + (o * n + i) * inner;
-      const T* src = in + o * inner;
-      for (std::int64_t j = 0; j < inner; ++j) dst[j] = static_cast<T>(src[j] * scale);
-    }
+  at_cpu_width([&] {
+    for (std::int64_t o = 0; o < outer; ++o)
+      for (std::int64_t i = 0; i < n; ++i) {
+        T* dst = out + (o * n + i) * inner;
+        const T* src = in + o * inner;
+        for (std::int64_t j = 0; j < inner; ++j) dst[j] = static_cast<T>(src[j] * scale);
+      }
+  });
 }
 
 /// Softmax (or log-softmax) over the middle axis of [outer, n, inner]. `zero_dead`: a row whose
@@ -225,68 +233,72 @@ void expand_dim(const T* in, std::int64_t outer, std::int64_t n, std::int64_t in
 template <class T>
 void softmax(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner, T* out, bool log_space,
              bool zero_dead = false) {
-  constexpr T ninf = -std::numeric_limits<T>::infinity();
-  if (inner == 1) {  // contiguous rows: exp into the output once (a loop that vectorizes), then scale
-    for (std::int64_t o = 0; o < outer; ++o) {
-      const T* x = in + o * n;
-      T* y = out + o * n;
-      const T mx = vmath::max(x, n);
-      if (zero_dead && mx == ninf) {
-        std::fill(y, y + n, T(0));
-        continue;
+  at_cpu_width([&] {
+    constexpr T ninf = -std::numeric_limits<T>::infinity();
+    if (inner == 1) {  // contiguous rows: exp into the output once (a loop that vectorizes), then scale
+      for (std::int64_t o = 0; o < outer; ++o) {
+        const T* x = in + o * n;
+        T* y = out + o * n;
+        const T mx = vmath::max(x, n);
+        if (zero_dead && mx == ninf) {
+          std::fill(y, y + n, T(0));
+          continue;
+        }
+        for (std::int64_t i = 0; i < n; ++i) y[i] = vmath::exp(x[i] - mx);
+        const acc_t<T> s = vmath::sum<acc_t<T>>(y, n);
+        if (log_space) {
+          const T lse = mx + static_cast<T>(std::log(s));
+          for (std::int64_t i = 0; i < n; ++i) y[i] = x[i] - lse;
+        } else {
+          const T inv = static_cast<T>(1.0 / s);
+          for (std::int64_t i = 0; i < n; ++i) y[i] *= inv;
+        }
       }
-      for (std::int64_t i = 0; i < n; ++i) y[i] = vmath::exp(x[i] - mx);
-      const acc_t<T> s = vmath::sum<acc_t<T>>(y, n);
-      if (log_space) {
-        const T lse = mx + static_cast<T>(std::log(s));
-        for (std::int64_t i = 0; i < n; ++i) y[i] = x[i] - lse;
-      } else {
-        const T inv = static_cast<T>(1.0 / s);
-        for (std::int64_t i = 0; i < n; ++i) y[i] *= inv;
-      }
+      return;
     }
-    return;
-  }
-  for (std::int64_t o = 0; o < outer; ++o)
-    for (std::int64_t j = 0; j < inner; ++j) {
-      const T* x = in + o * n * inner + j;
-      T* y = out + o * n * inner + j;
-      T mx = ninf;
-      for (std::int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i * inner]);
-      if (zero_dead && mx == ninf) {
-        for (std::int64_t i = 0; i < n; ++i) y[i * inner] = T(0);
-        continue;
+    for (std::int64_t o = 0; o < outer; ++o)
+      for (std::int64_t j = 0; j < inner; ++j) {
+        const T* x = in + o * n * inner + j;
+        T* y = out + o * n * inner + j;
+        T mx = ninf;
+        for (std::int64_t i = 0; i < n; ++i) mx = std::max(mx, x[i * inner]);
+        if (zero_dead && mx == ninf) {
+          for (std::int64_t i = 0; i < n; ++i) y[i * inner] = T(0);
+          continue;
+        }
+        acc_t<T> s = 0;
+        for (std::int64_t i = 0; i < n; ++i) s += vmath::exp(x[i * inner] - mx);
+        if (log_space) {
+          T lse = mx + static_cast<T>(std::log(s));
+          for (std::int64_t i = 0; i < n; ++i) y[i * inner] = x[i * inner] - lse;
+        } else {
+          T inv = static_cast<T>(1.0 / s);
+          for (std::int64_t i = 0; i < n; ++i) y[i * inner] = vmath::exp(x[i * inner] - mx) * inv;
+        }
       }
-      acc_t<T> s = 0;
-      for (std::int64_t i = 0; i < n; ++i) s += vmath::exp(x[i * inner] - mx);
-      if (log_space) {
-        T lse = mx + static_cast<T>(std::log(s));
-        for (std::int64_t i = 0; i < n; ++i) y[i * inner] = x[i * inner] - lse;
-      } else {
-        T inv = static_cast<T>(1.0 / s);
-        for (std::int64_t i = 0; i < n; ++i) y[i * inner] = vmath::exp(x[i * inner] - mx) * inv;
-      }
-    }
+  });
 }
 
 /// Backward of softmax / log_softmax given the forward output y and the output gradient g.
 template <class T>
 void softmax_backward(const T* g, const T* y, std::int64_t outer, std::int64_t n, std::int64_t inner,
                       T* gx, bool log_space) {
-  for (std::int64_t o = 0; o < outer; ++o)
-    for (std::int64_t j = 0; j < inner; ++j) {
-      const std::int64_t base = o * n * inner + j;
-      acc_t<T> s = 0;
-      if (log_space) {
-        for (std::int64_t i = 0; i < n; ++i) s += g[base + i * inner];
-        for (std::int64_t i = 0; i < n; ++i)
-          gx[base + i * inner] = g[base + i * inner] - std::exp(y[base + i * inner]) * static_cast<T>(s);
-      } else {
-        for (std::int64_t i = 0; i < n; ++i) s += g[base + i * inner] * y[base + i * inner];
-        for (std::int64_t i = 0; i < n; ++i)
-          gx[base + i * inner] = y[base + i * inner] * (g[base + i * inner] - static_cast<T>(s));
+  at_cpu_width([&] {
+    for (std::int64_t o = 0; o < outer; ++o)
+      for (std::int64_t j = 0; j < inner; ++j) {
+        const std::int64_t base = o * n * inner + j;
+        acc_t<T> s = 0;
+        if (log_space) {
+          for (std::int64_t i = 0; i < n; ++i) s += g[base + i * inner];
+          for (std::int64_t i = 0; i < n; ++i)
+            gx[base + i * inner] = g[base + i * inner] - std::exp(y[base + i * inner]) * static_cast<T>(s);
+        } else {
+          for (std::int64_t i = 0; i < n; ++i) s += g[base + i * inner] * y[base + i * inner];
+          for (std::int64_t i = 0; i < n; ++i)
+            gx[base + i * inner] = y[base + i * inner] * (g[base + i * inner] - static_cast<T>(s));
+        }
       }
-    }
+  });
 }
 
 /// out[o, k, j] = in[o, idx[k], j].
@@ -303,12 +315,14 @@ void index_select(const T* in, std::int64_t outer, std::int64_t n, std::int64_t 
 template <class T>
 void index_add(const T* in, std::int64_t outer, std::int64_t n, std::int64_t inner,
                const std::int64_t* idx, std::int64_t k, T* out) {
-  for (std::int64_t o = 0; o < outer; ++o)
-    for (std::int64_t r = 0; r < k; ++r) {
-      T* d = out + (o * n + idx[r]) * inner;
-      const T* s = in + (o * k + r) * inner;
-      for (std::int64_t j = 0; j < inner; ++j) d[j] += s[j];
-    }
+  at_cpu_width([&] {
+    for (std::int64_t o = 0; o < outer; ++o)
+      for (std::int64_t r = 0; r < k; ++r) {
+        T* d = out + (o * n + idx[r]) * inner;
+        const T* s = in + (o * k + r) * inner;
+        for (std::int64_t j = 0; j < inner; ++j) d[j] += s[j];
+      }
+  });
 }
 
 /// Writes bias into every row of out[rows, cols] (the start of a fused linear).
@@ -365,40 +379,44 @@ void row_max_sumexp(const T* x, std::int64_t C, T& mx, acc_t<T>& s) {
 template <class T>
 void cross_entropy_forward(const T* logits, std::int64_t N, std::int64_t C, const std::int64_t* target,
                            std::int64_t ignore_index, T* loss) {
-  for (std::int64_t r = 0; r < N; ++r) {
-    const std::int64_t t = target[r];
-    if (t == ignore_index || t < 0 || t >= C) {
-      loss[r] = 0;
-      continue;
+  at_cpu_width([&] {
+    for (std::int64_t r = 0; r < N; ++r) {
+      const std::int64_t t = target[r];
+      if (t == ignore_index || t < 0 || t >= C) {
+        loss[r] = 0;
+        continue;
+      }
+      const T* x = logits + r * C;
+      T mx;
+      acc_t<T> s;
+      row_max_sumexp(x, C, mx, s);
+      loss[r] = static_cast<T>(mx + std::log(s) - x[t]);
     }
-    const T* x = logits + r * C;
-    T mx;
-    acc_t<T> s;
-    row_max_sumexp(x, C, mx, s);
-    loss[r] = static_cast<T>(mx + std::log(s) - x[t]);
-  }
+  });
 }
 
 /// grad[r, :] = g[r] * (softmax(logits[r]) - onehot(target[r])); zero for ignored rows.
 template <class T>
 void cross_entropy_backward(const T* logits, std::int64_t N, std::int64_t C, const std::int64_t* target,
                             std::int64_t ignore_index, const T* g, std::int64_t g_stride, T* grad) {
-  for (std::int64_t r = 0; r < N; ++r) {
-    T* gr = grad + r * C;
-    const std::int64_t t = target[r];
-    if (t == ignore_index) {
-      std::fill(gr, gr + C, T(0));
-      continue;
+  at_cpu_width([&] {
+    for (std::int64_t r = 0; r < N; ++r) {
+      T* gr = grad + r * C;
+      const std::int64_t t = target[r];
+      if (t == ignore_index) {
+        std::fill(gr, gr + C, T(0));
+        continue;
+      }
+      const T* x = logits + r * C;
+      const T gv = g[r * g_stride];
+      T mx;
+      acc_t<T> s;
+      row_max_sumexp(x, C, mx, s);
+      const T inv = static_cast<T>(1.0 / s);
+      for (std::int64_t c = 0; c < C; ++c) gr[c] = gv * std::exp(x[c] - mx) * inv;
+      gr[t] -= gv;
     }
-    const T* x = logits + r * C;
-    const T gv = g[r * g_stride];
-    T mx;
-    acc_t<T> s;
-    row_max_sumexp(x, C, mx, s);
-    const T inv = static_cast<T>(1.0 / s);
-    for (std::int64_t c = 0; c < C; ++c) gr[c] = gv * std::exp(x[c] - mx) * inv;
-    gr[t] -= gv;
-  }
+  });
 }
 
 /// loss[r] = -logp[r, target[r]] (targets validated by the caller, as above).

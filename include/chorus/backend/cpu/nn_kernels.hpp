@@ -437,12 +437,8 @@ void bn_stats(const T* x, std::int64_t N, std::int64_t C, std::int64_t S, A* mea
       for (std::int64_t c = c0; c < c1; ++c) {
         const T* p = x + (n * C + c) * S;
         const A piv = pivot[c - c0];
-        A a = 0, b = 0;
-        for (std::int64_t i = 0; i < S; ++i) {
-          const A d = static_cast<A>(p[i]) - piv;
-          a += d;
-          b += d * d;
-        }
+        A a, b;
+        vmath::shifted_sums<A>(p, S, piv, a, b);
         s1[c - c0] += a;
         s2[c - c0] += b;
       }
@@ -513,11 +509,8 @@ void bn_backward_reduce(const T* gy, const T* x, std::int64_t N, std::int64_t C,
         const T* g = gy + (n * C + c) * S;
         const T* p = x + (n * C + c) * S;
         const A m = static_cast<A>(mean[c]);
-        A s = 0, sx = 0;
-        for (std::int64_t i = 0; i < S; ++i) {
-          s += static_cast<A>(g[i]);
-          sx += static_cast<A>(g[i]) * (static_cast<A>(p[i]) - m);
-        }
+        A s, sx;
+        vmath::gradient_sums<A>(g, p, S, m, s, sx);
         sums[c] += s;
         sums[C + c] += sx;
       }

@@ -42,20 +42,6 @@
 #include "../../compiled.hpp"
 #include "nn_kernels.hpp"
 
-#ifndef CHORUS_HAS_ONEDNN
-#define CHORUS_HAS_ONEDNN 0
-#endif
-// nvcc's front end stops with an internal error on oneDNN's C++ API (CUDA 13.0, g++ 12
-// headers): translation units with the CUDA backend (nvcc's, and the C++ ones linking
-// chorus::cuda_kernels, which must agree with the library's ABI v0_1_cuda) use im2col for CPU
-// convolutions.
-#if CHORUS_HAS_ONEDNN && !CHORUS_CUDA
-#define CHORUS_ONEDNN_API 1
-#else
-#define CHORUS_ONEDNN_API 0
-#endif
-
-
 CHORUS_NAMESPACE_BEGIN
 namespace backend::cpu {
 

@@ -10,33 +10,13 @@
 #include <vector>
 
 #include "onednn.hpp"
-
-#if CHORUS_ONEDNN_API
-#include <oneapi/dnnl/dnnl.hpp>
-#endif
+#include "onednn_context.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace backend::cpu {
 
 #if CHORUS_ONEDNN_API
 namespace onednn {
-using dnnl::memory;
-using tag = memory::format_tag;
-using dt = memory::data_type;
-
-struct Context {
-  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
-  dnnl::stream stream{engine};
-};
-/// This thread's oneDNN engine and stream, with its OpenMP team size set (Note [oneDNN threads]).
-inline Context& context() {
-  thread_local Context c;
-#if DNNL_CPU_RUNTIME == DNNL_RUNTIME_OMP  // libgomp, which libdnnl links (CMake adds it)
-  detail::set_omp_team_size(detail::intra_op_threads());
-#endif
-  return c;
-}
-
 /// What one convolution shape keeps: the three primitives and the memories of oneDNN's layouts.
 struct ConvPlan {
   dnnl::convolution_forward::primitive_desc fwd_pd;
@@ -52,12 +32,6 @@ struct ConvPlan {
   };
   std::vector<Reorder> reorders;  // between the plain layouts and oneDNN's, built on first use
 };
-
-/// Held while creating any oneDNN primitive (Note [oneDNN primitive creation]).
-inline std::mutex& creation_mutex() {
-  static std::mutex m;
-  return m;
-}
 
 inline ConvPlan make_plan(const OnednnConv& c) {
   auto& ctx = context();

@@ -39,6 +39,7 @@
 #include <thread>
 
 #include "../../core/runtime.hpp"
+#include "isa.hpp"
 
 #ifndef CHORUS_HAS_GOMP
 #define CHORUS_HAS_GOMP 0
@@ -87,7 +88,7 @@ void team_body(void* p) {
   const auto& loop = *static_cast<const TeamLoop<F>*>(p);
   const std::int64_t t = omp_get_thread_num(), k = omp_get_num_threads();
   const std::int64_t b = loop.n * t / k, e = loop.n * (t + 1) / k;
-  if (b < e) (*loop.f)(b, e);
+  if (b < e) at_cpu_width([&] { (*loop.f)(b, e); });
 }
 #endif
 }  // namespace detail
@@ -97,14 +98,15 @@ inline constexpr std::int64_t kParallelGrain = std::int64_t{1} << 16;
 
 /// Runs f(begin, end) over disjoint ranges covering [0, n), on the calling thread's intra-op
 /// threads (Note [intra-op threads]) or partly on an idle CPU worker (Note [idle workers help]);
-/// each thread gets at least `grain` items.
+/// each thread gets at least `grain` items. Each range runs at the CPU's vector width (Note
+/// [CPU capability]).
 template <class F>
 void parallel_for(std::int64_t n, std::int64_t grain, const F& f) {
   grain = std::max<std::int64_t>(grain, 1);
-  if (n < 2 * grain) return f(std::int64_t{0}, n);
+  if (n < 2 * grain) return at_cpu_width([&] { f(std::int64_t{0}, n); });
 #if CHORUS_HAS_GOMP
   if (const int threads = detail::intra_op_threads(); threads > 1) {
-    if (omp_in_parallel()) return f(std::int64_t{0}, n);
+    if (omp_in_parallel()) return at_cpu_width([&] { f(std::int64_t{0}, n); });
     const auto k = static_cast<unsigned>(std::min<std::int64_t>(threads, n / grain));
     detail::TeamLoop<F> loop{&f, n};
     GOMP_parallel(&detail::team_body<F>, &loop, k, 0);
@@ -112,7 +114,7 @@ void parallel_for(std::int64_t n, std::int64_t grain, const F& f) {
   }
 #endif
   Stream* helper = ::chorus::detail::Runtime::get().idle_cpu_stream();
-  if (!helper) return f(std::int64_t{0}, n);
+  if (!helper) return at_cpu_width([&] { f(std::int64_t{0}, n); });
   struct Share {
     std::atomic<std::int64_t> next{0};
     std::atomic<int> inside{0};  // helpers inside; kClosed once the caller is done
@@ -124,7 +126,8 @@ void parallel_for(std::int64_t n, std::int64_t grain, const F& f) {
     for (;;) {
       const std::int64_t b = sh.next.fetch_add(chunk, std::memory_order_relaxed);
       if (b >= n) return;
-      fn(b, std::min(n, b + chunk));
+      const std::int64_t e = std::min(n, b + chunk);
+      at_cpu_width([&] { fn(b, e); });
     }
   };
   helper->post([share, fp = &f, run] {

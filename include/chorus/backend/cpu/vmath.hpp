@@ -15,6 +15,8 @@
 // against the double-precision functions over 2^24 samples of [-20, 20] (tests/test_ops.cpp,
 // VectorizableMath): exp and sigmoid within 2 ulp, tanh within 3 ulp. Double (and every other
 // type) goes to the standard functions, so float64 results and gradchecks are unchanged.
+// Sums (sum, shifted_sums, gradient_sums) keep eight partial sums in a fixed order: they
+// vectorize at any width and give the same bits at every one (Note [CPU capability]).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -40,6 +42,34 @@ inline float select(bool c, float a, float b) {
   std::memcpy(&out, &r, sizeof out);
   return out;
 }
+
+// Sums with eight partial sums of double, lane u adding elements u, u + 8, u + 16, ...: where the
+// compiler has GCC's vector extensions they are one vector of eight doubles (GCC does not
+// vectorize the array form when each element is widened from float first), elsewhere an array;
+// both add the same numbers in the same order, so the bits are the same.
+#if defined(__GNUC__) && !defined(__CUDACC__)
+#define CHORUS_VECTOR_LANES 1
+typedef double lanes8d __attribute__((vector_size(64)));
+typedef float lanes8f __attribute__((vector_size(32)));
+/// p[0, 8) widened to double (passed by reference: a vector argument would change the ABI).
+template <class T>
+inline void load_lanes(const T* p, lanes8d& out) {
+  if constexpr (std::is_same_v<T, float>) {
+    lanes8f v;
+    std::memcpy(&v, p, sizeof v);
+    out = __builtin_convertvector(v, lanes8d);
+  } else {
+    std::memcpy(&out, p, sizeof out);
+  }
+}
+inline double fold_lanes(const lanes8d& a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+#else
+#define CHORUS_VECTOR_LANES 0
+#endif
+/// Whether a sum of T in Acc takes the vector form.
+template <class Acc, class T>
+inline constexpr bool vector_lanes =
+    CHORUS_VECTOR_LANES && std::is_same_v<Acc, double> && (std::is_same_v<T, float> || std::is_same_v<T, double>);
 }  // namespace detail
 
 inline float exp(float x) {
@@ -92,13 +122,106 @@ inline float tanh(float x) {
 /// reorder one running sum's additions itself).
 template <class Acc, class T>
 inline Acc sum(const T* x, std::int64_t n) {
-  Acc s[8] = {};
   std::int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    for (int u = 0; u < 8; ++u) s[u] += Acc(x[j + u]);
-  Acc r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+  Acc r;
+#if CHORUS_VECTOR_LANES
+  if constexpr (detail::vector_lanes<Acc, T>) {
+    detail::lanes8d s = {}, v;
+    for (; j + 8 <= n; j += 8) {
+      detail::load_lanes(x + j, v);
+      s += v;
+    }
+    r = detail::fold_lanes(s);
+  } else
+#endif
+  {
+    Acc s[8] = {};
+    for (; j + 8 <= n; j += 8)
+      for (int u = 0; u < 8; ++u) s[u] += Acc(x[j + u]);
+    r = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+  }
   for (; j < n; ++j) r += Acc(x[j]);
   return r;
+}
+
+/// s1 = Σ (x[i] - shift) and s2 = Σ (x[i] - shift)² over x[0, n) in Acc, with eight partial
+/// sums each (batch norm's statistics around a pivot).
+template <class Acc, class T>
+inline void shifted_sums(const T* x, std::int64_t n, Acc shift, Acc& s1, Acc& s2) {
+  std::int64_t j = 0;
+  Acc r1, r2;
+#if CHORUS_VECTOR_LANES
+  if constexpr (detail::vector_lanes<Acc, T>) {
+    const detail::lanes8d sh = detail::lanes8d{} + shift;
+    detail::lanes8d a = {}, b = {}, d;
+    for (; j + 8 <= n; j += 8) {
+      detail::load_lanes(x + j, d);
+      d -= sh;
+      a += d;
+      b += d * d;
+    }
+    r1 = detail::fold_lanes(a);
+    r2 = detail::fold_lanes(b);
+  } else
+#endif
+  {
+    Acc a[8] = {}, b[8] = {};
+    for (; j + 8 <= n; j += 8)
+      for (int u = 0; u < 8; ++u) {
+        const Acc d = Acc(x[j + u]) - shift;
+        a[u] += d;
+        b[u] += d * d;
+      }
+    r1 = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    r2 = ((b[0] + b[1]) + (b[2] + b[3])) + ((b[4] + b[5]) + (b[6] + b[7]));
+  }
+  for (; j < n; ++j) {
+    const Acc d = Acc(x[j]) - shift;
+    r1 += d;
+    r2 += d * d;
+  }
+  s1 = r1;
+  s2 = r2;
+}
+
+/// sg = Σ g[i] and sgx = Σ g[i]·(x[i] - shift) over [0, n) in Acc, with eight partial sums each
+/// (batch norm's backward).
+template <class Acc, class T>
+inline void gradient_sums(const T* g, const T* x, std::int64_t n, Acc shift, Acc& sg, Acc& sgx) {
+  std::int64_t j = 0;
+  Acc r1, r2;
+#if CHORUS_VECTOR_LANES
+  if constexpr (detail::vector_lanes<Acc, T>) {
+    const detail::lanes8d sh = detail::lanes8d{} + shift;
+    detail::lanes8d a = {}, b = {}, gv, xv;
+    for (; j + 8 <= n; j += 8) {
+      detail::load_lanes(g + j, gv);
+      detail::load_lanes(x + j, xv);
+      a += gv;
+      b += gv * (xv - sh);
+    }
+    r1 = detail::fold_lanes(a);
+    r2 = detail::fold_lanes(b);
+  } else
+#endif
+  {
+    Acc a[8] = {}, b[8] = {};
+    for (; j + 8 <= n; j += 8)
+      for (int u = 0; u < 8; ++u) {
+        const Acc gv = Acc(g[j + u]);
+        a[u] += gv;
+        b[u] += gv * (Acc(x[j + u]) - shift);
+      }
+    r1 = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    r2 = ((b[0] + b[1]) + (b[2] + b[3])) + ((b[4] + b[5]) + (b[6] + b[7]));
+  }
+  for (; j < n; ++j) {
+    const Acc gv = Acc(g[j]);
+    r1 += gv;
+    r2 += gv * (Acc(x[j]) - shift);
+  }
+  sg = r1;
+  sgx = r2;
 }
 
 /// max x[0, n) (-inf for n = 0; NaN elements are skipped, as std::max skips them), with eight
