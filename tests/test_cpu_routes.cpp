@@ -201,4 +201,21 @@ TEST(CpuCapability, EveryCapabilityOfThisCpuGivesTheSameBits) {
   }
 }
 
+TEST(CpuRoutes, TheEnvironmentsChoicesAreCheckedByName) {
+  EXPECT_EQ(cpu::detail::parse_gemm_route("openblas"), cpu::GemmRoute::openblas);
+  EXPECT_EQ(cpu::detail::parse_gemm_route("auto"), cpu::GemmRoute::automatic);
+  EXPECT_THROW(cpu::detail::parse_gemm_route("OpenBLAS "), Error);
+  EXPECT_EQ(cpu::detail::parse_cpu_capability("default"), cpu::CpuCapability::baseline);
+  EXPECT_EQ(cpu::detail::parse_cpu_capability("avx2"), cpu::CpuCapability::avx2);
+  EXPECT_EQ(cpu::detail::parse_cpu_capability("avx512"), cpu::CpuCapability::avx512);
+  try {
+    cpu::detail::parse_cpu_capability("sse2");
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("CHORUS_CPU_CAPABILITY=sse2: expected default, avx2 or avx512"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace

@@ -85,10 +85,15 @@ namespace backend::cpu {
 enum class GemmRoute { automatic, openblas };
 
 namespace detail {
+/// CHORUS_GEMM's value as a route.
+inline GemmRoute parse_gemm_route(std::string_view v) {
+  CHORUS_CHECK(v == "auto" || v == "openblas", "CHORUS_GEMM=", v, ": expected auto or openblas");
+  return v == "openblas" ? GemmRoute::openblas : GemmRoute::automatic;
+}
 inline std::atomic<int>& gemm_route_switch() {
   static std::atomic<int> route{[] {
     const char* e = std::getenv("CHORUS_GEMM");
-    return e && std::string_view(e) == "openblas" ? 1 : 0;
+    return e && parse_gemm_route(e) == GemmRoute::openblas ? 1 : 0;
   }()};
   return route;
 }
@@ -99,8 +104,8 @@ inline bool sgemm_on_onednn(std::int64_t M, std::int64_t N, std::int64_t K) {
 }
 }  // namespace detail
 
-/// Selects the route of CPU products (process-wide; CHORUS_GEMM=openblas in the environment
-/// sets `openblas` at start).
+/// Selects the route of CPU products (process-wide; CHORUS_GEMM=openblas or auto in the
+/// environment sets it at start).
 inline void set_gemm_route(GemmRoute r) { detail::gemm_route_switch().store(r == GemmRoute::openblas ? 1 : 0); }
 inline GemmRoute gemm_route_choice() {
   return detail::gemm_route_switch().load() != 0 ? GemmRoute::openblas : GemmRoute::automatic;

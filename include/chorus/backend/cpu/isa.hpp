@@ -19,9 +19,10 @@
 // under each capability this CPU has and compares them bitwise. With other compilers, other
 // architectures and nvcc, and in header-only units unless asked for (below), at_cpu_width(f)
 // is f(): the loops are compiled for the program's own target (-march).
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
-#include <cstring>
+#include <string_view>
 
 #include "../../error.hpp"
 
@@ -65,13 +66,17 @@ inline CpuCapability cpu_capability_supported() {
 #endif
 }
 
+/// CHORUS_CPU_CAPABILITY's value as a capability.
+inline CpuCapability parse_cpu_capability(std::string_view v) {
+  CHORUS_CHECK(v == "default" || v == "avx2" || v == "avx512", "CHORUS_CPU_CAPABILITY=", v,
+               ": expected default, avx2 or avx512");
+  return v == "default" ? CpuCapability::baseline : v == "avx2" ? CpuCapability::avx2 : CpuCapability::avx512;
+}
+
 inline std::atomic<int>& cpu_capability_in_use() {
   static std::atomic<int> cap{[] {
     int c = static_cast<int>(cpu_capability_supported());
-    if (const char* e = std::getenv("CHORUS_CPU_CAPABILITY")) {
-      const int want = std::strcmp(e, "default") == 0 ? 0 : std::strcmp(e, "avx2") == 0 ? 1 : 2;
-      c = want < c ? want : c;
-    }
+    if (const char* e = std::getenv("CHORUS_CPU_CAPABILITY")) c = std::min(c, static_cast<int>(parse_cpu_capability(e)));
     return c;
   }()};
   return cap;

@@ -103,6 +103,7 @@ inline constexpr std::int64_t kParallelGrain = std::int64_t{1} << 16;
 template <class F>
 void parallel_for(std::int64_t n, std::int64_t grain, const F& f) {
   grain = std::max<std::int64_t>(grain, 1);
+  (void)detail::cpu_capability_in_use();  // read (and check) CHORUS_CPU_CAPABILITY on this thread first
   if (n < 2 * grain) return at_cpu_width([&] { f(std::int64_t{0}, n); });
 #if CHORUS_HAS_GOMP
   if (const int threads = detail::intra_op_threads(); threads > 1) {
