@@ -75,11 +75,6 @@ CHORUS_INLINE bool gemm_bf16(bool trans_a, bool trans_b, std::int64_t M, std::in
   ctx.stream.wait();
   return true;
 }
-#else
-CHORUS_INLINE bool gemm_bf16(bool, bool, std::int64_t, std::int64_t, std::int64_t, float, const bfloat16*,
-                             std::int64_t, const bfloat16*, std::int64_t, float, bfloat16*, std::int64_t) {
-  return false;
-}
 #endif
 }  // namespace onednn
 

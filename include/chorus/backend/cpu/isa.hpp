@@ -24,9 +24,8 @@
 #include <cstdlib>
 #include <string_view>
 
-#include "../../error.hpp"
-
 #include "../../compiled.hpp"
+#include "../../error.hpp"
 
 // The copies cost compile time in every unit that instantiates a loop (a header-only unit
 // compiles half again as long): on by default where the loops are compiled once, in
