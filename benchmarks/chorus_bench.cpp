@@ -388,7 +388,8 @@ int main(int argc, char** argv) try {
                     capability = backend::cpu::cpu_capability_name(backend::cpu::get_cpu_capability());
   std::map<int, double> peak;
   for (int t : threads) peak[t] = sgemm_peak(t);
-  for (int d : devices) peak.emplace(d, sgemm_peak(d));
+  for (int d : devices)
+    if (!peak.count(d)) peak[d] = sgemm_peak(d);
   std::fprintf(stderr, "CPU: %s\nGEMM: %s\nchorus's loops: %s\n", cpu.c_str(), route.c_str(), capability.c_str());
   for (const auto& [t, g] : peak) std::fprintf(stderr, "peak: 2048^3 sgemm, %d thread(s): %.1f GFLOP/s\n", t, g);
 
