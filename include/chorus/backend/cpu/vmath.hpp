@@ -144,84 +144,59 @@ inline Acc sum(const T* x, std::int64_t n) {
   return r;
 }
 
-/// s1 = Σ (x[i] - shift) and s2 = Σ (x[i] - shift)² over x[0, n) in Acc, with eight partial
-/// sums each (batch norm's statistics around a pivot).
-template <class Acc, class T>
-inline void shifted_sums(const T* x, std::int64_t n, Acc shift, Acc& s1, Acc& s2) {
+namespace detail {
+/// Two sums over [0, n) in Acc with eight partial sums each: term(g[i], x[i] - shift, a, b) adds
+/// element i's parts to a and b, called with eight lanes at once or with one Acc (the same
+/// operations either way).
+template <class Acc, class T, class Term>
+inline void paired_sums(const T* g, const T* x, std::int64_t n, Acc shift, Acc& s1, Acc& s2, const Term& term) {
   std::int64_t j = 0;
   Acc r1, r2;
 #if CHORUS_VECTOR_LANES
-  if constexpr (detail::vector_lanes<Acc, T>) {
-    const detail::lanes8d sh = detail::lanes8d{} + shift;
-    detail::lanes8d a = {}, b = {}, d;
+  if constexpr (vector_lanes<Acc, T>) {
+    const lanes8d sh = lanes8d{} + shift;
+    lanes8d a = {}, b = {}, gv, d;
     for (; j + 8 <= n; j += 8) {
-      detail::load_lanes(x + j, d);
+      load_lanes(g + j, gv);
+      load_lanes(x + j, d);
       d -= sh;
-      a += d;
-      b += d * d;
+      term(gv, d, a, b);
     }
-    r1 = detail::fold_lanes(a);
-    r2 = detail::fold_lanes(b);
+    r1 = fold_lanes(a);
+    r2 = fold_lanes(b);
   } else
 #endif
   {
     Acc a[8] = {}, b[8] = {};
     for (; j + 8 <= n; j += 8)
-      for (int u = 0; u < 8; ++u) {
-        const Acc d = Acc(x[j + u]) - shift;
-        a[u] += d;
-        b[u] += d * d;
-      }
+      for (int u = 0; u < 8; ++u) term(Acc(g[j + u]), Acc(x[j + u]) - shift, a[u], b[u]);
     r1 = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
     r2 = ((b[0] + b[1]) + (b[2] + b[3])) + ((b[4] + b[5]) + (b[6] + b[7]));
   }
-  for (; j < n; ++j) {
-    const Acc d = Acc(x[j]) - shift;
-    r1 += d;
-    r2 += d * d;
-  }
+  for (; j < n; ++j) term(Acc(g[j]), Acc(x[j]) - shift, r1, r2);
   s1 = r1;
   s2 = r2;
+}
+}  // namespace detail
+
+/// s1 = Σ (x[i] - shift) and s2 = Σ (x[i] - shift)² over x[0, n) in Acc, with eight partial
+/// sums each (batch norm's statistics around a pivot).
+template <class Acc, class T>
+inline void shifted_sums(const T* x, std::int64_t n, Acc shift, Acc& s1, Acc& s2) {
+  detail::paired_sums<Acc>(x, x, n, shift, s1, s2, [](const auto&, const auto& d, auto& a, auto& b) {
+    a += d;
+    b += d * d;
+  });
 }
 
 /// sg = Σ g[i] and sgx = Σ g[i]·(x[i] - shift) over [0, n) in Acc, with eight partial sums each
 /// (batch norm's backward).
 template <class Acc, class T>
 inline void gradient_sums(const T* g, const T* x, std::int64_t n, Acc shift, Acc& sg, Acc& sgx) {
-  std::int64_t j = 0;
-  Acc r1, r2;
-#if CHORUS_VECTOR_LANES
-  if constexpr (detail::vector_lanes<Acc, T>) {
-    const detail::lanes8d sh = detail::lanes8d{} + shift;
-    detail::lanes8d a = {}, b = {}, gv, xv;
-    for (; j + 8 <= n; j += 8) {
-      detail::load_lanes(g + j, gv);
-      detail::load_lanes(x + j, xv);
-      a += gv;
-      b += gv * (xv - sh);
-    }
-    r1 = detail::fold_lanes(a);
-    r2 = detail::fold_lanes(b);
-  } else
-#endif
-  {
-    Acc a[8] = {}, b[8] = {};
-    for (; j + 8 <= n; j += 8)
-      for (int u = 0; u < 8; ++u) {
-        const Acc gv = Acc(g[j + u]);
-        a[u] += gv;
-        b[u] += gv * (Acc(x[j + u]) - shift);
-      }
-    r1 = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-    r2 = ((b[0] + b[1]) + (b[2] + b[3])) + ((b[4] + b[5]) + (b[6] + b[7]));
-  }
-  for (; j < n; ++j) {
-    const Acc gv = Acc(g[j]);
-    r1 += gv;
-    r2 += gv * (Acc(x[j]) - shift);
-  }
-  sg = r1;
-  sgx = r2;
+  detail::paired_sums<Acc>(g, x, n, shift, sg, sgx, [](const auto& gv, const auto& d, auto& a, auto& b) {
+    a += gv;
+    b += gv * d;
+  });
 }
 
 /// max x[0, n) (-inf for n = 0; NaN elements are skipped, as std::max skips them), with eight
