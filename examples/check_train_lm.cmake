@@ -4,6 +4,8 @@
 #   resume  run EXE ARGS for all epochs into OUT/full; then for one epoch (--stop-after 1) into
 #           OUT/split and again with --resume: the resumed run must say where it resumed and its
 #           last epoch's validation loss must equal the uninterrupted run's.
+#   checkpoint  run EXE ARGS, then EXE ARGS --checkpoint: every validation loss must be the same,
+#           the checkpointed run's peak memory on the first device lower.
 #   errors  bad input (a missing or empty --data file, an unknown --model, a --seq-len longer than
 #           the text) must exit non-zero with a message naming it.
 # Each run's output is printed, so that a failure shows it.
@@ -82,6 +84,23 @@ elseif(MODE STREQUAL "resume")
   if(NOT got STREQUAL want)
     message(FATAL_ERROR "resumed run's last validation loss ${got} differs from the uninterrupted run's ${want}")
   endif()
+elseif(MODE STREQUAL "checkpoint")
+  run_lm(plain ${EXE} ${args} --out ${OUT}/plain)
+  run_lm(ckpt ${EXE} ${args} --out ${OUT}/ckpt --checkpoint)
+  val_losses("${plain}" plain_losses)
+  val_losses("${ckpt}" ckpt_losses)
+  if(NOT plain_losses STREQUAL ckpt_losses OR plain_losses STREQUAL "")
+    message(FATAL_ERROR "checkpointed validation losses '${ckpt_losses}' differ from the plain run's '${plain_losses}'")
+  endif()
+  foreach(run plain ckpt)
+    if(NOT ${run} MATCHES "peak memory [^ ]+ ([0-9.]+) MiB")
+      message(FATAL_ERROR "no peak memory in the ${run} run's output")
+    endif()
+    set(${run}_peak ${CMAKE_MATCH_1})
+  endforeach()
+  if(NOT ckpt_peak LESS plain_peak)
+    message(FATAL_ERROR "checkpointed peak memory ${ckpt_peak} MiB is not below the plain run's ${plain_peak} MiB")
+  endif()
 elseif(MODE STREQUAL "errors")
   file(MAKE_DIRECTORY ${OUT})
   file(WRITE ${OUT}/empty.txt "")
@@ -106,5 +125,5 @@ elseif(MODE STREQUAL "errors")
     endif()
   endforeach()
 else()
-  message(FATAL_ERROR "MODE must be train, resume or errors")
+  message(FATAL_ERROR "MODE must be train, resume, checkpoint or errors")
 endif()

@@ -30,17 +30,20 @@ struct CharLSTM : chorus::nn::Module {
 };
 
 /// Token + learned position embeddings -> TransformerEncoder under a causal mask (pre-norm,
-/// GELU) -> LayerNorm -> Linear: a small GPT-style decoder-only model.
+/// GELU) -> LayerNorm -> Linear: a small GPT-style decoder-only model. With `checkpoint`, each
+/// encoder layer's activations are recomputed in backward instead of kept (nn::utils::checkpoint).
 struct CharTransformer : chorus::nn::Module {
   std::int64_t max_len;
+  bool checkpoint;
   chorus::nn::Embedding tok, pos;
   chorus::nn::TransformerEncoder encoder;
   chorus::nn::LayerNorm norm;
   chorus::nn::Linear head;
 
   CharTransformer(std::int64_t vocab, std::int64_t max_len, std::int64_t d_model, std::int64_t heads,
-                  std::int64_t layers, double dropout)
+                  std::int64_t layers, double dropout, bool checkpoint = false)
       : max_len(max_len),
+        checkpoint(checkpoint),
         tok(register_module("tok", chorus::nn::Embedding(vocab, d_model))),
         pos(register_module("pos", chorus::nn::Embedding(max_len, d_model))),
         encoder(register_module(
@@ -66,7 +69,10 @@ struct CharTransformer : chorus::nn::Module {
     const auto device = tokens.device();
     auto x = tok(tokens) + pos(chorus::arange<std::int64_t>(static_cast<double>(len), device));
     auto causal = chorus::nn::generate_square_subsequent_mask<float>(len, device);
-    return head(norm(encoder(x, causal, {}, /*is_causal=*/true)));
+    if (!checkpoint) return head(norm(encoder(x, causal, {}, /*is_causal=*/true)));
+    const chorus::AttentionMask<float> none;
+    for (const auto& layer : *encoder->layers) x = chorus::nn::utils::checkpoint(layer, x, causal, none, true);
+    return head(norm(x));
   }
   std::string name() const override { return "CharTransformer"; }
 };

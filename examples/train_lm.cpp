@@ -6,7 +6,7 @@
 //   train_lm [--model lstm|transformer] [--data FILE] [--cpu N | --gpus | --distributed]
 //            [--epochs E] [--steps S] [--batch B] [--seq-len L] [--lr LR] [--hidden H] [--layers N]
 //            [--dropout P] [--out DIR] [--resume] [--stop-after E] [--sample N] [--temperature T]
-//            [--prompt TEXT] [--seed S]
+//            [--prompt TEXT] [--seed S] [--checkpoint]
 //
 // The text (by default the GPL-3 licence text every Debian machine has) is read as bytes: the
 // vocabulary is the set of distinct bytes, the first 90% trains and the last 10% validates.
@@ -16,6 +16,8 @@
 // non-overlapping windows of the validation part. --distributed: B is the global batch, each
 // of the W processes takes B / W of its windows (the same windows a single process would).
 // --stop-after E ends the run after epoch E, as an interruption would (to try --resume).
+// --checkpoint (transformer): each encoder layer's activations are recomputed in backward instead
+// of kept; the results are the same bit for bit, the peak memory printed after each epoch lower.
 #include <chorus/distributed.hpp>
 
 #include <algorithm>
@@ -43,7 +45,7 @@ namespace {
 struct Config {
   std::string model = "lstm", data = "/usr/share/common-licenses/GPL-3", out = "train_lm_out", prompt = "The ";
   std::vector<Device> devices;
-  bool distributed = false, resume = false;
+  bool distributed = false, resume = false, checkpoint = false;
   int epochs = 10, stop_after = 0, batch = 32, seq_len = 64, layers = 0, sample = 300;
   std::int64_t steps = 0, hidden = 0;
   double lr = 0, dropout = -1, temperature = 0.8;
@@ -263,7 +265,9 @@ int train(const Config& c, const Corpus& corpus, M model, const std::string& des
     const int last_epoch = c.stop_after ? std::min(c.stop_after, c.epochs) : c.epochs;
     const int rows = c.batch / world.size;
     net.train();
+    std::vector<Device> devices = c.distributed ? std::vector<Device>{device} : c.devices;
     for (int epoch = start_epoch; epoch <= last_epoch; ++epoch) {
+      for (const auto& d : devices) allocator_of(d).reset_peak();
       const auto start = std::chrono::steady_clock::now();
       double loss_avg = 0;
       for (std::int64_t s = 0; s < steps; ++s) {
@@ -280,9 +284,18 @@ int train(const Config& c, const Corpus& corpus, M model, const std::string& des
           progress(epoch, c.epochs, s + 1, steps, loss_avg, opt.lr(0),
                    static_cast<double>((s + 1) * c.batch * c.seq_len) / std::max(secs, 1e-9));
       }
+      const double step_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / steps;
+      std::string peaks;  // of training, before validation
+      for (const auto& d : devices) {
+        char line[64];
+        std::snprintf(line, sizeof line, " %s %.2f MiB", d.str().c_str(), memory_stats(d).peak_allocated / 1048576.0);
+        peaks += line;
+      }
       const double v = validation_loss(net, corpus, c, world, out_device);
       if (world.reports()) {
-        std::printf("\nepoch %d: val loss %.4f, perplexity %.2f\n", epoch, v, std::exp(v));
+        std::printf("\nepoch %d: val loss %.4f, perplexity %.2f; %.1f ms/step, peak memory%s\n", epoch, v, std::exp(v),
+                    step_ms, peaks.c_str());
         fs::create_directories(c.out);
         save(net, model_path,
              {{"epoch", std::to_string(epoch)}, {"model", c.model}, {"vocab", vocab_ids(corpus.vocab)},
@@ -309,7 +322,7 @@ void usage(const char* argv0) {
             << " [--model lstm|transformer] [--data FILE] [--cpu N | --gpus | --distributed] [--epochs E]"
                " [--steps S] [--batch B] [--seq-len L] [--lr LR] [--hidden H] [--layers N] [--dropout P]"
                " [--out DIR] [--resume] [--stop-after E] [--sample N] [--temperature T] [--prompt TEXT]"
-               " [--seed S]\n";
+               " [--seed S] [--checkpoint]\n";
 }
 
 }  // namespace
@@ -342,6 +355,7 @@ int main(int argc, char** argv) try {
     else if (a == "--temperature") c.temperature = std::stod(value());
     else if (a == "--prompt") c.prompt = value();
     else if (a == "--seed") c.seed = std::stoull(value());
+    else if (a == "--checkpoint") c.checkpoint = true;
     else {
       usage(argv[0]);
       return 2;
@@ -354,6 +368,7 @@ int main(int argc, char** argv) try {
   CHORUS_CHECK(c.temperature > 0, "--temperature must be positive, got ", c.temperature);
   CHORUS_CHECK(!(c.distributed && !c.devices.empty()), "--distributed uses one device per process; leave out --cpu/--gpus");
   const bool lstm = c.model == "lstm";
+  CHORUS_CHECK(!(lstm && c.checkpoint), "--checkpoint is for --model transformer (its encoder layers)");
   if (c.hidden == 0) c.hidden = lstm ? 256 : 128;
   if (c.layers == 0) c.layers = lstm ? 1 : 2;
   if (c.lr == 0) c.lr = lstm ? 3e-3 : 1e-3;
@@ -372,9 +387,10 @@ int main(int argc, char** argv) try {
     return train(c, corpus, examples::CharLSTM(vocab, 64, c.hidden, c.layers, c.dropout), what.str());
   }
   CHORUS_CHECK(c.hidden % 4 == 0, "--hidden ", c.hidden, " must be a multiple of the transformer's 4 heads");
-  what << "Transformer LM (d_model " << c.hidden << ", 4 heads, " << c.layers << " layer(s), context " << c.seq_len
-       << ")";
-  return train(c, corpus, examples::CharTransformer(vocab, c.seq_len, c.hidden, 4, c.layers, c.dropout), what.str());
+  what << "Transformer LM (d_model " << c.hidden << ", 4 heads, " << c.layers << " layer(s)"
+       << (c.checkpoint ? ", checkpointed" : "") << ", context " << c.seq_len << ")";
+  return train(c, corpus, examples::CharTransformer(vocab, c.seq_len, c.hidden, 4, c.layers, c.dropout, c.checkpoint),
+               what.str());
 } catch (const std::exception& e) {
   std::cerr << "error: " << e.what() << "\n";
   return 1;

@@ -92,6 +92,13 @@ std::vector<Tensor<T>> gradients_in(const NodeBase& node, std::vector<std::vecto
   return inputs;
 }
 
+/// Runs backward from `roots` (each seeded with its gradient in `seeds`, of its node's dtype) as
+/// far as `stops`, whose nodes do not run, and returns the gradient that reached each stop edge
+/// (undefined where none did): torch.autograd.grad with the stops as its inputs. Nodes of the
+/// stream `home` run on the calling thread. Checkpoint's recomputation runs its graph this way
+/// (Note [activation checkpointing] in autograd/checkpoint.hpp).
+CHORUS_INLINE std::vector<AnyTensor> grad_at(const std::vector<Edge>& roots, std::vector<AnyTensor> seeds,
+                                             const std::vector<Edge>& stops, Stream* home);
 }  // namespace detail
 
 /// Runs backward from `roots` (seeded with `grads`; an undefined seed means ones for a
@@ -101,13 +108,21 @@ void backward(const std::vector<Tensor<T>>& roots, const std::vector<Tensor<T>>&
               bool retain_graph = false);
 
 }  // namespace autograd
+
+template <class T>
+void Tensor<T>::backward(const Tensor<T>& gradient, bool retain_graph) const {
+  autograd::backward<T>({*this}, {gradient}, retain_graph);
+}
+
 CHORUS_NAMESPACE_END
 
 // The instances chorus::compiled holds (Note [compiled chorus] in compiled.hpp).
 #define CHORUS_AUTOGRAD_ENGINE_FLOAT_INSTANCES(X, T)                                             \
-  X(void autograd::backward<T>(const std::vector<Tensor<T>>&, const std::vector<Tensor<T>>&, bool)) \
-  X(class autograd::AccumulateGrad<T>)
+  X(void autograd::backward<T>(const std::vector<Tensor<T>>&, const std::vector<Tensor<T>>&, bool))
 CHORUS_EXTERN_INSTANCES(CHORUS_AUTOGRAD_ENGINE_FLOAT_INSTANCES, CHORUS_FLOATING_DTYPES)
+// Every dtype: operations over integer tensors name grad_accumulator<T> (never reached at run time).
+#define CHORUS_AUTOGRAD_ACCUMULATE_INSTANCES(X, T) X(class autograd::AccumulateGrad<T>)
+CHORUS_EXTERN_INSTANCES(CHORUS_AUTOGRAD_ACCUMULATE_INSTANCES, CHORUS_ALL_DTYPES)
 
 #if !CHORUS_COMPILED
 #include "engine_impl.hpp"

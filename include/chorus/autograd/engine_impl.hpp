@@ -85,21 +85,57 @@ class GraphTask {
 
   GraphTask(bool retain_graph, Stream* home) : retain_(retain_graph), home_(home) {}
 
+  /// Makes the nodes of `stops` ends of the walk: they never run, and the gradients that reach
+  /// them stay for captured() (call before compute_dependencies).
+  void stop_at(const std::vector<Edge>& stops) {
+    for (const auto& e : stops)
+      if (e.valid()) stops_.insert(e.fn.get());
+  }
+
   /// Counts, for every node reachable from `roots`, the edges that lead to it.
   void compute_dependencies(const std::vector<Edge>& roots) {
     std::vector<NodeBase*> stack;
-    for (const auto& e : roots) {
-      if (e.valid() && seen_.insert({e.fn.get(), {e.fn, seen_.size()}}).second) stack.push_back(e.fn.get());
-    }
+    auto discover = [&](const Edge& e) {
+      if (seen_.insert({e.fn.get(), {e.fn, seen_.size()}}).second && !stops_.count(e.fn.get()))
+        stack.push_back(e.fn.get());
+    };
+    for (const auto& e : roots)
+      if (e.valid()) discover(e);
     while (!stack.empty()) {
       NodeBase* n = stack.back();
       stack.pop_back();
       for (const auto& e : n->next_edges()) {
         if (!e.valid()) continue;
         ++deps_[e.fn.get()];
-        if (seen_.insert({e.fn.get(), {e.fn, seen_.size()}}).second) stack.push_back(e.fn.get());
+        discover(e);
       }
     }
+  }
+
+  /// After run(): the gradient that reached each stop edge, its arrivals summed in graph order
+  /// (undefined where none arrived).
+  std::vector<AnyTensor> captured(const std::vector<Edge>& stops) {
+    std::vector<AnyTensor> out(stops.size());
+    for (std::size_t k = 0; k < stops.size(); ++k) {
+      const auto it = stops[k].valid() ? buffers_.find(stops[k].fn.get()) : buffers_.end();
+      if (it == buffers_.end() || stops[k].input_nr >= it->second.size()) continue;
+      auto& arrivals = it->second[stops[k].input_nr];
+      in_graph_order(arrivals);
+      auto parts = take_arrivals(arrivals);
+      arrivals.clear();
+      if (parts.empty()) continue;
+      out[k] = visit_dtype(parts[0].dtype(), [&](auto tag) -> AnyTensor {
+        using T = decltype(tag);
+        if constexpr (is_floating_v<T>) {
+          std::vector<Tensor<T>> typed;
+          for (auto& p : parts) typed.push_back(std::move(p.template as<T>()));
+          return sum_into_unshared(typed);
+        } else {
+          CHORUS_FAIL("autograd: a ", dtype_name(parts[0].dtype()), " gradient reached ", stops[k].fn->name());
+        }
+      });
+    }
+    return out;
   }
 
   /// Adds the seed gradients to the root nodes' inputs and runs the graph.
@@ -169,6 +205,7 @@ class GraphTask {
   }
 
   void schedule(NodeBase* n) {
+    if (stops_.count(n)) return;  // its gradients wait in buffers_ for captured()
     {
       std::lock_guard<std::mutex> lk(m_);
       ++outstanding_;
@@ -288,11 +325,23 @@ class GraphTask {
   std::unordered_map<NodeBase*, int> deps_;
   std::unordered_map<NodeBase*, std::vector<std::vector<Arrival>>> buffers_;  // [node][input]
   std::unordered_set<NodeBase*> scheduled_;
+  std::unordered_set<NodeBase*> stops_;  // stop_at(): reached, never run
   std::deque<NodeBase*> local_;
   int outstanding_ = 0;
   std::exception_ptr error_;
   std::atomic<bool> failed_{false};  // error_ is set (Note [giving up in backward])
 };
+
+CHORUS_INLINE std::vector<AnyTensor> grad_at(const std::vector<Edge>& roots, std::vector<AnyTensor> seeds,
+                                             const std::vector<Edge>& stops, Stream* home) {
+  CHORUS_CHECK(roots.size() == seeds.size(), "grad_at: ", roots.size(), " roots but ", seeds.size(), " seeds");
+  NoGradGuard no_grad;
+  GraphTask task(/*retain_graph=*/false, home);
+  task.stop_at(stops);
+  task.compute_dependencies(roots);
+  task.run(roots, std::move(seeds));
+  return task.captured(stops);
+}
 
 }  // namespace detail
 
@@ -335,10 +384,5 @@ void backward(const std::vector<Tensor<T>>& roots, const std::vector<Tensor<T>>&
 }
 
 }  // namespace autograd
-
-template <class T>
-void Tensor<T>::backward(const Tensor<T>& gradient, bool retain_graph) const {
-  autograd::backward<T>({*this}, {gradient}, retain_graph);
-}
 
 CHORUS_NAMESPACE_END

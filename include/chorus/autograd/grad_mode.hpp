@@ -13,6 +13,21 @@ inline bool& grad_enabled_slot() {
 
 inline bool is_grad_enabled() { return detail::grad_enabled_slot(); }
 inline void set_grad_enabled(bool on) { detail::grad_enabled_slot() = on; }
+
+namespace detail {
+/// 0 outside a checkpointed function, 1 in its forward, 2 while backward recomputes it.
+inline int& checkpoint_phase() {
+  thread_local int phase = 0;
+  return phase;
+}
+}  // namespace detail
+
+/// True while the calling thread runs a checkpointed function, in forward or recomputing it
+/// (Note [activation checkpointing] in autograd/checkpoint.hpp).
+inline bool in_checkpoint() { return detail::checkpoint_phase() != 0; }
+/// True while backward recomputes a checkpointed function: a layer skips there what must happen
+/// once per forward (batch norm's running statistics).
+inline bool is_recomputing() { return detail::checkpoint_phase() == 2; }
 }  // namespace autograd
 
 /// Sets grad mode for the scope of the guard (restoring the previous mode afterwards).

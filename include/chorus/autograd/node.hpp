@@ -252,13 +252,42 @@ std::shared_ptr<Node<T>> grad_accumulator(const Tensor<T>& leaf) {
   return acc;
 }
 
+namespace detail {
+/// The edges out of a checkpointed function that its operations took from tensors: each tensor
+/// (by identity, kept alive) with the edge gradient_edge gave for it, where that edge leads to a
+/// node made before the function began (`start`) or to a leaf's accumulator (Note [activation
+/// checkpointing] in autograd/checkpoint.hpp).
+struct EdgeLog {
+  struct Entry {
+    AnyTensor tensor;
+    std::uint64_t version;  // of its storage then (Note [version counter])
+    Edge edge;
+  };
+  std::uint64_t start = 0;  // the first sequence number of the function's own nodes
+  std::vector<Entry> entries;
+  bool leaves_function(const Edge& e) const { return !e.fn->releasable() || e.fn->sequence_nr() < start; }
+  void note(Entry e) {
+    if (leaves_function(e.edge)) entries.push_back(std::move(e));
+  }
+};
+/// The log of the checkpointed function the calling thread runs (null outside one).
+inline EdgeLog*& current_edge_log() {
+  thread_local EdgeLog* log = nullptr;
+  return log;
+}
+}  // namespace detail
+
 /// Where the gradient of `t` must go: its grad_fn, its accumulator, or nowhere.
 template <class T>
 Edge gradient_edge(const Tensor<T>& t) {
   if (!t.defined()) return {};
-  if (t.grad_fn()) return {t.grad_fn(), t.output_nr()};
-  if (t.requires_grad()) return {grad_accumulator(t), 0};
-  return {};
+  Edge e;
+  if (t.grad_fn()) e = {t.grad_fn(), t.output_nr()};
+  else if (t.requires_grad()) e = {grad_accumulator(t), 0};
+  else return {};
+  if (auto* log = detail::current_edge_log())
+    log->note({t, t.impl()->storage ? t.impl()->storage->version() : 0, e});
+  return e;
 }
 
 /// True when grad mode is on and any of the tensors requires grad.

@@ -283,8 +283,41 @@ class ReplicaRandomScope {
   detail::ReplicaRandom* previous_;
 };
 
+// Note [checkpoint random numbers]
+// A checkpointed function (nn::utils::checkpoint) runs twice: in forward, and again in backward
+// to recompute what it dropped. Its dropout masks must be the same both times, although other
+// draws (later layers, other replicas, the next forward) moved the generator in between and a
+// DataParallel replica's share of the batch is no longer installed. So the first run records the
+// Philox layout each draw got on a tape, and the recomputation replays the tape in order (the
+// same generator and element count at each draw, and every draw used, or it fails naming the
+// difference): masks are equal bit for bit, and the generator does not move in backward. A
+// checkpoint inside a checkpoint records into every tape up to the nearest one that replays.
+// The host engine (rand, randn, bernoulli, randperm) has no such replay: a checkpointed
+// function that draws from it is refused when it does.
+namespace detail {
+struct PhiloxTape {
+  struct Draw {
+    const Generator* gen;
+    std::int64_t numel;
+    PhiloxLayout layout;
+  };
+  std::vector<Draw> draws;
+  std::size_t next = 0;    // the next draw to replay
+  bool replaying = false;  // recomputation (else recording)
+  PhiloxTape* parent = nullptr;
+};
+/// The tape of the checkpointed function the calling thread runs (null outside one).
+inline PhiloxTape*& current_philox_tape() {
+  thread_local PhiloxTape* t = nullptr;
+  return t;
+}
+/// Throws when the calling thread runs a checkpointed function: `what` draws from the host engine.
+CHORUS_INLINE void refuse_host_draw_in_checkpoint(const char* what);
+}  // namespace detail
+
 /// Reserves the numbers of one Philox call over a contiguous tensor of `shape` (4 of every
-/// subsequence) and says which stream index each element takes (Note [dropout random numbers]).
+/// subsequence) and says which stream index each element takes (Note [dropout random numbers];
+/// inside a checkpointed function, Note [checkpoint random numbers]).
 CHORUS_INLINE PhiloxLayout philox_layout(Generator& gen, const Shape& shape);
 
 CHORUS_NAMESPACE_END

@@ -15,6 +15,7 @@ CHORUS_NAMESPACE_BEGIN
 template <class T>
   requires is_supported_scalar_v<T>
 void Generator::uniform(T* out, std::int64_t n, double lo, double hi) {
+  detail::refuse_host_draw_in_checkpoint("rand");
   std::lock_guard<std::mutex> lk(m_);
   for (std::int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(lo + (hi - lo) * next_unit());
 }
@@ -22,6 +23,7 @@ void Generator::uniform(T* out, std::int64_t n, double lo, double hi) {
 template <class T>
   requires is_supported_scalar_v<T>
 void Generator::normal(T* out, std::int64_t n, double mean, double stddev) {
+  detail::refuse_host_draw_in_checkpoint("randn");
   std::lock_guard<std::mutex> lk(m_);
   constexpr double kTwoPi = 6.283185307179586476925286766559;
   for (std::int64_t i = 0; i < n; i += 2) {
@@ -36,11 +38,13 @@ void Generator::normal(T* out, std::int64_t n, double mean, double stddev) {
 template <class T>
   requires is_supported_scalar_v<T>
 void Generator::bernoulli(T* out, std::int64_t n, double p) {
+  detail::refuse_host_draw_in_checkpoint("bernoulli");
   std::lock_guard<std::mutex> lk(m_);
   for (std::int64_t i = 0; i < n; ++i) out[i] = next_unit() < p ? T(1) : T(0);
 }
 
 CHORUS_INLINE std::uint64_t Generator::below(std::uint64_t n) {
+  detail::refuse_host_draw_in_checkpoint("randperm/randint");
   std::lock_guard<std::mutex> lk(m_);
   return eng_.below(n);
 }
@@ -120,7 +124,42 @@ CHORUS_INLINE ReplicaRandomScope::ReplicaRandomScope(std::shared_ptr<ReplicaRand
 
 // ---- philox_layout ----
 
+CHORUS_INLINE void detail::refuse_host_draw_in_checkpoint(const char* what) {
+  CHORUS_CHECK(current_philox_tape() == nullptr, what,
+               " inside a checkpointed function: its host random numbers cannot be drawn again alike when backward "
+               "recomputes the function (Note [checkpoint random numbers]); draw them outside and pass them in, or use "
+               "dropout, whose numbers are replayed");
+}
+
+namespace detail {
+CHORUS_INLINE PhiloxLayout fresh_philox_layout(Generator& gen, const Shape& shape);
+}
+
 CHORUS_INLINE PhiloxLayout philox_layout(Generator& gen, const Shape& shape) {
+  auto* tape = detail::current_philox_tape();
+  if (!tape) return detail::fresh_philox_layout(gen, shape);
+  detail::PhiloxTape* source = tape;  // Note [checkpoint random numbers]
+  while (source && !source->replaying) source = source->parent;
+  const std::int64_t n = numel_of(shape);
+  PhiloxLayout l;
+  if (source) {
+    CHORUS_CHECK(source->next < source->draws.size(),
+                 "checkpoint: recomputing the checkpointed function drew random numbers more often than its forward "
+                 "did (",
+                 source->draws.size(), " draws); it must run the same operations each time");
+    const auto& d = source->draws[source->next++];
+    CHORUS_CHECK(d.gen == &gen && d.numel == n, "checkpoint: draw ", source->next,
+                 " of the recomputed function is of ", n, " elements", d.gen == &gen ? "" : " from another generator",
+                 "; its forward drew ", d.numel, ": it must run the same operations each time");
+    l = d.layout;
+  } else {
+    l = detail::fresh_philox_layout(gen, shape);
+  }
+  for (auto* t = tape; t != source; t = t->parent) t->draws.push_back({&gen, n, l});
+  return l;
+}
+
+CHORUS_INLINE PhiloxLayout detail::fresh_philox_layout(Generator& gen, const Shape& shape) {
   const std::int64_t n = numel_of(shape);
   PhiloxLayout l;
   l.run = n > 0 ? n : 1;

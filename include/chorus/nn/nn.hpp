@@ -2,6 +2,7 @@
 // Modules, layers, losses and initialisation.
 #include "../compiled.hpp"
 #include "attention.hpp"
+#include "checkpoint.hpp"
 #include "conv.hpp"
 #include "embedding.hpp"
 #include "functional.hpp"

@@ -104,8 +104,13 @@ class BatchNormImpl : public BatchNormBase {
     if (is_sync()) detail::check_bn_input<0>(layer_name(), num_features, x.shape());
     else detail::check_bn_input<Dim>(layer_name(), num_features, x.shape());
     const bool training = is_training();
-    const bool cumulative = training && options.track_running_stats && !options.momentum;
-    if (training && options.track_running_stats) {
+    CHORUS_CHECK(!(is_sync() && training && autograd::in_checkpoint()), layer_name(),
+                 " cannot train inside a checkpointed function: recomputing it in backward would meet the other "
+                 "replicas' statistics at another time (Note [activation checkpointing])");
+    // Recomputing a checkpointed function repeats the batch statistics, not their update.
+    const bool update = training && options.track_running_stats && !autograd::is_recomputing();
+    const bool cumulative = update && !options.momentum;
+    if (update) {
       NoGradGuard g;
       backend::unary(num_batches_tracked, num_batches_tracked, backend::fn::AddScalar{1.0});
     }
@@ -113,7 +118,9 @@ class BatchNormImpl : public BatchNormBase {
     if (is_sync() && training) reducer = current_stats_reducer();
     // momentum=None: the kernel reads 1 / num_batches_tracked on the device (no item(), no
     // host sync; Note [batch-norm statistics]).
-    return ops::detail::batch_norm_impl(x, running_mean, running_var, weight, bias, training,
+    const bool use_running = update || !training;
+    return ops::detail::batch_norm_impl(x, use_running ? running_mean : Tensor<T>(),
+                                        use_running ? running_var : Tensor<T>(), weight, bias, training,
                                         options.momentum.value_or(0.0), options.eps, std::move(reducer),
                                         cumulative ? &num_batches_tracked : nullptr);
   }
