@@ -7,14 +7,19 @@
 //   comm_ms   all-reducing the same buckets with nothing else running
 //   hidden    share of comm_ms that the overlap with backward hides: 1 - (step - local) / comm
 //   plain_ms  (1 process) the plain module's step without DistributedDataParallel: the baseline
+//   held_bytes  what rank 0 holds after the timed steps (parameters, gradients, optimizer state)
+//   grad_bytes  of that, its gradients
 //
 //   mpirun -np N ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB (default 25)]
+//                          [--optimizer sgd|adam|zero1|zero2]
+// zero1: ZeroRedundancyOptimizer<Adam>; zero2: the same with DistributedDataParallel::shard_gradients.
 #include <chorus/distributed.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <string>
 
 
@@ -34,14 +39,17 @@ struct MlpMedium : nn::Module {
 int main(int argc, char** argv) try {
   int steps = 20, warmup = 3, batch = 512;
   double bucket_mb = 25;  // DistributedDataParallel's default cap
+  std::string optimizer = "sgd";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--steps") steps = std::stoi(argv[i + 1]);
     else if (a == "--warmup") warmup = std::stoi(argv[i + 1]);
     else if (a == "--batch") batch = std::stoi(argv[i + 1]);
     else if (a == "--bucket-mb") bucket_mb = std::stod(argv[i + 1]);
+    else if (a == "--optimizer") optimizer = argv[i + 1];
     else {
-      std::fprintf(stderr, "usage: ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB]\n");
+      std::fprintf(stderr, "usage: ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB] "
+                           "[--optimizer sgd|adam|zero1|zero2]\n");
       return 2;
     }
   }
@@ -52,9 +60,23 @@ int main(int argc, char** argv) try {
   manual_seed(0);
   auto x = randn<float>({batch / world, 1024});
   auto y = randn<float>({batch / world, 1024});
+  CHORUS_CHECK(optimizer == "sgd" || optimizer == "adam" || optimizer == "zero1" || optimizer == "zero2",
+               "--optimizer must be sgd, adam, zero1 or zero2, not '", optimizer, "'");
+  const auto held_before = memory_stats(Device::cpu(0)).allocated;
   DistributedDataParallel<MlpMedium> ddp(MlpMedium{},
                                          {.bucket_cap_bytes = static_cast<std::size_t>(bucket_mb * (1 << 20))});
-  optim::SGD opt(ddp.parameters(), {.lr = 1e-4});
+  std::unique_ptr<optim::Optimizer> opt_owner;
+  if (optimizer == "sgd") {
+    opt_owner = std::make_unique<optim::SGD>(ddp.parameters(), optim::SGDOptions{.lr = 1e-4});
+  } else if (optimizer == "adam") {
+    opt_owner = std::make_unique<optim::Adam>(ddp.parameters(), optim::AdamOptions{.lr = 1e-4});
+  } else {
+    auto zero = std::make_unique<optim::ZeroRedundancyOptimizer<optim::Adam>>(ddp.parameters(),
+                                                                              optim::AdamOptions{.lr = 1e-4});
+    if (optimizer == "zero2") ddp.shard_gradients(*zero);
+    opt_owner = std::move(zero);
+  }
+  optim::Optimizer& opt = *opt_owner;
   auto step = [&] {
     auto loss = nn::functional::mse_loss(ddp(x), y);
     opt.zero_grad();
@@ -76,6 +98,11 @@ int main(int argc, char** argv) try {
     return t[t.size() / 2];
   };
   const double step_ms = run(step);
+  pg.barrier();  // (the communication thread lets go of finished collectives' tensors)
+  const auto held_bytes = memory_stats(Device::cpu(0)).allocated - held_before;
+  std::size_t grad_bytes = 0;
+  for (const auto& p : ddp.parameters())
+    if (p.grad().defined()) grad_bytes += p.grad().nbytes();
   const double local_ms = run([&] {
     auto guard = ddp.no_sync();
     step();
@@ -113,8 +140,9 @@ int main(int argc, char** argv) try {
     std::printf(
         "{\"workload\": \"mlp-medium\", \"processes\": %d, \"global_batch\": %d, \"buckets\": %zu, "
         "\"gradient_bytes\": %zu, \"step_ms\": %.2f, \"local_ms\": %.2f, \"comm_ms\": %.2f, \"hidden\": %.2f, "
-        "\"plain_ms\": %.2f}\n",
-        world, batch, buckets.size(), bytes, step_ms, local_ms, comm_ms, hidden, plain_ms);
+        "\"plain_ms\": %.2f, \"optimizer\": \"%s\", \"held_bytes\": %lld, \"grad_bytes\": %zu}\n",
+        world, batch, buckets.size(), bytes, step_ms, local_ms, comm_ms, hidden, plain_ms, optimizer.c_str(),
+        static_cast<long long>(held_bytes), grad_bytes);
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "ddp_bench: %s\n", e.what());

@@ -1,8 +1,8 @@
 // Activation checkpointing under DistributedDataParallel (Note [activation checkpointing] in
 // autograd/checkpoint.hpp): a model whose blocks are checkpointed — one of them applied twice —
 // trains bit for bit as the same model without checkpoints, through no_sync accumulation, small
-// buckets rebuilt after the first step, and ZeroRedundancyOptimizer; each parameter's gradient is
-// reported ready once per backward. Part of the test_distributed binary (mpirun -np 1 … 4).
+// buckets rebuilt after the first step, ZeroRedundancyOptimizer and sharded gradients (ZeRO-2);
+// each parameter's gradient is reported ready once per backward. Part of the test_distributed binary (mpirun -np 1 … 4).
 #include "dist_test_util.hpp"
 
 #include <cstring>
@@ -36,7 +36,7 @@ struct CheckpointedNet : nn::Module {
 std::vector<double> flat_params(const std::vector<AnyTensor>& ps) { return concat(values<double>(ps)); }
 
 template <class O>
-std::vector<std::vector<double>> train(bool ckpt, bool zero, DistributedDataParallelOptions options) {
+std::vector<std::vector<double>> train(bool ckpt, bool zero, bool sharded, DistributedDataParallelOptions options) {
   const int w = pg().world_size(), r = pg().rank();
   const int micro = 2, rows = 3;
   manual_seed(5);
@@ -46,8 +46,13 @@ std::vector<std::vector<double>> train(bool ckpt, bool zero, DistributedDataPara
   DistributedDataParallel<CheckpointedNet> ddp(CheckpointedNet(ckpt), options);
   std::unique_ptr<optim::Optimizer> opt;
   const typename O::options_type o{.lr = 0.05};
-  if (zero) opt = std::make_unique<optim::ZeroRedundancyOptimizer<O>>(ddp.parameters(), o);
-  else opt = std::make_unique<O>(ddp.parameters(), o);
+  if (zero) {
+    auto z = std::make_unique<optim::ZeroRedundancyOptimizer<O>>(ddp.parameters(), o);
+    if (sharded) ddp.shard_gradients(*z);  // ZeRO-2
+    opt = std::move(z);
+  } else {
+    opt = std::make_unique<O>(ddp.parameters(), o);
+  }
   std::vector<std::vector<double>> trace;
   for (int step = 0; step < 3; ++step) {
     opt->zero_grad();
@@ -64,6 +69,7 @@ std::vector<std::vector<double>> train(bool ckpt, bool zero, DistributedDataPara
     }
     std::vector<double> grads;
     for (const auto& p : ddp.parameters()) {
+      if (!p.grad().defined()) continue;  // another rank's shard (ZeRO-2)
       auto g = p.as<double>().grad().to_vector();
       grads.insert(grads.end(), g.begin(), g.end());
     }
@@ -75,9 +81,9 @@ std::vector<std::vector<double>> train(bool ckpt, bool zero, DistributedDataPara
 }
 
 template <class O>
-void check_same_as_plain(bool zero, DistributedDataParallelOptions options) {
-  const auto plain = train<O>(false, zero, options);
-  const auto ckpt = train<O>(true, zero, options);
+void check_same_as_plain(bool zero, DistributedDataParallelOptions options, bool sharded = false) {
+  const auto plain = train<O>(false, zero, sharded, options);
+  const auto ckpt = train<O>(true, zero, sharded, options);
   ASSERT_EQ(plain.size(), ckpt.size());
   for (std::size_t i = 0; i < plain.size(); ++i) {
     ASSERT_EQ(plain[i].size(), ckpt[i].size());
@@ -90,6 +96,10 @@ TEST(DdpCheckpoint, EqualsThePlainModelThroughNoSync) { check_same_as_plain<opti
 
 TEST(DdpCheckpoint, EqualsThePlainModelWithSmallBucketsAndZero) {
   check_same_as_plain<optim::Adam>(true, {.bucket_cap_bytes = 512, .first_bucket_bytes = 64});
+}
+
+TEST(DdpCheckpoint, EqualsThePlainModelWithShardedGradients) {
+  check_same_as_plain<optim::Adam>(true, {.bucket_cap_bytes = 512, .first_bucket_bytes = 64}, /*sharded=*/true);
 }
 
 }  // namespace

@@ -16,7 +16,8 @@
 // PyTorch's step() does with found_inf.item()). Under DataParallel the replicas' gradients are
 // already summed into the primary's parameters, so an inf on any replica reaches the flag; under
 // DistributedDataParallel the all-reduce spreads an inf to every rank's gradients, so every rank
-// skips the same steps. The gradients being unscaled are float or double: the optimizer's
+// skips the same steps; where each rank keeps a shard of the gradients (ZeRO-2), the optimizer
+// asks the other ranks (Optimizer::found_inf_anywhere), and every rank skips alike. The gradients being unscaled are float or double: the optimizer's
 // master weights (PyTorch refuses to unscale float16 gradients too). The scale is a host double.
 #include <cmath>
 #include <limits>

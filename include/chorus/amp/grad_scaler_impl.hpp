@@ -87,7 +87,7 @@ CHORUS_INLINE bool GradScaler::step(optim::Optimizer& opt) {
   if (st.stage == Stage::Ready) unscale_(opt);
   CHORUS_CHECK(!st.found_inf.empty(),
                "GradScaler::step: no inf checks were recorded for this optimizer (no parameter has a gradient)");
-  st.found = any_found(st);
+  st.found = opt.found_inf_anywhere(any_found(st));
   const bool found = st.found;
   if (!found) opt.step();
   st.stage = Stage::Stepped;
@@ -105,7 +105,7 @@ CHORUS_INLINE void GradScaler::update(std::optional<double> new_scale) {
     for (auto& [opt, st] : per_opt_) {
       if (st.stage == Stage::Ready) continue;
       any = true;
-      if (st.stage == Stage::Unscaled) st.found = any_found(st);  // unscale_ without step: read its flags here
+      if (st.stage == Stage::Unscaled) st.found = opt->found_inf_anywhere(any_found(st));  // unscale_ without step
       found |= st.found;
     }
     CHORUS_CHECK(any, "GradScaler::update: no inf checks were recorded prior to update() (call unscale_ or step first)");

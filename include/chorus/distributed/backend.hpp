@@ -142,6 +142,8 @@ class Backend {
   virtual ~Backend() = default;
   /// t = the sum (or mean) of t over all ranks, in place.
   virtual void all_reduce(const std::shared_ptr<Work>& work, const AnyTensor& t, ReduceOp op) = 0;
+  /// Rank root's t = the sum (or mean) of t over all ranks, in place; the others' t unchanged.
+  virtual void reduce(const std::shared_ptr<Work>& work, const AnyTensor& t, ReduceOp op, int root) = 0;
   /// t = rank root's t, in place.
   virtual void broadcast(const std::shared_ptr<Work>& work, const AnyTensor& t, int root) = 0;
   /// out ([world, *in.shape()]) = every rank's `in`, in rank order, once `work` is waited for;

@@ -20,6 +20,7 @@
 #include "process_group.hpp"
 #include "reducer.hpp"
 #include "stats_reducer.hpp"
+#include "zero_redundancy_optimizer.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 
@@ -51,6 +52,10 @@ CHORUS_INLINE void wire_params(const std::shared_ptr<Reducer>& reducer, Device d
 CHORUS_INLINE void unwire_params(const Reducer& reducer, FinalizeSlots& finalize);
 /// The current buckets, as lists of parameter names (first reduced first).
 CHORUS_INLINE std::vector<std::vector<std::string>> bucket_names(const Reducer& reducer);
+/// For shard_gradients: the owner of each of the reducer's parameters, from the optimizer's
+/// parameters and their owners.
+CHORUS_INLINE std::vector<int> gradient_owners(const Reducer& reducer, const std::vector<AnyTensor>& opt_params,
+                                               const std::vector<int>& opt_owner);
 }  // namespace dist::detail
 
 /// PyTorch's DistributedDataParallel for one device per process: construction checks that every
@@ -205,6 +210,21 @@ class DistributedDataParallel {
   /// PyTorch's register_comm_hook with one of its built-in hooks (Note [DDP communication
   /// hooks]): once, before the first forward that reduces gradients.
   void register_comm_hook(dist::CommHook hook) { reducer_->set_comm_hook(hook); }
+
+  /// ZeRO-2 (Note [ZeRO-2 over the process group]): each gradient bucket is reduced to the rank
+  /// that owns its parameters in `opt` (a ZeroRedundancyOptimizer over this module's parameters)
+  /// and freed elsewhere, so after backward a rank keeps its own parameters' gradients only.
+  /// Every rank calls it, before the first forward that reduces gradients. Clip with
+  /// opt.clip_grad_norm_ (nn::utils::clip_grad_norm_ would see this rank's shard only); GradScaler
+  /// works as it is.
+  template <class O>
+  void shard_gradients(const dist::ZeroRedundancyOptimizer<O>& opt) {
+    CHORUS_CHECK(&opt.process_group() == &group_, "DistributedDataParallel::shard_gradients: the optimizer works in "
+                                                  "another process group than this DistributedDataParallel");
+    std::vector<int> owner(opt.parameters().size());
+    for (std::size_t j = 0; j < owner.size(); ++j) owner[j] = opt.owner(j);
+    reducer_->shard(dist::detail::gradient_owners(*reducer_, opt.parameters(), owner));
+  }
 
   /// The current buckets, as lists of parameter names (first reduced first).
   std::vector<std::vector<std::string>> bucket_names() const { return dist::detail::bucket_names(*reducer_); }

@@ -3,6 +3,8 @@
 // the model check, the broadcasts, the join rounds, the graph wiring): compiled into
 // chorus::compiled and the MPI library (src/distributed/local.cpp, mpi.cpp), included by ddp.hpp
 // itself in the header-only form (Note [compiled chorus]).
+#include <unordered_map>
+
 #include "ddp.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -164,6 +166,20 @@ CHORUS_INLINE std::vector<std::vector<std::string>> bucket_names(const Reducer& 
     for (auto i : b.members) out.back().push_back(reducer.params()[i].name);
   }
   return out;
+}
+
+CHORUS_INLINE std::vector<int> gradient_owners(const Reducer& reducer, const std::vector<AnyTensor>& opt_params,
+                                               const std::vector<int>& opt_owner) {
+  std::unordered_map<const void*, int> owner_of;
+  for (std::size_t j = 0; j < opt_params.size(); ++j) owner_of.emplace(opt_params[j].impl_key(), opt_owner[j]);
+  std::vector<int> owner;
+  for (const auto& p : reducer.params()) {
+    const auto it = owner_of.find(p.tensor.impl_key());
+    CHORUS_CHECK(it != owner_of.end(), "DistributedDataParallel::shard_gradients: parameter '", p.name,
+                 "' is not a parameter of the optimizer (build the ZeroRedundancyOptimizer over ddp.parameters())");
+    owner.push_back(it->second);
+  }
+  return owner;
 }
 
 }  // namespace dist::detail

@@ -204,6 +204,7 @@ class MpiBackend final : public Backend {
   MPI_Comm comm() const { return comm_; }
 
   CHORUS_INLINE void all_reduce(const std::shared_ptr<Work>& work, const AnyTensor& t, ReduceOp op) override;
+  CHORUS_INLINE void reduce(const std::shared_ptr<Work>& work, const AnyTensor& t, ReduceOp op, int root) override;
   CHORUS_INLINE void broadcast(const std::shared_ptr<Work>& work, const AnyTensor& t, int root) override;
   CHORUS_INLINE void all_gather(const std::shared_ptr<Work>& work, const AnyTensor& in, const AnyTensor& out) override;
   CHORUS_INLINE void barrier(const std::shared_ptr<Work>& work) override;

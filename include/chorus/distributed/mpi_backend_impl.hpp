@@ -249,6 +249,22 @@ CHORUS_INLINE void MpiBackend::all_reduce(const std::shared_ptr<Work>& work, con
   });
 }
 
+CHORUS_INLINE void MpiBackend::reduce(const std::shared_ptr<Work>& work, const AnyTensor& t, ReduceOp op, int root) {
+  t.visit([&](const auto& x) {
+    using T = typename std::decay_t<decltype(x)>::value_type;
+    const int world = state_.world, n = checked_int_count(x.numel(), work->what());
+    const bool mine = state_.rank == root;
+    const MPI_Datatype type = mpi_type(dtype_of<T>());
+    MPI_Op sum = MPI_SUM;
+    if constexpr (std::is_same_v<T, bfloat16>) sum = bf16_sum_;
+    if constexpr (std::is_same_v<T, half>) sum = half_sum_;
+    if (op == ReduceOp::Avg && mine) work->on_done = [x, world] { divide_in_place(x, world); };
+    submit(work, [x, n, type, sum, root, mine, comm = comm_](MPI_Request* r) {
+      return MPI_Ireduce(mine ? MPI_IN_PLACE : x.data(), x.data(), n, type, sum, root, comm, r);
+    });
+  });
+}
+
 CHORUS_INLINE void MpiBackend::broadcast(const std::shared_ptr<Work>& work, const AnyTensor& t, int root) {
   t.visit([&](const auto& x) {
     using T = typename std::decay_t<decltype(x)>::value_type;

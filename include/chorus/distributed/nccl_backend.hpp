@@ -194,6 +194,14 @@ class NcclBackend final : public Backend {
   void all_reduce(const std::shared_ptr<Work>& work, const AnyTensor& t, ReduceOp op) override {
     all_reduce(work, t, op, /*host_wait=*/false);
   }
+  void reduce(const std::shared_ptr<Work>& work, const AnyTensor& t, ReduceOp op, int root) override {
+    t.visit([&](const auto& x) {
+      collective(work, x, x, false, [&](const auto& in, const auto&, ncclComm_t c, cudaStream_t s) {
+        return ncclReduce(in.data(), in.data(), static_cast<std::size_t>(in.numel()),
+                          backend::cuda::nccl_type(in.dtype()), op == ReduceOp::Sum ? ncclSum : ncclAvg, root, c, s);
+      });
+    });
+  }
   void broadcast(const std::shared_ptr<Work>& work, const AnyTensor& t, int root) override {
     t.visit([&](const auto& x) {
       collective(work, x, x, false, [&](const auto& in, const auto&, ncclComm_t c, cudaStream_t s) {

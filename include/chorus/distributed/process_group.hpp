@@ -71,6 +71,20 @@ class ProcessGroup {
     all_reduce_async(t, op)->wait(state_.timeout);
   }
 
+  /// Rank root's t = the sum (or mean) of t over all ranks, in place; the other ranks' t is
+  /// unchanged. t must be contiguous.
+  template <class T>
+  std::shared_ptr<Work> reduce_async(const Tensor<T>& t, ReduceOp op, int root, std::string what = {}) {
+    if (what.empty()) what = std::string("reduce(") + op_name(op) + ", root " + std::to_string(root) + ")";
+    CHORUS_CHECK(root >= 0 && root < state_.world, "dist: ", what, ": root ", root, " is not a rank of a world of ",
+                 state_.world);
+    check_tensor(t, what);
+    auto work = make_work(what, t);
+    if (local_only(t)) return done(work);
+    backend_for(t.device(), what).reduce(work, AnyTensor(t), op, root);
+    return work;
+  }
+
   /// t = rank root's t, in place.
   template <class T>
   std::shared_ptr<Work> broadcast_async(const Tensor<T>& t, int root = 0, std::string what = {}) {

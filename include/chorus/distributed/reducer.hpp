@@ -26,6 +26,21 @@
 // averages are then the grad()s. Reducing the accumulated grad() (not just this backward's
 // gradient) gives no_sync()'s semantics: steps under no_sync accumulate locally, the next step
 // reduces the sum.
+//
+// Note [ZeRO-2 over the process group]
+// DistributedDataParallel::shard_gradients(opt) gives each parameter the rank that owns it in
+// the ZeroRedundancyOptimizer `opt` (Note [ZeRO-1 over the process group]). Buckets are then made
+// per (dtype, owner), and a complete bucket is reduced to its owner (MPI_Ireduce, ncclReduce)
+// instead of all-reduced: the same bytes leave each rank as for an all-reduce's reduce-scatter
+// half, and the optimizer's broadcast of the updated parameters is the all-gather half, so a
+// step moves what DDP with ZeRO-1 moves (ZeRO paper §7: 2Ψ). After backward each rank keeps the
+// buckets it owns (its parameters' averaged gradients) and frees the others, whose parameters
+// are left without a gradient: between steps a rank holds 1/N of the gradients. A bucket it does
+// not own is allocated again at the next reducing forward, so backward still fills every bucket
+// while it runs. The sums are the all-reduce's up to the order MPI adds the ranks' terms in
+// (within a few ulps). What reads every gradient must then ask the owners: the optimizer's
+// clip_grad_norm_ and GradScaler (Optimizer::found_inf_anywhere) do. Under no_sync the gradients
+// accumulate whole on every rank, as without sharding, and the next reducing step reduces them.
 #include <algorithm>
 #include <exception>
 #include <memory>
@@ -75,7 +90,9 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
     DType dtype;
     std::vector<std::size_t> members;  // parameter indices, in bucket order
     std::vector<std::int64_t> offsets;
-    AnyTensor flat;
+    std::int64_t numel = 0;
+    int owner = -1;  // the rank it is reduced to (Note [ZeRO-2 over the process group]); -1: every rank
+    AnyTensor flat;  // undefined between steps on a rank that does not own it
     std::size_t pending = 0;
     std::shared_ptr<Work> work;
     AnyTensor wire;  // the 16-bit copy a compression hook reduces (undefined otherwise)
@@ -87,6 +104,10 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
 
   /// Note [DDP communication hooks]: once, before the first reducing step.
   void set_comm_hook(dist::CommHook hook);
+  /// Note [ZeRO-2 over the process group]: owner[i] keeps parameter i's gradient; once, before
+  /// the first reducing step.
+  void shard(std::vector<int> owner);
+  bool sharded() const { return !owner_.empty(); }
   const std::vector<Param>& params() const { return params_; }
   bool rebuilt() const { return rebuilt_; }
 
@@ -178,6 +199,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void rebuild();
 
   void build_buckets(const std::vector<std::size_t>& order);
+  /// Whether this rank keeps bucket b's reduced gradients (Note [ZeRO-2 over the process group]).
+  bool owns(const Bucket& b) const { return b.owner < 0 || b.owner == group_.rank(); }
 
   ProcessGroup& group_;
   std::vector<Param> params_;
@@ -187,6 +210,7 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   std::vector<Bucket> buckets_;
   std::vector<std::size_t> bucket_of_;
   std::vector<bool> ready_, used_;
+  std::vector<int> owner_;  // shard(): the rank that keeps each parameter's gradient
   std::vector<std::size_t> ready_order_;
   std::size_t next_bucket_ = 0, ready_count_ = 0, early_launches_ = 0;
   int finalizers_pending_ = 0;  // this step's Finalize nodes still to run

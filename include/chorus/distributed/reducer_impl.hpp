@@ -25,6 +25,19 @@ CHORUS_INLINE void Reducer::set_comm_hook(dist::CommHook hook) {
   hook_set_ = true;
 }
 
+CHORUS_INLINE void Reducer::shard(std::vector<int> owner) {
+  std::lock_guard<std::mutex> lk(m_);
+  CHORUS_CHECK(steps_ == 0 && !armed_, "DistributedDataParallel::shard_gradients must be called before the first "
+                                       "forward that reduces gradients");
+  CHORUS_CHECK(owner.size() == params_.size(), "DistributedDataParallel::shard_gradients: ", owner.size(),
+               " owners for ", params_.size(), " parameters");
+  owner_ = std::move(owner);
+  std::vector<std::size_t> order(params_.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::reverse(order.begin(), order.end());
+  build_buckets(order);
+}
+
 CHORUS_INLINE void Reducer::prepare_step() {
   std::lock_guard<std::mutex> lk(m_);
   check_previous_step();
@@ -32,6 +45,7 @@ CHORUS_INLINE void Reducer::prepare_step() {
   for (auto& b : buckets_) {
     b.pending = b.members.size();
     b.work.reset();
+    if (!b.flat.defined()) b.flat = empty_any(b.dtype, Shape{b.numel}, device_);  // another rank's bucket
   }
   ready_.assign(params_.size(), false);
   used_.assign(params_.size(), true);
@@ -88,8 +102,22 @@ CHORUS_INLINE void Reducer::finalize() {
   finalized_ = true;
   armed_ = false;
   if (failure) std::rethrow_exception(failure);
-  for (auto& b : buckets_)
-    if (b.wire.defined()) decompress(b);
+  NoGradGuard ng;
+  for (auto& b : buckets_) {
+    if (owns(b)) {
+      if (b.wire.defined()) decompress(b);
+      continue;
+    }
+    // Another rank's bucket (Note [ZeRO-2 over the process group]): its gradients leave here.
+    for (auto i : b.members)
+      params_[i].tensor.visit([](auto& p) {
+        using T = typename std::decay_t<decltype(p)>::value_type;
+        if constexpr (is_floating_v<T>) p.set_grad(Tensor<T>());
+      });
+    b.flat = AnyTensor();
+    b.wire = AnyTensor();
+    b.work.reset();  // it keeps the bucket alive
+  }
   if (!missing.empty()) {
     std::ostringstream os;
     for (std::size_t k = 0; k < missing.size(); ++k) os << (k ? ", '" : "'") << missing[k] << "'";
@@ -109,8 +137,8 @@ CHORUS_INLINE void Reducer::finalize() {
   }
   // The averages are in the buckets, where the used parameters' grad() already points; a
   // parameter only another rank used gets its view now.
-  NoGradGuard ng;
   for (auto& b : buckets_) {
+    if (!owns(b)) continue;
     for (std::size_t k = 0; k < b.members.size(); ++k) {
       const std::size_t i = b.members[k];
       if (!globally_used[i] || used_[i]) continue;
@@ -216,15 +244,20 @@ CHORUS_INLINE void Reducer::launch_ready() {
     for (std::size_t k = 0; k < b.members.size(); ++k)
       if (!used_[b.members[k]]) zero_slot(b, k);
     if (ready_count_ < params_.size()) ++early_launches_;  // overlaps the rest of backward
-    const std::string what = "all_reduce of gradient bucket " + std::to_string(next_bucket_);
+    const std::string what = (b.owner < 0 ? std::string("all_reduce") : "reduce to rank " + std::to_string(b.owner)) +
+                             " of gradient bucket " + std::to_string(next_bucket_);
+    // Every rank, or the owner (Note [ZeRO-2 over the process group]).
+    const auto start = [&](const auto& t, ReduceOp op, const std::string& w) {
+      return b.owner < 0 ? group_.all_reduce_async(t, op, w) : group_.reduce_async(t, op, b.owner, w);
+    };
     const DType wire = wire_of(b);
     if (wire != b.dtype) {
       b.wire = compress(b.flat, wire);
       const std::string compressed = what + " (" + std::string(dtype_name(wire)) + "-compressed)";
-      b.wire.visit([&](const auto& c) { b.work = group_.all_reduce_async(c, ReduceOp::Sum, compressed); });
+      b.wire.visit([&](const auto& c) { b.work = start(c, ReduceOp::Sum, compressed); });
     } else {
       const ReduceOp op = prescaled(b) ? ReduceOp::Sum : ReduceOp::Avg;  // Note [DDP pre-division]
-      b.flat.visit([&](const auto& f) { b.work = group_.all_reduce_async(f, op, what); });
+      b.flat.visit([&](const auto& f) { b.work = start(f, op, what); });
     }
     ++next_bucket_;
   }
@@ -289,49 +322,54 @@ CHORUS_INLINE void Reducer::rebuild() {
 CHORUS_INLINE void Reducer::build_buckets(const std::vector<std::size_t>& order) {
   buckets_.clear();
   bucket_of_.assign(params_.size(), 0);
-  // One open bucket per dtype; a bucket closes when it reaches its size limit (the first
-  // bucket of each dtype: first_bucket_bytes).
+  // One open bucket per dtype (and owner: Note [ZeRO-2 over the process group]); a bucket
+  // closes when it reaches its size limit (the first bucket of each: first_bucket_bytes).
   struct Open {
     DType dtype;
+    int owner;
     std::vector<std::size_t> members;
     std::size_t bytes = 0;
     bool first = true;
   };
   std::vector<Open> open;
-  std::vector<std::vector<std::size_t>> closed;
-  std::vector<DType> closed_dtypes;
+  struct Closed {
+    DType dtype;
+    int owner;
+    std::vector<std::size_t> members;
+  };
+  std::vector<Closed> closed;
   for (auto i : order) {
     const auto& t = params_[i].tensor;
-    auto it = std::find_if(open.begin(), open.end(), [&](const Open& o) { return o.dtype == t.dtype(); });
+    const int owner = owner_.empty() ? -1 : owner_[i];
+    auto it = std::find_if(open.begin(), open.end(),
+                           [&](const Open& o) { return o.dtype == t.dtype() && o.owner == owner; });
     if (it == open.end()) {
-      open.push_back({t.dtype(), {}, 0, true});
+      open.push_back({t.dtype(), owner, {}, 0, true});
       it = open.end() - 1;
     }
     it->members.push_back(i);
     it->bytes += t.nbytes();
     const std::size_t limit = it->first ? options_.first_bucket_bytes : options_.bucket_cap_bytes;
     if (it->bytes >= limit) {
-      closed.push_back(std::move(it->members));
-      closed_dtypes.push_back(it->dtype);
+      closed.push_back({it->dtype, it->owner, std::move(it->members)});
       it->members.clear();
       it->bytes = 0;
       it->first = false;
     }
   }
   for (auto& o : open)
-    if (!o.members.empty()) {
-      closed.push_back(std::move(o.members));
-      closed_dtypes.push_back(o.dtype);
-    }
+    if (!o.members.empty()) closed.push_back({o.dtype, o.owner, std::move(o.members)});
   for (std::size_t b = 0; b < closed.size(); ++b) {
-    Bucket bucket{closed_dtypes[b], closed[b], {}, {}, 0, nullptr, {}};
-    std::int64_t n = 0;
+    Bucket bucket;
+    bucket.dtype = closed[b].dtype;
+    bucket.owner = closed[b].owner;
+    bucket.members = std::move(closed[b].members);
     for (auto i : bucket.members) {
-      bucket.offsets.push_back(n);
-      n += params_[i].tensor.numel();
+      bucket.offsets.push_back(bucket.numel);
+      bucket.numel += params_[i].tensor.numel();
       bucket_of_[i] = b;
     }
-    bucket.flat = empty_any(bucket.dtype, Shape{n}, device_);
+    if (owns(bucket)) bucket.flat = empty_any(bucket.dtype, Shape{bucket.numel}, device_);
     buckets_.push_back(std::move(bucket));
   }
 }

@@ -18,6 +18,11 @@
 //   rank `to`, whose state() then equals the plain optimizer's, so io::save writes the same
 //   file; state() elsewhere, or after a later step, is an error rather than a partial state.
 //   load_state (what io::load calls on every rank) takes the whole state and keeps the shard.
+// - Clipping by the global norm: clip_grad_norm_ (a collective) has each rank take the norm of its
+//   own parameters' gradients, gathers those and clips its own by the total — what its shard
+//   steps — so it works whether the gradients are whole on every rank (DDP) or sharded (ZeRO-2,
+//   DistributedDataParallel::shard_gradients); found_inf_anywhere gathers GradScaler's inf
+//   checks alike.
 // - A rank that owns no parameter (more ranks than parameters) still needs an O to answer
 //   lr() and friends: it gets one over a single zero-element placeholder, which never has a
 //   gradient and so never steps.
@@ -30,6 +35,7 @@
 #include <vector>
 
 #include "../compiled.hpp"
+#include "../nn/utils.hpp"
 #include "../optim/optimizer.hpp"
 #include "process_group.hpp"
 
@@ -55,6 +61,13 @@ CHORUS_INLINE std::vector<optim::Optimizer::State> zero_gather_state(ProcessGrou
                                                                      const std::vector<std::size_t>& local_index);
 /// state()'s check: the state was consolidated on this rank (`rank`) since the last step.
 CHORUS_INLINE void zero_check_consolidated(bool consolidated, int rank);
+/// The norm of the gradients of every rank's own parameters (`local_index` here), gathered from
+/// every rank; clips this rank's own by it (a collective; Note [ZeRO-1 over the process group]).
+CHORUS_INLINE double zero_clip_grad_norm(ProcessGroup& group, const std::vector<AnyTensor>& params,
+                                         const std::vector<std::size_t>& local_index, Device device, double max_norm,
+                                         double norm_type);
+/// Whether `mine` holds on any rank (a collective).
+CHORUS_INLINE bool zero_any_rank(ProcessGroup& group, bool mine, Device device);
 /// One broadcast per (owner, dtype) of the owner's parameters packed in index order.
 CHORUS_INLINE void zero_sync_parameters(ProcessGroup& group, const std::vector<AnyTensor>& params,
                                         const std::vector<int>& owner, Device device);
@@ -128,8 +141,19 @@ class ZeroRedundancyOptimizer final : public optim::Optimizer {
     drop_consolidated();
   }
 
+  /// torch.nn.utils.clip_grad_norm_ over every rank's gradients (a collective: every rank calls
+  /// it): each rank's own parameters' gradients, whole or sharded (ZeRO-2), clipped by the norm
+  /// of all of them. Returns that norm.
+  double clip_grad_norm_(double max_norm, double norm_type = 2.0) {
+    group_.check_usable("ZeroRedundancyOptimizer::clip_grad_norm_");
+    return detail::zero_clip_grad_norm(group_, params_, local_index_, device_, max_norm, norm_type);
+  }
+  /// GradScaler's check over every rank (a collective).
+  bool found_inf_anywhere(bool found_here) const override { return detail::zero_any_rank(group_, found_here, device_); }
+
   /// The rank that owns (keeps the state of, and steps) parameter i.
   int owner(std::size_t i) const { return owner_.at(i); }
+  ProcessGroup& process_group() const { return group_; }
   /// The optimizer over this rank's shard.
   O& local_optimizer() { return *local_; }
   const O& local_optimizer() const { return *local_; }

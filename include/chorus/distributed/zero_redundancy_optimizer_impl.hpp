@@ -132,6 +132,41 @@ ZeroPendingSync broadcast_packed(ProcessGroup& group, const std::vector<AnyTenso
   return {std::move(work), std::move(unpack)};
 }
 
+CHORUS_INLINE double zero_clip_grad_norm(ProcessGroup& group, const std::vector<AnyTensor>& params,
+                                         const std::vector<std::size_t>& local_index, Device device, double max_norm,
+                                         double norm_type) {
+  CHORUS_CHECK(max_norm >= 0, "clip_grad_norm_: max_norm must be non-negative, got ", max_norm);
+  CHORUS_CHECK(norm_type > 0, "clip_grad_norm_: norm_type must be positive, got ", norm_type);
+  std::vector<AnyTensor> mine;
+  for (auto i : local_index) mine.push_back(params[i]);
+  auto local = Tensor<double>::empty(Shape{1}, device);
+  backend::fill(local, nn::utils::grad_norm(mine, norm_type));
+  const auto norms = group.all_gather(local).to_vector();
+  double total = 0;
+  if (std::isinf(norm_type)) {
+    for (double n : norms) total = std::max(total, n);
+  } else {
+    for (double n : norms) total += std::pow(n, norm_type);
+    total = std::pow(total, 1.0 / norm_type);
+  }
+  auto coef = Tensor<double>::empty(Shape{1}, device);  // as nn::utils::clip_grad_norm_
+  backend::fill(coef, std::min(1.0, max_norm / (total + 1e-6)));
+  NoGradGuard no_grad;
+  for (auto& g : nn::utils::detail::device_grads(mine)) {
+    if (!g.f32.ptrs.empty()) backend::foreach_scale(g.f32.ptrs, g.f32.numels, coef.data(), g.device);
+    if (!g.f64.ptrs.empty()) backend::foreach_scale(g.f64.ptrs, g.f64.numels, coef.data(), g.device);
+  }
+  return total;
+}
+
+CHORUS_INLINE bool zero_any_rank(ProcessGroup& group, bool mine, Device device) {
+  auto flag = Tensor<std::int64_t>::empty(Shape{1}, device);
+  backend::fill(flag, std::int64_t{mine ? 1 : 0});
+  for (auto f : group.all_gather(flag).to_vector())
+    if (f != 0) return true;
+  return false;
+}
+
 CHORUS_INLINE void zero_sync_parameters(ProcessGroup& group, const std::vector<AnyTensor>& params,
                                         const std::vector<int>& owner, Device device) {
   if (group.world_size() == 1) return;

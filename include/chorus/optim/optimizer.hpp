@@ -75,6 +75,11 @@ class Optimizer {
   /// collective of ZeroRedundancyOptimizer: every rank calls it); nothing for the others.
   virtual void consolidate_state_dict(int to = 0) { (void)to; }
 
+  /// Whether a gradient of this optimizer's parameters was inf or NaN anywhere, given whether
+  /// one was in this process (`found_here`; GradScaler, Note [loss scaling]). The plain
+  /// optimizer's gradients are all here; ZeroRedundancyOptimizer asks every rank (a collective).
+  virtual bool found_inf_anywhere(bool found_here) const { return found_here; }
+
   /// The state key names this optimizer uses (for checkpoints and validation).
   virtual std::vector<std::string> state_keys() const = 0;
   /// The optimizer's name ("SGD", "Adam", …), recorded in checkpoints.
