@@ -63,6 +63,10 @@ void check_zero2_equals_plain(typename O::options_type options, bool two_groups,
     for (std::size_t i = 0; i < ps.size(); ++i)
       EXPECT_EQ(ps[i].grad().defined(), zero2.owner(i) == r) << "parameter " << i << " on rank " << r;
     if (clip) {
+      if (w > 1) {  // the plain clip would take this rank's shard for the model
+        EXPECT_TRUE(throws_with([&] { nn::utils::clip_grad_norm_(zero2_model.parameters(), 0.05); },
+                                {"kept by another rank", "clip_grad_norm_"}));
+      }
       const double want = nn::utils::clip_grad_norm_(plain_model.parameters(), 0.05);
       const double got = zero2.clip_grad_norm_(0.05);
       ASSERT_NEAR(got, want, 1e-12 * want) << "the global norm, step " << s;

@@ -46,6 +46,9 @@ struct TensorImpl {
   std::shared_ptr<autograd::NodeBase> grad_fn;  // of any dtype: Note [one graph over every dtype]
   std::shared_ptr<TensorImpl<T>> grad;
   std::weak_ptr<autograd::Node<T>> grad_accumulator;
+  // Another process keeps this parameter's gradient (ZeRO-2: DistributedDataParallel::
+  // shard_gradients): a norm over the parameters taken here alone would be wrong.
+  bool grad_on_other_rank = false;
 
   Device device() const { return storage ? storage->device() : Device{}; }
   T* data() const { return storage ? static_cast<T*>(storage->data()) + offset : nullptr; }

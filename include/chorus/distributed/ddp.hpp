@@ -215,8 +215,8 @@ class DistributedDataParallel {
   /// that owns its parameters in `opt` (a ZeroRedundancyOptimizer over this module's parameters)
   /// and freed elsewhere, so after backward a rank keeps its own parameters' gradients only.
   /// Every rank calls it, before the first forward that reduces gradients. Clip with
-  /// opt.clip_grad_norm_ (nn::utils::clip_grad_norm_ would see this rank's shard only); GradScaler
-  /// works as it is.
+  /// opt.clip_grad_norm_ (nn::utils::clip_grad_norm_ refuses: it would see this rank's shard
+  /// only); GradScaler works as it is.
   template <class O>
   void shard_gradients(const dist::ZeroRedundancyOptimizer<O>& opt) {
     CHORUS_CHECK(&opt.process_group() == &group_, "DistributedDataParallel::shard_gradients: the optimizer works in "

@@ -39,7 +39,8 @@
 // not own is allocated again at the next reducing forward, so backward still fills every bucket
 // while it runs. The sums are the all-reduce's up to the order MPI adds the ranks' terms in
 // (within a few ulps). What reads every gradient must then ask the owners: the optimizer's
-// clip_grad_norm_ and GradScaler (Optimizer::found_inf_anywhere) do. Under no_sync the gradients
+// clip_grad_norm_ and GradScaler (Optimizer::found_inf_anywhere) do, and nn::utils'
+// clip_grad_norm_ refuses a parameter marked grad_on_other_rank. Under no_sync the gradients
 // accumulate whole on every rank, as without sharding, and the next reducing step reduces them.
 #include <algorithm>
 #include <exception>

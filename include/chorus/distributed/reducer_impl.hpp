@@ -112,7 +112,10 @@ CHORUS_INLINE void Reducer::finalize() {
     for (auto i : b.members)
       params_[i].tensor.visit([](auto& p) {
         using T = typename std::decay_t<decltype(p)>::value_type;
-        if constexpr (is_floating_v<T>) p.set_grad(Tensor<T>());
+        if constexpr (is_floating_v<T>) {
+          p.set_grad(Tensor<T>());
+          p.impl()->grad_on_other_rank = true;
+        }
       });
     b.flat = AnyTensor();
     b.wire = AnyTensor();

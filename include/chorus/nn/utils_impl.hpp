@@ -62,7 +62,21 @@ CHORUS_INLINE Tensor<double> total_norm(std::vector<DeviceGrads>& groups, double
 }
 }  // namespace detail
 
+namespace detail {
+/// Refuses parameters whose gradient another process keeps (ZeRO-2): `who`'s norm would miss it.
+CHORUS_INLINE void check_grads_here(const std::vector<AnyTensor>& params, const char* who) {
+  for (const auto& p : params)
+    p.visit([&](const auto& t) {
+      CHORUS_CHECK(!t.defined() || t.grad().defined() || !t.impl()->grad_on_other_rank, who,
+                   ": a parameter's gradient is kept by another rank (DistributedDataParallel::shard_gradients), so "
+                   "the norm of this rank's gradients is not the model's; call the ZeroRedundancyOptimizer's "
+                   "clip_grad_norm_, which takes the norm over every rank");
+    });
+}
+}  // namespace detail
+
 CHORUS_INLINE double grad_norm(const std::vector<AnyTensor>& params, double norm_type) {
+  detail::check_grads_here(params, "grad_norm");
   auto groups = detail::device_grads(params);
   return detail::total_norm(groups, norm_type, 0.0, nullptr).item();
 }
@@ -70,6 +84,7 @@ CHORUS_INLINE double grad_norm(const std::vector<AnyTensor>& params, double norm
 CHORUS_INLINE TotalNorm clip_grad_norm_(const std::vector<AnyTensor>& params, double max_norm, double norm_type,
                                         bool error_if_nonfinite) {
   CHORUS_CHECK(max_norm >= 0, "clip_grad_norm_: max_norm must be non-negative, got ", max_norm);
+  detail::check_grads_here(params, "clip_grad_norm_");
   auto groups = detail::device_grads(params);
   Tensor<double> coef;
   auto total = detail::total_norm(groups, norm_type, max_norm, &coef);
