@@ -120,7 +120,7 @@ TYPED_TEST(Checkpointing, NestedCheckpointsGiveThePlainGradients) {
   manual_seed(5);
   Stack<T> nested(8, 2, Mode::plain);
   auto run = [](Stack<T>& s, bool ckpt, const Tensor<T>& x) {
-    auto both = [&](const Tensor<T>& in) {
+    auto both = [s, ckpt](const Tensor<T>& in) {  // by value: backward calls it after run returns
       auto h = ckpt ? nn::utils::checkpoint(s->plain[0], in) : s->plain[0](in);
       return s->plain[1](h);
     };
@@ -175,6 +175,35 @@ TEST(Checkpointing, KeepsLessMemory) {
   };
   const auto plain = peak(Mode::plain), ckpt = peak(Mode::module);
   EXPECT_LT(ckpt * 2, plain) << "peak above the start: checkpointed " << ckpt << " bytes, plain " << plain;
+}
+
+TEST(Checkpointing, AStackThatDoesNotFitADevicesMemoryLimitTrainsCheckpointed) {
+  // The same stack on a virtual device capped between the checkpointed peak and the plain one:
+  // plainly it runs out of memory (a chorus::Error naming the device), checkpointed it trains.
+  const Device d = cpus(6).back();  // cpu:5, nothing else on it
+  auto run = [&](Mode mode) {
+    manual_seed(4);
+    Stack<float> s(64, 8, mode);
+    s->to(d);
+    auto x = randn<float>({256, 64}, d).requires_grad_();
+    s(x).sum().backward();
+  };
+  auto peak = [&](Mode mode) {
+    auto& alloc = allocator_of(d);
+    alloc.reset_peak();
+    const auto before = alloc.stats().allocated;
+    run(mode);
+    return alloc.stats().peak_allocated - before;
+  };
+  const auto plain = peak(Mode::plain), ckpt = peak(Mode::module);
+  struct Lift {
+    Device d;
+    ~Lift() { set_memory_limit(d, 0); }
+  } lift{d};
+  set_memory_limit(d, memory_stats(d).allocated + (plain + ckpt) / 2);
+  EXPECT_TRUE(throws_with([&] { run(Mode::plain); }, {"out of memory on cpu:5", "set_memory_limit"}));
+  EXPECT_NO_THROW(run(Mode::module));
+  EXPECT_TRUE(throws_with([&] { set_memory_limit(d, -1); }, {"set_memory_limit", "-1 bytes"}));
 }
 
 TEST(Checkpointing, BatchNormMovesItsRunningStatisticsOnce) {

@@ -63,13 +63,21 @@ struct AtomicStats {
 };
 }  // namespace detail
 
-/// Host memory for one virtual CPU device: 64-byte aligned, counted per device.
+/// Host memory for one virtual CPU device: 64-byte aligned, counted per device, optionally
+/// capped (set_memory_limit).
 class CpuAllocator final : public Allocator {
  public:
   static constexpr std::size_t kAlignment = 64;
 
+  explicit CpuAllocator(int index = 0) : index_(index) {}
+
   void* allocate(std::size_t nbytes) override {
     if (nbytes == 0) return nullptr;
+    if (const auto cap = limit_.load(std::memory_order_relaxed); cap > 0) {
+      const auto now = stats_.allocated.load(std::memory_order_relaxed);
+      CHORUS_CHECK(now + static_cast<std::int64_t>(nbytes) <= cap, "out of memory on cpu:", index_, ": allocating ",
+                   nbytes, " bytes with ", now, " allocated of its ", cap, "-byte limit (set_memory_limit)");
+    }
     void* p = ::operator new(round_up(nbytes), std::align_val_t(kAlignment), std::nothrow);
     CHORUS_CHECK(p != nullptr, "out of host memory allocating ", nbytes, " bytes");
     stats_.on_alloc(static_cast<std::int64_t>(nbytes));
@@ -85,10 +93,15 @@ class CpuAllocator final : public Allocator {
   }
   MemoryStats stats() const override { return stats_.snapshot(); }
   void reset_peak() override { stats_.reset_peak(); }
+  /// The most live tensors may hold (0: no limit).
+  void set_limit(std::int64_t bytes) { limit_.store(bytes, std::memory_order_relaxed); }
+  std::int64_t limit() const { return limit_.load(std::memory_order_relaxed); }
 
  private:
   static std::size_t round_up(std::size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment; }
   detail::AtomicStats stats_;
+  std::atomic<std::int64_t> limit_{0};
+  int index_;
 };
 
 CHORUS_NAMESPACE_END

@@ -157,6 +157,16 @@ inline Allocator& allocator_of(Device d) { return detail::Runtime::get().allocat
 /// Memory statistics of device `d`.
 inline MemoryStats memory_stats(Device d) { return allocator_of(d).stats(); }
 
+/// Caps what live tensors may hold on virtual CPU device `d` at `bytes` (0 lifts the cap): an
+/// allocation past it throws chorus::Error naming the device, as a GPU whose memory is full
+/// does. A machine without GPUs thus tests what does not fit one device (activation
+/// checkpointing, sharded training). Allocations racing on several threads may pass it together.
+inline void set_memory_limit(Device d, std::int64_t bytes) {
+  CHORUS_CHECK(d.is_cpu(), "set_memory_limit: ", d, " is not a virtual CPU device (a GPU's memory is its limit)");
+  CHORUS_CHECK(bytes >= 0, "set_memory_limit: a limit of ", bytes, " bytes (0 lifts it)");
+  static_cast<CpuAllocator&>(allocator_of(d)).set_limit(bytes);
+}
+
 /// Stream `slot` of device `d` (slot 0 is the device's default stream).
 inline Stream& get_stream(Device d, int slot = 0) { return detail::Runtime::get().stream(d, slot); }
 

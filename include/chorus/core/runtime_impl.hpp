@@ -38,7 +38,7 @@ CHORUS_INLINE Allocator& Runtime::create_allocator(Device d) {
     std::lock_guard<std::mutex> lk(m_);
     auto* a = cpu_alloc_[d.index].load();
     if (!a) {
-      a = new CpuAllocator();  // lives as long as the runtime
+      a = new CpuAllocator(d.index);  // lives as long as the runtime
       cpu_alloc_[d.index].store(a, std::memory_order_release);
     }
     return *a;

@@ -153,8 +153,9 @@ CHORUS_INLINE double zero_clip_grad_norm(ProcessGroup& group, const std::vector<
   backend::fill(coef, std::min(1.0, max_norm / (total + 1e-6)));
   NoGradGuard no_grad;
   for (auto& g : nn::utils::detail::device_grads(mine)) {
-    if (!g.f32.ptrs.empty()) backend::foreach_scale(g.f32.ptrs, g.f32.numels, coef.data(), g.device);
-    if (!g.f64.ptrs.empty()) backend::foreach_scale(g.f64.ptrs, g.f64.numels, coef.data(), g.device);
+    auto c = g.device == coef.device() ? coef : coef.to(g.device);
+    if (!g.f32.ptrs.empty()) backend::foreach_scale(g.f32.ptrs, g.f32.numels, c.data(), g.device);
+    if (!g.f64.ptrs.empty()) backend::foreach_scale(g.f64.ptrs, g.f64.numels, c.data(), g.device);
   }
   return total;
 }

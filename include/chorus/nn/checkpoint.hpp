@@ -82,7 +82,9 @@ namespace utils {
 /// T); `args` are kept until backward (tensors by handle: do not change them in place). Dropout
 /// inside draws the same masks again; batch norm moves its running statistics once. fn must do
 /// the same operations each time it runs, and must not draw host random numbers (rand, randn);
-/// SyncBatchNorm cannot train inside it. Objects fn refers to (a module) must outlive backward.
+/// SyncBatchNorm cannot train inside it. fn is kept until backward, which calls it again: capture
+/// by value what it uses (a `[&]` lambda's references dangle once its scope ends), and keep the
+/// objects it points to (a module) alive until then.
 template <class F, class... Args>
 auto checkpoint(F fn, const Args&... args) {
   using R = std::invoke_result_t<F&, const Args&...>;
@@ -138,8 +140,8 @@ class CheckpointImpl : public Impl {
     std::weak_ptr<const int> alive = alive_;
     return utils::checkpoint(
         [this, alive](const Args&... a) {
-          CHORUS_CHECK(!alive.expired(), "checkpoint: the checkpointed module ", Impl::name(),
-                       " was destroyed before backward, which runs its forward again");
+          CHORUS_CHECK(!alive.expired(), "checkpoint: a checkpointed module (nn::Checkpoint) was destroyed before "
+                                         "backward, which runs its forward again; keep the model alive until then");
           return Impl::forward(a...);
         },
         args...);

@@ -60,9 +60,7 @@ CHORUS_INLINE Tensor<double> total_norm(std::vector<DeviceGrads>& groups, double
   if (coef) *coef = c;
   return total;
 }
-}  // namespace detail
 
-namespace detail {
 /// Refuses parameters whose gradient another process keeps (ZeRO-2): `who`'s norm would miss it.
 CHORUS_INLINE void check_grads_here(const std::vector<AnyTensor>& params, const char* who) {
   for (const auto& p : params)
