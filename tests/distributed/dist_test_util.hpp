@@ -7,6 +7,7 @@
 
 #include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dist_test {
@@ -58,6 +59,31 @@ std::vector<T> concat(const std::vector<std::vector<T>>& parts) {
   std::vector<T> out;
   for (auto& p : parts) out.insert(out.end(), p.begin(), p.end());
   return out;
+}
+
+/// Rank q's batch at step s of the uneven-input tests (every rank can make every rank's).
+inline std::pair<Tensor<double>, Tensor<double>> batch_of(int q, int s) {
+  manual_seed(static_cast<std::uint64_t>(1000 + 10 * q + s));
+  auto x = randn<double>({6, 5});
+  auto y = randn<double>({6, 3});
+  return {x, y};
+}
+
+/// Trains `ddp` inside join() on this rank's 2 + rank batches (Note [DDP join]); with `shadow`, a
+/// rank out of data takes opt's step with the others.
+template <class Ddp>
+void train_uneven(Ddp& ddp, optim::Optimizer& opt, bool shadow) {
+  const int r = dist::group().rank();
+  auto loop = [&] {
+    for (int s = 0; s < 2 + r; ++s) {
+      auto [x, y] = batch_of(r, s);
+      opt.zero_grad();
+      nn::functional::mse_loss(ddp(x), y).backward();
+      opt.step();
+    }
+  };
+  if (shadow) ddp.join(loop, [&] { opt.step(); });
+  else ddp.join(loop);
 }
 
 /// Success when `f` throws a chorus::Error whose message holds every one of `parts`.

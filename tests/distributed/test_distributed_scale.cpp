@@ -249,16 +249,6 @@ TEST(Ddp, SyncBatchNormEqualsBatchNormOnTheWholeBatch) {
 
 // ---- uneven inputs: DistributedDataParallel::join (Note [DDP join]) ----
 
-namespace {
-/// Rank q's batch at step s (every rank can make every rank's).
-std::pair<Tensor<double>, Tensor<double>> batch_of(int q, int s) {
-  manual_seed(static_cast<std::uint64_t>(1000 + 10 * q + s));
-  auto x = randn<double>({6, 5});
-  auto y = randn<double>({6, 3});
-  return {x, y};
-}
-}  // namespace
-
 // Rank q has 2 + q batches. Inside join() nothing hangs, and every rank ends with PyTorch's
 // result: at step s the gradient is the sum over the ranks still training of their gradients,
 // divided by the world size (divide_by_initial_world_size), and the parameters are those of the
@@ -313,24 +303,11 @@ TEST(Ddp, JoinWithUnevenInputsGivesPyTorchsResult) {
 // start without it instead of hanging in the step's broadcasts.
 TEST(Ddp, JoinWithAShadowStepKeepsEveryRanksOptimizerAndTakesPartInZero) {
   const int w = pg().world_size(), r = pg().rank();
-  auto batches = [](int q) { return 2 + q; };
-  auto train = [&](auto& ddp, optim::Optimizer& opt, bool shadow) {
-    auto loop = [&] {
-      for (int s = 0; s < batches(r); ++s) {
-        auto [x, y] = batch_of(r, s);
-        opt.zero_grad();
-        nn::functional::mse_loss(ddp(x), y).backward();
-        opt.step();
-      }
-    };
-    if (shadow) ddp.join(loop, [&] { opt.step(); });
-    else ddp.join(loop);
-  };
   // Adam: the same state on every rank (the plain join leaves the finished ranks' behind).
   manual_seed(21);
   DistributedDataParallel<Mlp<double>> ddp(Mlp<double>(5, 8, 3));
   optim::Adam adam(ddp.parameters(), {.lr = 0.01});
-  train(ddp, adam, true);
+  train_uneven(ddp, adam, true);
   const auto moments = adam.state()[0].at("exp_avg").as<double>();
   auto from_last = moments.clone();
   pg().broadcast(from_last, w - 1);
@@ -346,11 +323,11 @@ TEST(Ddp, JoinWithAShadowStepKeepsEveryRanksOptimizerAndTakesPartInZero) {
   DistributedDataParallel<Mlp<double>> zero_model(Mlp<double>(5, 8, 3));
   optim::SGD plain(plain_model.parameters(), {.lr = 0.05, .momentum = 0.9});
   optim::ZeroRedundancyOptimizer<optim::SGD> zero(zero_model.parameters(), {.lr = 0.05, .momentum = 0.9});
-  train(plain_model, plain, false);
+  train_uneven(plain_model, plain, false);
   if (w > 1) {
-    EXPECT_TRUE(throws_with([&] { train(zero_model, zero, false); }, {"ZeroRedundancyOptimizer", "pass the step"}));
+    EXPECT_TRUE(throws_with([&] { train_uneven(zero_model, zero, false); }, {"ZeroRedundancyOptimizer", "pass the step"}));
   }
-  train(zero_model, zero, true);
+  train_uneven(zero_model, zero, true);
   const auto a = values<double>(plain_model.parameters()), b = values<double>(zero_model.parameters());
   for (std::size_t i = 0; i < a.size(); ++i)
     for (std::size_t k = 0; k < a[i].size(); ++k) ASSERT_NEAR(a[i][k], b[i][k], 1e-12) << i << " " << k << " rank " << r;

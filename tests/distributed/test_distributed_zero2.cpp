@@ -161,19 +161,6 @@ TEST(Zero2, JoinWithAShadowStepEqualsThePlainJoin) {
   // Rank q has 2 + q batches; a finished rank takes part in the others' reductions with zeros
   // and steps its shard with the owners' averaged gradients (Note [DDP join]).
   const int r = pg().rank();
-  auto train = [&](auto& ddp, optim::Optimizer& opt, bool shadow) {
-    auto loop = [&] {
-      for (int s = 0; s < 2 + r; ++s) {
-        manual_seed(static_cast<std::uint64_t>(1000 + 10 * r + s));
-        auto x = randn<double>({6, 5}), y = randn<double>({6, 3});
-        opt.zero_grad();
-        nn::functional::mse_loss(ddp(x), y).backward();
-        opt.step();
-      }
-    };
-    if (shadow) ddp.join(loop, [&] { opt.step(); });
-    else ddp.join(loop);
-  };
   manual_seed(21);
   DistributedDataParallel<Mlp<double>> plain_model(Mlp<double>(5, 8, 3));
   manual_seed(21);
@@ -181,8 +168,8 @@ TEST(Zero2, JoinWithAShadowStepEqualsThePlainJoin) {
   optim::SGD plain(plain_model.parameters(), {.lr = 0.05, .momentum = 0.9});
   optim::ZeroRedundancyOptimizer<optim::SGD> zero2(zero2_model.parameters(), {.lr = 0.05, .momentum = 0.9});
   zero2_model.shard_gradients(zero2);
-  train(plain_model, plain, false);
-  train(zero2_model, zero2, true);
+  train_uneven(plain_model, plain, false);
+  train_uneven(zero2_model, zero2, true);
   const auto a = values<double>(plain_model.parameters()), b = values<double>(zero2_model.parameters());
   for (std::size_t i = 0; i < a.size(); ++i)
     for (std::size_t k = 0; k < a[i].size(); ++k) ASSERT_NEAR(a[i][k], b[i][k], 1e-12) << i << " " << k << " rank " << r;

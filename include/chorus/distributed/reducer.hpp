@@ -200,6 +200,8 @@ class Reducer : public std::enable_shared_from_this<Reducer> {
   void rebuild();
 
   void build_buckets(const std::vector<std::size_t>& order);
+  /// The buckets before any step: the parameters in reverse order (Note [DDP buckets]).
+  void build_buckets_in_reverse();
   /// Whether this rank keeps bucket b's reduced gradients (Note [ZeRO-2 over the process group]).
   bool owns(const Bucket& b) const { return b.owner < 0 || b.owner == group_.rank(); }
 

@@ -10,10 +10,7 @@ namespace dist::detail {
 CHORUS_INLINE Reducer::Reducer(ProcessGroup& group, std::vector<Param> params, DistributedDataParallelOptions options,
                                Device device)
     : group_(group), params_(std::move(params)), options_(options), device_(device) {
-  std::vector<std::size_t> order(params_.size());
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  std::reverse(order.begin(), order.end());
-  build_buckets(order);
+  build_buckets_in_reverse();
 }
 
 CHORUS_INLINE void Reducer::set_comm_hook(dist::CommHook hook) {
@@ -32,6 +29,10 @@ CHORUS_INLINE void Reducer::shard(std::vector<int> owner) {
   CHORUS_CHECK(owner.size() == params_.size(), "DistributedDataParallel::shard_gradients: ", owner.size(),
                " owners for ", params_.size(), " parameters");
   owner_ = std::move(owner);
+  build_buckets_in_reverse();
+}
+
+CHORUS_INLINE void Reducer::build_buckets_in_reverse() {
   std::vector<std::size_t> order(params_.size());
   std::iota(order.begin(), order.end(), std::size_t{0});
   std::reverse(order.begin(), order.end());
