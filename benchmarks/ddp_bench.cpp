@@ -11,8 +11,10 @@
 //   grad_bytes  of that, its gradients
 //
 //   mpirun -np N ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB (default 25)]
-//                          [--optimizer sgd|adam|zero1|zero2]
-// zero1: ZeroRedundancyOptimizer<Adam>; zero2: the same with DistributedDataParallel::shard_gradients.
+//                          [--optimizer sgd|adam|zero1|zero2|zero3]
+// zero1: ZeroRedundancyOptimizer<Adam>; zero2: the same with DistributedDataParallel::shard_gradients;
+// zero3: dist::FullyShardedDataParallel with each Linear a unit, and Adam over the shards (its
+// line has step_ms and the bytes only: no buckets, no no_sync).
 #include <chorus/distributed.hpp>
 
 #include <algorithm>
@@ -21,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 
 using namespace chorus;
@@ -34,6 +37,59 @@ struct MlpMedium : nn::Module {
                                                   nn::Linear(1024, 1024)))) {}
   Tensor<float> forward(const Tensor<float>& x) { return net(x); }
 };
+
+/// mlp-medium with each Linear a FullyShard unit (ZeRO-3).
+struct MlpMediumUnits : nn::Module {
+  std::vector<dist::FullyShard<nn::Linear>> layers;
+  MlpMediumUnits() {
+    for (int i = 0; i < 4; ++i)
+      layers.push_back(register_module("fc" + std::to_string(i), dist::FullyShard(nn::Linear(1024, 1024))));
+  }
+  Tensor<float> forward(const Tensor<float>& x) {
+    auto h = layers[0](x);
+    for (std::size_t i = 1; i < layers.size(); ++i) h = layers[i](relu(h));
+    return h;
+  }
+};
+
+/// Median of `steps` timed runs of f after `warmup` untimed ones; every run starts on all ranks
+/// at once (a barrier), so rank 0's time is the step's.
+double median_ms(dist::ProcessGroup& pg, int warmup, int steps, const std::function<void()>& f) {
+  for (int i = 0; i < warmup; ++i) f();
+  std::vector<double> t;
+  for (int i = 0; i < steps; ++i) {
+    pg.barrier();
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+/// The zero3 form: the step and what rank 0 holds after it.
+int bench_zero3(dist::ProcessGroup& pg, int warmup, int steps, int batch, const Tensor<float>& x,
+                const Tensor<float>& y) {
+  const auto held_before = memory_stats(Device::cpu(0)).allocated;
+  dist::FullyShardedDataParallel<MlpMediumUnits> fsdp{MlpMediumUnits{}};
+  optim::Adam opt(fsdp.parameters(), {.lr = 1e-4});
+  const double step_ms = median_ms(pg, warmup, steps, [&] {
+    auto loss = nn::functional::mse_loss(fsdp(x), y);
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+  });
+  pg.barrier();
+  const auto held_bytes = memory_stats(Device::cpu(0)).allocated - held_before;
+  std::size_t grad_bytes = 0;
+  for (const auto& p : fsdp.parameters())
+    if (p.grad().defined()) grad_bytes += p.grad().nbytes();
+  if (pg.rank() == 0)
+    std::printf("{\"workload\": \"mlp-medium\", \"processes\": %d, \"global_batch\": %d, \"step_ms\": %.2f, "
+                "\"optimizer\": \"zero3\", \"held_bytes\": %lld, \"grad_bytes\": %zu}\n",
+                pg.world_size(), batch, step_ms, static_cast<long long>(held_bytes), grad_bytes);
+  return 0;
+}
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -49,7 +105,7 @@ int main(int argc, char** argv) try {
     else if (a == "--optimizer") optimizer = argv[i + 1];
     else {
       std::fprintf(stderr, "usage: ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB] "
-                           "[--optimizer sgd|adam|zero1|zero2]\n");
+                           "[--optimizer sgd|adam|zero1|zero2|zero3]\n");
       return 2;
     }
   }
@@ -60,8 +116,10 @@ int main(int argc, char** argv) try {
   manual_seed(0);
   auto x = randn<float>({batch / world, 1024});
   auto y = randn<float>({batch / world, 1024});
-  CHORUS_CHECK(optimizer == "sgd" || optimizer == "adam" || optimizer == "zero1" || optimizer == "zero2",
-               "--optimizer must be sgd, adam, zero1 or zero2, not '", optimizer, "'");
+  CHORUS_CHECK(optimizer == "sgd" || optimizer == "adam" || optimizer == "zero1" || optimizer == "zero2" ||
+                   optimizer == "zero3",
+               "--optimizer must be sgd, adam, zero1, zero2 or zero3, not '", optimizer, "'");
+  if (optimizer == "zero3") return bench_zero3(pg, warmup, steps, batch, x, y);
   const auto held_before = memory_stats(Device::cpu(0)).allocated;
   DistributedDataParallel<MlpMedium> ddp(MlpMedium{},
                                          {.bucket_cap_bytes = static_cast<std::size_t>(bucket_mb * (1 << 20))});
@@ -83,20 +141,7 @@ int main(int argc, char** argv) try {
     loss.backward();
     opt.step();
   };
-  // Median of `steps` timed runs after `warmup` untimed ones; every run starts on all ranks at
-  // once (a barrier), so rank 0's time is the step's.
-  auto run = [&](const std::function<void()>& f) {
-    for (int i = 0; i < warmup; ++i) f();
-    std::vector<double> t;
-    for (int i = 0; i < steps; ++i) {
-      pg.barrier();
-      const auto t0 = std::chrono::steady_clock::now();
-      f();
-      t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-  };
+  auto run = [&](const std::function<void()>& f) { return median_ms(pg, warmup, steps, f); };
   const double step_ms = run(step);
   pg.barrier();  // (the communication thread lets go of finished collectives' tensors)
   const auto held_bytes = memory_stats(Device::cpu(0)).allocated - held_before;

@@ -60,3 +60,57 @@ for name, states in (("SGD momentum", 1), ("Adam", 2)):
     zero = 2 * params * fp32 + states * params * fp32 / n
     print(f"  {name:>12}: parameters + gradients + optimizer state per GPU {plain / 2**20:.0f} MiB plain, "
           f"{zero / 2**20:.0f} MiB ZeRO-1 ({100 * (1 - zero / plain):.0f} % less)")
+
+# ZeRO-2 (DistributedDataParallel::shard_gradients): each bucket is reduced to its owner (half an
+# all-reduce's bytes, at the same bus bandwidth) and, after the owners' steps, the parameters go
+# from the owners to every GPU as under ZeRO-1: 2 Psi bytes a step, as DDP's all-reduce.
+# ZeRO-3 (FullyShardedDataParallel, each Linear a unit, prefetch on): a layer's parameters are
+# all-gathered before its forward and again before its backward, its gradients reduce-scattered
+# after it: 3 Psi bytes. The timeline follows the implementation (Note [fully sharded parameters]):
+# one communication stream; in forward a layer's gather is issued with the next one's; in backward
+# the first layer's gather is issued when backward starts, each layer then issues the previous
+# layer's gather once its own is in, and a layer's reduce-scatter waits for the last one's.
+layer_bytes = bucket_bytes[0]
+gather_layer_ms = layer_bytes * (n - 1) / n / (a.busbw * 1e9) * 1e3  # all-gather or reduce-scatter
+print()
+print(f"ZeRO-2 and ZeRO-3 on {n} GPUs (one unit per layer; all-gather or reduce-scatter of a layer "
+      f"{gather_layer_ms:.3f} ms):")
+print(f"  bytes per GPU and step: DDP {allreduce_bytes / 2**20:.0f} MiB; ZeRO-2 {allreduce_bytes / 2**20:.0f} MiB; "
+      f"ZeRO-3 {1.5 * allreduce_bytes / 2**20:.0f} MiB")
+print(f"{'TFLOP/s':>8} {'DDP exposed':>12} {'ZeRO-2 exposed':>15} {'ZeRO-3 exposed':>15} {'ZeRO-3 efficiency':>18}")
+for f in (float(x) for x in a.tflops.split(",")):
+    mm = matmul_gflop / f
+    bwd = [mm] + [2 * mm] * (layers - 1)  # fc1 (weights only), fc2, fc3, fc4
+    free = 0.0  # when the communication stream is free
+
+    def collective(issued):
+        global free
+        free = max(free, issued) + gather_layer_ms
+        return free
+
+    t, ready = 0.0, {0: collective(0.0)}
+    for k in range(layers):  # forward: fc1 … fc4
+        if k + 1 < layers:
+            ready[k + 1] = collective(t)
+        t = max(t, ready[k]) + mm
+    compute = layers * mm + sum(bwd)
+    ready = {layers - 1: collective(t)}
+    reduced = 0.0
+    for k in reversed(range(layers)):  # backward: fc4 … fc1
+        t = max(t, ready[k])
+        if k > 0:
+            ready[k - 1] = collective(t)
+        t = max(t + bwd[k], reduced)
+        reduced = collective(t)
+    step = max(t, reduced)
+    # DDP's timeline (as above), and ZeRO-2's: reduces (half an all-reduce's time) and the
+    # parameters' broadcast from their owners after the step.
+    bwd_rev = list(reversed(bwd))  # fc4 … fc1
+    ddp_t, ddp_end, zero2_end = layers * mm, 0.0, 0.0
+    for k in range(layers):
+        ddp_t += bwd_rev[k]
+        ddp_end = max(ddp_end, ddp_t) + comm_ms[k]
+        zero2_end = max(zero2_end, ddp_t) + gather_layer_ms
+    zero2_exposed = max(ddp_t, zero2_end) - ddp_t + gather_ms
+    print(f"{f:8.0f} {max(ddp_t, ddp_end) - ddp_t:10.3f}ms {zero2_exposed:13.3f}ms {step - compute:13.3f}ms "
+          f"{100 * compute / step:17.1f}%")

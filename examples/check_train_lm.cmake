@@ -6,6 +6,10 @@
 #           last epoch's validation loss must equal the uninterrupted run's.
 #   checkpoint  run EXE ARGS, then EXE ARGS --checkpoint: every validation loss must be the same,
 #           the checkpointed run's peak memory on the first device lower.
+#   fsdp    run LAUNCHER EXE ARGS (DDP) and LAUNCHER EXE ARGS --fsdp, then both again with
+#           --memory-limit LIMIT (MiB): the two uncapped runs' validation losses must be equal, the
+#           capped DDP run must stop with an out-of-memory error and the capped FSDP run must train
+#           with the same losses.
 #   errors  bad input (a missing or empty --data file, an unknown --model, a --seq-len longer than
 #           the text) must exit non-zero with a message naming it.
 # Each run's output is printed, so that a failure shows it.
@@ -101,6 +105,24 @@ elseif(MODE STREQUAL "checkpoint")
   if(NOT ckpt_peak LESS plain_peak)
     message(FATAL_ERROR "checkpointed peak memory ${ckpt_peak} MiB is not below the plain run's ${plain_peak} MiB")
   endif()
+elseif(MODE STREQUAL "fsdp")
+  separate_arguments(launcher UNIX_COMMAND "${LAUNCHER}")
+  run_lm(ddp ${launcher} ${EXE} ${args} --out ${OUT}/ddp)
+  run_lm(fsdp ${launcher} ${EXE} ${args} --out ${OUT}/fsdp --fsdp)
+  run_lm(capped ${launcher} ${EXE} ${args} --out ${OUT}/capped --fsdp --memory-limit ${LIMIT})
+  val_losses("${ddp}" ddp_losses)
+  val_losses("${fsdp}" fsdp_losses)
+  val_losses("${capped}" capped_losses)
+  if(NOT ddp_losses STREQUAL fsdp_losses OR NOT fsdp_losses STREQUAL capped_losses OR ddp_losses STREQUAL "")
+    message(FATAL_ERROR "validation losses differ: DDP '${ddp_losses}', FSDP '${fsdp_losses}', FSDP under "
+                        "${LIMIT} MiB '${capped_losses}'")
+  endif()
+  execute_process(COMMAND ${launcher} ${EXE} ${args} --out ${OUT}/ddp_capped --memory-limit ${LIMIT}
+                  OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
+  message(STATUS "$ DDP under ${LIMIT} MiB: exit ${rc}\n${err}")
+  if(rc EQUAL 0 OR NOT err MATCHES "error: out of memory on cpu:0")
+    message(FATAL_ERROR "DDP under --memory-limit ${LIMIT} did not stop with an out-of-memory error")
+  endif()
 elseif(MODE STREQUAL "errors")
   file(MAKE_DIRECTORY ${OUT})
   file(WRITE ${OUT}/empty.txt "")
@@ -125,5 +147,5 @@ elseif(MODE STREQUAL "errors")
     endif()
   endforeach()
 else()
-  message(FATAL_ERROR "MODE must be train, resume, checkpoint or errors")
+  message(FATAL_ERROR "MODE must be train, resume, checkpoint, fsdp or errors")
 endif()

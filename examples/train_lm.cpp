@@ -6,7 +6,7 @@
 //   train_lm [--model lstm|transformer] [--data FILE] [--cpu N | --gpus | --distributed]
 //            [--epochs E] [--steps S] [--batch B] [--seq-len L] [--lr LR] [--hidden H] [--layers N]
 //            [--dropout P] [--out DIR] [--resume] [--stop-after E] [--sample N] [--temperature T]
-//            [--prompt TEXT] [--seed S] [--checkpoint]
+//            [--prompt TEXT] [--seed S] [--checkpoint] [--fsdp] [--memory-limit MIB]
 //
 // The text (by default the GPL-3 licence text every Debian machine has) is read as bytes: the
 // vocabulary is the set of distinct bytes, the first 90% trains and the last 10% validates.
@@ -18,6 +18,11 @@
 // --stop-after E ends the run after epoch E, as an interruption would (to try --resume).
 // --checkpoint (transformer): each encoder layer's activations are recomputed in backward instead
 // of kept; the results are the same bit for bit, the peak memory printed after each epoch lower.
+// --fsdp (transformer, --distributed): ZeRO-3 (dist::FullyShardedDataParallel), each encoder layer
+// a unit: every process keeps 1/W of the parameters, gradients and AdamW state; the model file is
+// written from the gathered parameters, the optimizer state is not written (--resume refuses it).
+// --memory-limit MIB caps each training device's memory (set_memory_limit) once the model is
+// built: what does not fit then stops with an out-of-memory error naming the device.
 #include <chorus/distributed.hpp>
 
 #include <algorithm>
@@ -45,10 +50,10 @@ namespace {
 struct Config {
   std::string model = "lstm", data = "/usr/share/common-licenses/GPL-3", out = "train_lm_out", prompt = "The ";
   std::vector<Device> devices;
-  bool distributed = false, resume = false, checkpoint = false;
+  bool distributed = false, resume = false, checkpoint = false, fsdp = false;
   int epochs = 10, stop_after = 0, batch = 32, seq_len = 64, layers = 0, sample = 300;
   std::int64_t steps = 0, hidden = 0;
-  double lr = 0, dropout = -1, temperature = 0.8;
+  double lr = 0, dropout = -1, temperature = 0.8, memory_limit_mib = 0;
   std::uint64_t seed = 1;
 };
 
@@ -123,14 +128,20 @@ double validation_loss(W& model, const Corpus& corpus, const Config& c, const Wo
     if (x.empty()) return;
     const Shape shape{static_cast<std::int64_t>(x.size()) / c.seq_len, c.seq_len};
     sums[0] += lm_loss(model(from_vector(x, shape)), from_vector(y, shape), Reduction::Sum).item();
-    sums[1] += static_cast<double>(x.size());
     x.clear();
     y.clear();
   };
-  for (std::size_t i = static_cast<std::size_t>(world.rank); i < windows; i += static_cast<std::size_t>(world.size)) {
-    const auto o = corpus.val.begin() + static_cast<std::ptrdiff_t>(i * static_cast<std::size_t>(c.seq_len));
+  // Every rank runs as many batches (a forward of FullyShardedDataParallel is a collective): a
+  // rank with a window fewer fills it with window 0, whose targets the loss ignores (-100).
+  const std::size_t per_rank = (windows + static_cast<std::size_t>(world.size) - 1) / static_cast<std::size_t>(world.size);
+  for (std::size_t k = 0; k < per_rank; ++k) {
+    const std::size_t i = static_cast<std::size_t>(world.rank) + k * static_cast<std::size_t>(world.size);
+    const bool real = i < windows;
+    const auto o = corpus.val.begin() + static_cast<std::ptrdiff_t>((real ? i : 0) * static_cast<std::size_t>(c.seq_len));
     x.insert(x.end(), o, o + c.seq_len);
-    y.insert(y.end(), o + 1, o + c.seq_len + 1);
+    if (real) y.insert(y.end(), o + 1, o + c.seq_len + 1);
+    else y.insert(y.end(), static_cast<std::size_t>(c.seq_len), std::int64_t{-100});
+    sums[1] += real ? c.seq_len : 0;
     if (x.size() == static_cast<std::size_t>(c.batch * c.seq_len)) flush();
   }
   flush();
@@ -198,6 +209,25 @@ std::string vocab_ids(const std::string& vocab) {
     s += std::to_string(ch);
   }
   return s;
+}
+
+/// True for a model whose layers are FullyShard units (CharTransformerT<dist::FullyShard>).
+template <class M>
+constexpr bool has_units() {
+  if constexpr (requires { M::units; }) return M::units;
+  else return false;
+}
+
+/// Runs `f` with the model's parameters in place: for FullyShardedDataParallel, every rank
+/// gathers them first (summon_full_params) and f may use the module alone.
+template <class W, class F>
+void with_full_parameters(W& net, F&& f) {
+  if constexpr (requires { net.summon_full_params(); }) {
+    auto full = net.summon_full_params();
+    f();
+  } else {
+    f();
+  }
 }
 
 /// Builds the model, trains it (DataParallel, or DDP with --distributed), validates, saves and
@@ -275,7 +305,8 @@ int train(const Config& c, const Corpus& corpus, M model, const std::string& des
         auto loss = lm_loss(net(x), y);
         opt.zero_grad();
         loss.backward();
-        nn::utils::clip_grad_norm_(params, 1.0);
+        if constexpr (requires { net.summon_full_params(); }) net.clip_grad_norm_(1.0);  // over every rank's shards
+        else nn::utils::clip_grad_norm_(params, 1.0);
         opt.step();
         sched.step();
         loss_avg = s == 0 ? loss.item() : 0.9 * loss_avg + 0.1 * loss.item();
@@ -293,21 +324,32 @@ int train(const Config& c, const Corpus& corpus, M model, const std::string& des
         peaks += line;
       }
       const double v = validation_loss(net, corpus, c, world, out_device);
-      if (world.reports()) {
+      auto write = [&] {
+        if (!world.reports()) return;
         std::printf("\nepoch %d: val loss %.4f, perplexity %.2f; %.1f ms/step, peak memory%s\n", epoch, v, std::exp(v),
                     step_ms, peaks.c_str());
         fs::create_directories(c.out);
-        save(net, model_path,
+        save(net.module(), model_path,
              {{"epoch", std::to_string(epoch)}, {"model", c.model}, {"vocab", vocab_ids(corpus.vocab)},
               {"val_loss", std::to_string(v)}, {"generator_offset", std::to_string(default_generator().get_offset())}});
-        save(opt, optim_path, {.scheduler = &sched});
-      }
+        if (!c.fsdp) save(opt, optim_path, {.scheduler = &sched});  // FSDP's is each rank's shard
+      };
+      with_full_parameters(net, write);
     }
-    if (world.reports() && c.sample > 0 && last_epoch == c.epochs)
-      std::printf("sample (temperature %.2f):\n%s\n", c.temperature,
-                  generate(net.module(), corpus, c, device).c_str());
+    if (c.sample > 0 && last_epoch == c.epochs)
+      with_full_parameters(net, [&] {
+        if (world.reports())
+          std::printf("sample (temperature %.2f):\n%s\n", c.temperature,
+                      generate(net.module(), corpus, c, device).c_str());
+      });
   };
-  if (c.distributed) {
+  if (c.memory_limit_mib > 0)
+    for (const auto& d : c.distributed ? std::vector<Device>{device} : c.devices)
+      set_memory_limit(d, static_cast<std::int64_t>(c.memory_limit_mib * 1048576.0));
+  if constexpr (has_units<M>()) {  // its encoder layers are FullyShard units
+    dist::FullyShardedDataParallel<M> fsdp(std::move(model));
+    run(fsdp, device);
+  } else if (c.distributed) {
     DistributedDataParallel<M> ddp(std::move(model));
     run(ddp, device);
   } else {
@@ -322,7 +364,7 @@ void usage(const char* argv0) {
             << " [--model lstm|transformer] [--data FILE] [--cpu N | --gpus | --distributed] [--epochs E]"
                " [--steps S] [--batch B] [--seq-len L] [--lr LR] [--hidden H] [--layers N] [--dropout P]"
                " [--out DIR] [--resume] [--stop-after E] [--sample N] [--temperature T] [--prompt TEXT]"
-               " [--seed S] [--checkpoint]\n";
+               " [--seed S] [--checkpoint] [--fsdp] [--memory-limit MIB]\n";
 }
 
 }  // namespace
@@ -356,6 +398,8 @@ int main(int argc, char** argv) try {
     else if (a == "--prompt") c.prompt = value();
     else if (a == "--seed") c.seed = std::stoull(value());
     else if (a == "--checkpoint") c.checkpoint = true;
+    else if (a == "--fsdp") c.fsdp = true;
+    else if (a == "--memory-limit") c.memory_limit_mib = std::stod(value());
     else {
       usage(argv[0]);
       return 2;
@@ -366,9 +410,12 @@ int main(int argc, char** argv) try {
   CHORUS_CHECK(c.epochs > 0 && c.batch > 0 && c.seq_len > 0 && c.steps >= 0 && c.sample >= 0 && c.stop_after >= 0,
                "--epochs, --batch and --seq-len must be positive; --steps, --sample and --stop-after not negative");
   CHORUS_CHECK(c.temperature > 0, "--temperature must be positive, got ", c.temperature);
+  CHORUS_CHECK(c.memory_limit_mib >= 0, "--memory-limit must not be negative, got ", c.memory_limit_mib);
   CHORUS_CHECK(!(c.distributed && !c.devices.empty()), "--distributed uses one device per process; leave out --cpu/--gpus");
   const bool lstm = c.model == "lstm";
   CHORUS_CHECK(!(lstm && c.checkpoint), "--checkpoint is for --model transformer (its encoder layers)");
+  CHORUS_CHECK(!c.fsdp || (!lstm && c.distributed), "--fsdp is for --model transformer under --distributed");
+  CHORUS_CHECK(!(c.fsdp && c.resume), "--resume: a --fsdp run writes no optimizer state to resume from");
   if (c.hidden == 0) c.hidden = lstm ? 256 : 128;
   if (c.layers == 0) c.layers = lstm ? 1 : 2;
   if (c.lr == 0) c.lr = lstm ? 3e-3 : 1e-3;
@@ -388,7 +435,13 @@ int main(int argc, char** argv) try {
   }
   CHORUS_CHECK(c.hidden % 4 == 0, "--hidden ", c.hidden, " must be a multiple of the transformer's 4 heads");
   what << "Transformer LM (d_model " << c.hidden << ", 4 heads, " << c.layers << " layer(s)"
-       << (c.checkpoint ? ", checkpointed" : "") << ", context " << c.seq_len << ")";
+       << (c.checkpoint ? ", checkpointed" : "") << (c.fsdp ? ", fully sharded" : "") << ", context " << c.seq_len
+       << ")";
+  if (c.fsdp)
+    return train(c, corpus,
+                 examples::CharTransformerT<dist::FullyShard>(vocab, c.seq_len, c.hidden, 4, c.layers, c.dropout,
+                                                              c.checkpoint),
+                 what.str());
   return train(c, corpus, examples::CharTransformer(vocab, c.seq_len, c.hidden, 4, c.layers, c.dropout, c.checkpoint),
                what.str());
 } catch (const std::exception& e) {

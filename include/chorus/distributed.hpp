@@ -5,6 +5,7 @@
 #include "chorus.hpp"
 #include "distributed/checkpointer.hpp"
 #include "distributed/ddp.hpp"
+#include "distributed/fsdp.hpp"
 #include "distributed/process_group.hpp"
 #include "distributed/sampler.hpp"
 #include "distributed/zero_redundancy_optimizer.hpp"

@@ -53,6 +53,11 @@ class StorageImpl {
   /// The storage whose memory this one borrows (a host alias's owner, a slice's block), or
   /// null for a storage that owns its memory.
   const std::shared_ptr<StorageImpl>* memory_owner() const;
+  /// Moves a slice (Note [storage slices]) onto `nbytes()` bytes of `block` from byte `offset`,
+  /// or, with a null block, onto no memory until the next move: the tensors that view the slice
+  /// follow (Note [unsharded parameter memory] in distributed/fsdp_unit.hpp). Its version counter
+  /// is unchanged.
+  inline void reseat_slice(const std::shared_ptr<StorageImpl>& block, std::size_t offset);
 
  private:
   // The layout is kept to these five words: adding members here moved the heap layout of
@@ -85,6 +90,7 @@ class BorrowedMemory : public Allocator {
   MemoryStats stats() const override { return {}; }
   void reset_peak() override {}
   const std::shared_ptr<StorageImpl>& owner() const { return owner_; }
+  void set_owner(std::shared_ptr<StorageImpl> owner) { owner_ = std::move(owner); }
 
  protected:
   std::shared_ptr<StorageImpl> owner_;
@@ -108,6 +114,21 @@ class StorageSlice final : public BorrowedMemory {
 inline const std::shared_ptr<StorageImpl>* StorageImpl::memory_owner() const {
   const auto* borrowed = dynamic_cast<const detail::BorrowedMemory*>(alloc_);
   return borrowed ? &borrowed->owner() : nullptr;
+}
+
+inline void StorageImpl::reseat_slice(const std::shared_ptr<StorageImpl>& block, std::size_t offset) {
+  auto* slice = dynamic_cast<detail::StorageSlice*>(alloc_);
+  CHORUS_CHECK(slice != nullptr, "reseat_slice: the storage is not a slice of a block");
+  if (!block) {
+    slice->set_owner(nullptr);
+    data_ = nullptr;
+    return;
+  }
+  CHORUS_CHECK(block->device() == device_ && offset <= block->nbytes() && nbytes_ <= block->nbytes() - offset,
+               "reseat_slice: bytes [", offset, ", ", offset, " + ", nbytes_, ") of a ", block->nbytes(),
+               "-byte block on ", block->device(), " for a slice on ", device_);
+  data_ = static_cast<char*>(block->data_) + offset;
+  slice->set_owner(block);
 }
 
 inline StorageImpl::StorageImpl(Device device, const std::shared_ptr<StorageImpl>& base, std::size_t offset,

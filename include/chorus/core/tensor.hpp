@@ -49,6 +49,8 @@ struct TensorImpl {
   // Another process keeps this parameter's gradient (ZeRO-2: DistributedDataParallel::
   // shard_gradients): a norm over the parameters taken here alone would be wrong.
   bool grad_on_other_rank = false;
+  // A FullyShardedDataParallel shard: its gradient is this rank's part of the flat gradient only.
+  bool grad_is_shard = false;
 
   Device device() const { return storage ? storage->device() : Device{}; }
   T* data() const { return storage ? static_cast<T*>(storage->data()) + offset : nullptr; }

@@ -149,6 +149,10 @@ class Backend {
   /// out ([world, *in.shape()]) = every rank's `in`, in rank order, once `work` is waited for;
   /// returns the tensor that holds it then (out).
   virtual void all_gather(const std::shared_ptr<Work>& work, const AnyTensor& in, const AnyTensor& out) = 0;
+  /// out (n elements) = rank's part [rank·n, rank·n + n) of the sum (or mean) over all ranks of
+  /// `in` (world·n elements).
+  virtual void reduce_scatter(const std::shared_ptr<Work>& work, const AnyTensor& in, const AnyTensor& out,
+                              ReduceOp op) = 0;
   /// Completes once every rank has called it.
   virtual void barrier(const std::shared_ptr<Work>& work) = 0;
   /// The group was marked broken (Note [watchdog]): cancel what can be cancelled. Called with

@@ -207,6 +207,8 @@ class MpiBackend final : public Backend {
   CHORUS_INLINE void reduce(const std::shared_ptr<Work>& work, const AnyTensor& t, ReduceOp op, int root) override;
   CHORUS_INLINE void broadcast(const std::shared_ptr<Work>& work, const AnyTensor& t, int root) override;
   CHORUS_INLINE void all_gather(const std::shared_ptr<Work>& work, const AnyTensor& in, const AnyTensor& out) override;
+  CHORUS_INLINE void reduce_scatter(const std::shared_ptr<Work>& work, const AnyTensor& in, const AnyTensor& out,
+                                    ReduceOp op) override;
   CHORUS_INLINE void barrier(const std::shared_ptr<Work>& work) override;
 
   /// The first half of leaving (Note [watchdog]): meets the other ranks within the timeout and
@@ -226,6 +228,13 @@ class MpiBackend final : public Backend {
   MPI_Comm comm_ = MPI_COMM_NULL;
   MPI_Comm exit_comm_ = MPI_COMM_NULL;
   MPI_Op bf16_sum_ = MPI_OP_NULL, half_sum_ = MPI_OP_NULL;
+  /// MPI's sum for T: its own for the 16-bit types (Note [16-bit sums over MPI]).
+  template <class T>
+  MPI_Op sum_op() const {
+    if constexpr (std::is_same_v<T, bfloat16>) return bf16_sum_;
+    else if constexpr (std::is_same_v<T, half>) return half_sum_;
+    else return MPI_SUM;
+  }
   bool owns_mpi_ = false;
   bool finalized_by_program_ = false;
   std::array<std::int64_t, 2> notice_out_{};   // Note [leaving notice]

@@ -239,9 +239,7 @@ CHORUS_INLINE void MpiBackend::all_reduce(const std::shared_ptr<Work>& work, con
     using T = typename std::decay_t<decltype(x)>::value_type;
     const int world = state_.world, n = checked_int_count(x.numel(), work->what());
     const MPI_Datatype type = mpi_type(dtype_of<T>());
-    MPI_Op sum = MPI_SUM;
-    if constexpr (std::is_same_v<T, bfloat16>) sum = bf16_sum_;
-    if constexpr (std::is_same_v<T, half>) sum = half_sum_;
+    const MPI_Op sum = sum_op<T>();
     if (op == ReduceOp::Avg) work->on_done = [x, world] { divide_in_place(x, world); };
     submit(work, [x, n, type, sum, comm = comm_](MPI_Request* r) {
       return MPI_Iallreduce(MPI_IN_PLACE, x.data(), n, type, sum, comm, r);
@@ -255,9 +253,7 @@ CHORUS_INLINE void MpiBackend::reduce(const std::shared_ptr<Work>& work, const A
     const int world = state_.world, n = checked_int_count(x.numel(), work->what());
     const bool mine = state_.rank == root;
     const MPI_Datatype type = mpi_type(dtype_of<T>());
-    MPI_Op sum = MPI_SUM;
-    if constexpr (std::is_same_v<T, bfloat16>) sum = bf16_sum_;
-    if constexpr (std::is_same_v<T, half>) sum = half_sum_;
+    const MPI_Op sum = sum_op<T>();
     if (op == ReduceOp::Avg && mine) work->on_done = [x, world] { divide_in_place(x, world); };
     submit(work, [x, n, type, sum, root, mine, comm = comm_](MPI_Request* r) {
       return MPI_Ireduce(mine ? MPI_IN_PLACE : x.data(), x.data(), n, type, sum, root, comm, r);
@@ -283,6 +279,21 @@ CHORUS_INLINE void MpiBackend::all_gather(const std::shared_ptr<Work>& work, con
     const int n = checked_int_count(x.numel(), work->what());
     submit(work, [x, o, n, comm = comm_](MPI_Request* r) {
       return MPI_Iallgather(x.data(), n, mpi_type(dtype_of<T>()), o.data(), n, mpi_type(dtype_of<T>()), comm, r);
+    });
+  });
+}
+
+CHORUS_INLINE void MpiBackend::reduce_scatter(const std::shared_ptr<Work>& work, const AnyTensor& in,
+                                                const AnyTensor& out, ReduceOp op) {
+  in.visit([&](const auto& x) {
+    using T = typename std::decay_t<decltype(x)>::value_type;
+    const auto o = out.template as<T>();
+    const int world = state_.world, n = checked_int_count(o.numel(), work->what());
+    const MPI_Datatype type = mpi_type(dtype_of<T>());
+    const MPI_Op sum = sum_op<T>();
+    if (op == ReduceOp::Avg) work->on_done = [o, world] { divide_in_place(o, world); };
+    submit(work, [x, o, n, type, sum, comm = comm_](MPI_Request* r) {
+      return MPI_Ireduce_scatter_block(x.data(), o.data(), n, type, sum, comm, r);
     });
   });
 }

@@ -219,6 +219,16 @@ class NcclBackend final : public Backend {
       });
     });
   }
+  void reduce_scatter(const std::shared_ptr<Work>& work, const AnyTensor& in, const AnyTensor& out,
+                      ReduceOp op) override {
+    in.visit([&](const auto& x) {
+      using T = typename std::decay_t<decltype(x)>::value_type;
+      collective(work, x, out.template as<T>(), false, [&](const auto& i, const auto& o, ncclComm_t c, cudaStream_t s) {
+        return ncclReduceScatter(i.data(), o.data(), static_cast<std::size_t>(o.numel()),
+                                 backend::cuda::nccl_type(i.dtype()), op == ReduceOp::Sum ? ncclSum : ncclAvg, c, s);
+      });
+    });
+  }
   void barrier(const std::shared_ptr<Work>& work) override {
     // A one-element all-reduce, waited for on the host: a barrier holds the caller.
     auto one = Tensor<float>::empty(Shape{1}, state_.default_device());

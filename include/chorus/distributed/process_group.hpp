@@ -122,6 +122,47 @@ class ProcessGroup {
     return out;
   }
 
+  /// out = every rank's `in`, in rank order (out has world_size × in.numel() elements), once the
+  /// returned work is waited for.
+  template <class T>
+  std::shared_ptr<Work> all_gather_into_async(const Tensor<T>& out, const Tensor<T>& in, std::string what = {}) {
+    if (what.empty()) what = "all_gather";
+    check_tensor(in, what);
+    check_tensor(out, what);
+    CHORUS_CHECK(out.numel() == in.numel() * state_.world && out.device() == in.device(), "dist: ", what,
+                 ": the output has ", out.numel(), " elements on ", out.device(), "; it takes ", state_.world,
+                 " ranks' ", in.numel(), " on ", in.device());
+    auto work = make_work(what, in);
+    work->keep.push_back(AnyTensor(out));
+    if (local_only(in)) {
+      backend::copy(out.view(in.shape()), in);
+      return done(work);
+    }
+    backend_for(in.device(), what).all_gather(work, AnyTensor(in), AnyTensor(out));
+    return work;
+  }
+
+  /// out = this rank's part of the sum (or mean) of every rank's `in`: `in` has world_size ×
+  /// out.numel() elements, and rank r gets elements [r·n, r·n + n).
+  template <class T>
+  std::shared_ptr<Work> reduce_scatter_async(const Tensor<T>& out, const Tensor<T>& in, ReduceOp op = ReduceOp::Sum,
+                                             std::string what = {}) {
+    if (what.empty()) what = std::string("reduce_scatter(") + op_name(op) + ")";
+    check_tensor(in, what);
+    check_tensor(out, what);
+    CHORUS_CHECK(in.numel() == out.numel() * state_.world && out.device() == in.device(), "dist: ", what,
+                 ": the input has ", in.numel(), " elements on ", in.device(), "; it takes ", state_.world,
+                 " ranks' parts of ", out.numel(), " on ", out.device());
+    auto work = make_work(what, in);
+    work->keep.push_back(AnyTensor(out));
+    if (local_only(in)) {
+      backend::copy(out, in.view(out.shape()));
+      return done(work);
+    }
+    backend_for(in.device(), what).reduce_scatter(work, AnyTensor(in), AnyTensor(out), op);
+    return work;
+  }
+
   /// Returns once every rank has called barrier().
   void barrier();
 

@@ -140,7 +140,8 @@ CHORUS_INLINE double zero_clip_grad_norm(ProcessGroup& group, const std::vector<
   std::vector<AnyTensor> mine;
   for (auto i : local_index) mine.push_back(params[i]);
   auto local = Tensor<double>::empty(Shape{1}, device);
-  backend::fill(local, nn::utils::grad_norm(mine, norm_type));
+  auto local_groups = nn::utils::detail::device_grads(mine);
+  backend::fill(local, nn::utils::detail::total_norm(local_groups, norm_type, 0.0, nullptr).item());
   const auto norms = group.all_gather(local).to_vector();
   double total = 0;
   if (std::isinf(norm_type)) {

@@ -227,6 +227,15 @@ CHORUS_INLINE void write_atomically(const std::string& path, const std::vector<s
 }
 
 /// Serialises named tensors (copied to the host) with metadata.
+/// Refuses a tensor that views no memory: a FullyShardedDataParallel's parameter between uses
+/// (Note [unsharded parameter memory] in distributed/fsdp_unit.hpp).
+template <class T>
+void check_has_memory(const Tensor<T>& x, const std::string& name) {
+  CHORUS_CHECK(x.numel() == 0 || x.data() != nullptr, "safetensors: '", name,
+               "' holds no memory: it is a parameter a FullyShardedDataParallel shards; save the "
+               "wrapper's full_state_dict(), or the module while the wrapper's summon_full_params() guard lives");
+}
+
 CHORUS_INLINE std::vector<std::uint8_t> serialise(const std::vector<nn::Module::NamedTensor>& tensors, const Metadata& meta) {
   nlohmann::json header = nlohmann::json::object();
   if (!meta.empty()) header["__metadata__"] = meta;
@@ -238,6 +247,7 @@ CHORUS_INLINE std::vector<std::uint8_t> serialise(const std::vector<nn::Module::
     CHORUS_CHECK(t.name != "__metadata__", "safetensors: a tensor may not be named __metadata__");
     std::vector<std::uint8_t> blob(t.tensor.nbytes());
     t.tensor.visit([&](const auto& x) {
+      check_has_memory(x, t.name);
       auto v = x.to_vector();
       if (!v.empty()) std::memcpy(blob.data(), v.data(), blob.size());
     });
@@ -285,9 +295,10 @@ CHORUS_INLINE void load_into(nn::Module& module, const File& f, const std::strin
   std::vector<std::pair<std::string, detail::Source>> sources;
   for (const auto& [name, rec] : f.tensors) {
     detail::Source s{rec.dtype, rec.shape, nullptr};
-    s.write = [&f, &r = rec](AnyTensor& t) {
+    s.write = [&f, &r = rec, name](AnyTensor& t) {
       t.visit([&](auto& x) {
         using T = typename std::decay_t<decltype(x)>::value_type;
+        detail::check_has_memory(x, name);
         if (r.dtype != x.dtype()) {  // checked: both floating, convert_dtype asked
           visit_dtype(r.dtype, [&](auto tag) {
             using F = decltype(tag);

@@ -70,6 +70,46 @@ const A& checkpoint_argument(const A& a, int slot, const std::vector<AnyTensor>&
   return a;
 }
 
+/// Calls `runner(run, inputs, reads)` for fn(args...) as a graph function (what
+/// autograd::checkpoint and a FullyShard unit take): `run` maps the tracked tensor arguments
+/// (those that require grad, in argument order: `inputs`) to fn's outputs as a vector; `reads`
+/// are the other tensor arguments. Returns the runner's outputs in fn's own form.
+template <class F, class Runner, class... Args>
+auto call_as_graph_function(F fn, Runner&& runner, const Args&... args) {
+  using R = std::invoke_result_t<F&, const Args&...>;
+  using Result = CheckpointResult<R>;
+  static_assert(Result::ok,
+                "nn::utils::checkpoint and dist::FullyShard: the function (or forward) must return a Tensor<T>, a "
+                "std::vector<Tensor<T>> or a std::tuple of Tensor<T>, all of one floating-point type T");
+  if constexpr (Result::ok) {
+    using T = typename Result::value_type;
+    auto saved = std::make_shared<const std::tuple<Args...>>(args...);
+    std::array<int, sizeof...(Args)> slot{};
+    std::vector<AnyTensor> inputs, reads;
+    auto track = [&](const auto& a) -> int {
+      using A = std::decay_t<decltype(a)>;
+      if constexpr (is_tensor<A>::value) {
+        if constexpr (is_floating_v<typename A::value_type>) {
+          if (a.defined() && a.requires_grad()) {
+            inputs.emplace_back(a);
+            return static_cast<int>(inputs.size()) - 1;
+          }
+        }
+        if (a.defined()) reads.emplace_back(a);
+      }
+      return -1;
+    };
+    [&]<std::size_t... I>(std::index_sequence<I...>) { ((slot[I] = track(std::get<I>(*saved))), ...); }(
+        std::index_sequence_for<Args...>{});
+    autograd::CheckpointFn<T> run = [fn = std::move(fn), saved, slot](const std::vector<AnyTensor>& in) mutable {
+      return [&]<std::size_t... I>(std::index_sequence<I...>) {
+        return Result::flatten(std::invoke(fn, checkpoint_argument(std::get<I>(*saved), slot[I], in)...));
+      }(std::index_sequence_for<Args...>{});
+    };
+    return Result::unflatten(runner(std::move(run), std::move(inputs), std::move(reads)));
+  }
+}
+
 }  // namespace detail
 
 namespace utils {
@@ -87,39 +127,13 @@ namespace utils {
 /// objects it points to (a module) alive until then.
 template <class F, class... Args>
 auto checkpoint(F fn, const Args&... args) {
-  using R = std::invoke_result_t<F&, const Args&...>;
-  using Result = nn::detail::CheckpointResult<R>;
-  static_assert(Result::ok,
-                "nn::utils::checkpoint: the function must return a Tensor<T>, a std::vector<Tensor<T>> or a "
-                "std::tuple of Tensor<T>, all of one floating-point type T");
-  if constexpr (Result::ok) {
-    using T = typename Result::value_type;
-    auto saved = std::make_shared<const std::tuple<Args...>>(args...);
-    std::array<int, sizeof...(Args)> slot{};
-    std::vector<AnyTensor> inputs, reads;
-    auto track = [&](const auto& a) -> int {
-      using A = std::decay_t<decltype(a)>;
-      if constexpr (nn::detail::is_tensor<A>::value) {
-        if constexpr (is_floating_v<typename A::value_type>) {
-          if (a.defined() && a.requires_grad()) {
-            inputs.emplace_back(a);
-            return static_cast<int>(inputs.size()) - 1;
-          }
-        }
-        if (a.defined()) reads.emplace_back(a);
-      }
-      return -1;
-    };
-    [&]<std::size_t... I>(std::index_sequence<I...>) { ((slot[I] = track(std::get<I>(*saved))), ...); }(
-        std::index_sequence_for<Args...>{});
-    autograd::CheckpointFn<T> run = [fn = std::move(fn), saved, slot](const std::vector<AnyTensor>& in) mutable {
-      return [&]<std::size_t... I>(std::index_sequence<I...>) {
-        return Result::flatten(
-            std::invoke(fn, nn::detail::checkpoint_argument(std::get<I>(*saved), slot[I], in)...));
-      }(std::index_sequence_for<Args...>{});
-    };
-    return Result::unflatten(autograd::checkpoint<T>(std::move(run), std::move(inputs), std::move(reads)));
-  }
+  return nn::detail::call_as_graph_function(
+      std::move(fn),
+      [](auto run, std::vector<AnyTensor> inputs, std::vector<AnyTensor> reads) {
+        using T = typename decltype(run)::result_type::value_type::value_type;
+        return autograd::checkpoint<T>(std::move(run), std::move(inputs), std::move(reads));
+      },
+      args...);
 }
 
 }  // namespace utils

@@ -69,6 +69,10 @@ CHORUS_INLINE void check_grads_here(const std::vector<AnyTensor>& params, const 
                    ": a parameter's gradient is kept by another rank (DistributedDataParallel::shard_gradients), so "
                    "the norm of this rank's gradients is not the model's; call the ZeroRedundancyOptimizer's "
                    "clip_grad_norm_, which takes the norm over every rank");
+      CHORUS_CHECK(!t.defined() || !t.impl()->grad_is_shard, who,
+                   ": a parameter is one rank's shard of a FullyShardedDataParallel's parameters, so the norm of "
+                   "this rank's gradients is not the model's; call the FullyShardedDataParallel's clip_grad_norm_, "
+                   "which takes the norm over every rank");
     });
 }
 }  // namespace detail

@@ -1,0 +1,294 @@
+// Fully sharded parameters across ranks (ZeRO-3: dist::FullyShardedDataParallel with
+// dist::FullyShard units; Note [fully sharded parameters] in distributed/fsdp_unit.hpp): each
+// rank keeps its shard of every unit, the training equals the plain one-process run over the
+// whole batch (float64, 1e-12) for SGD with momentum, Adam and AdamW with clipping and
+// accumulation, with and without prefetch; a bfloat16 module keeps float32 master shards; a model whose Adam training does not fit one
+// device's memory trains over 4 ranks; misuse is refused. Part of the test_distributed binary
+// (mpirun -np 1 … 4).
+#include "dist_test_util.hpp"
+
+#include <chorus/distributed/fsdp.hpp>
+
+#include <cmath>
+#include <map>
+#include <vector>
+
+using namespace chorus;
+using namespace dist_test;
+
+namespace {
+
+/// Two FullyShard units and a head the root keeps.
+struct Net : nn::Module {
+  dist::FullyShard<nn::LinearT<double>> l1, l2;
+  nn::LinearT<double> head;
+  Net(int in, int hidden, int out)
+      : l1(register_module("l1", dist::FullyShard(nn::LinearT<double>(in, hidden)))),
+        l2(register_module("l2", dist::FullyShard(nn::LinearT<double>(hidden, hidden)))),
+        head(register_module("head", nn::LinearT<double>(hidden, out))) {}
+  Tensor<double> forward(const Tensor<double>& x) { return head(tanh(l2(tanh(l1(x))))); }
+};
+
+std::map<std::string, std::vector<double>> by_name(const std::vector<nn::Module::NamedTensor>& ts) {
+  std::map<std::string, std::vector<double>> out;
+  for (const auto& [name, t] : ts)
+    out[name] = t.visit([](const auto& x) { return x.contiguous().template to<double>().to_vector(); });
+  return out;
+}
+
+/// FSDP over the world, each rank on its `rows` of every step's batch, against the plain model
+/// on the whole batch in this process: the same parameters (1e-12) after every step.
+template <class O>
+void check_fsdp_equals_plain(typename O::options_type options, bool clip, int micro, bool prefetch) {
+  const int w = pg().world_size(), r = pg().rank();
+  const int rows = 3;
+  manual_seed(5);
+  auto x = randn<double>({rows * micro * w * 4, 6});
+  auto y = randn<double>({rows * micro * w * 4, 2});
+  manual_seed(13);
+  Net plain(6, 10, 2);
+  manual_seed(13);
+  dist::FullyShardedDataParallel<Net> fsdp(Net(6, 10, 2), {.prefetch = prefetch});
+  ASSERT_EQ(fsdp.units().size(), 3u);
+  O plain_opt(plain.parameters(), options);
+  O fsdp_opt(fsdp.parameters(), options);
+  for (int s = 0; s < 4; ++s) {
+    plain_opt.zero_grad();
+    fsdp_opt.zero_grad();
+    for (int k = 0; k < micro; ++k) {
+      // The plain model sees every rank's rows of this micro-batch at once: the mean over them
+      // is the mean of the ranks' means.
+      const auto all = (s * micro + k) * rows * w;
+      nn::functional::mse_loss(plain.forward(x.narrow(0, all, rows * w)), y.narrow(0, all, rows * w)).backward();
+      const auto mine = all + r * rows;
+      nn::functional::mse_loss(fsdp(x.narrow(0, mine, rows)), y.narrow(0, mine, rows)).backward();
+    }
+    if (clip) {
+      if (w > 1)
+        EXPECT_TRUE(throws_with([&] { nn::utils::clip_grad_norm_(fsdp.parameters(), 0.05); },
+                                {"shard of a FullyShardedDataParallel", "clip_grad_norm_"}));
+      const double want = nn::utils::clip_grad_norm_(plain.parameters(), 0.05);
+      const double got = fsdp.clip_grad_norm_(0.05);
+      ASSERT_NEAR(got, want, 1e-12 * want) << "the global norm, step " << s;
+    }
+    plain_opt.step();
+    fsdp_opt.step();
+    const auto want = by_name(plain.named_parameters());
+    const auto got = by_name(fsdp.full_state_dict());
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [name, v] : want) {
+      ASSERT_EQ(got.at(name).size(), v.size()) << name;
+      for (std::size_t i = 0; i < v.size(); ++i)
+        ASSERT_NEAR(got.at(name)[i], v[i], 1e-12) << name << "[" << i << "], step " << s << ", rank " << r;
+    }
+  }
+  // Evaluation without grad mode gathers and frees as training does.
+  NoGradGuard ng;
+  const auto out = fsdp(x.narrow(0, 0, rows)).to_vector(), want = plain.forward(x.narrow(0, 0, rows)).to_vector();
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(out[i], want[i], 1e-12);
+}
+
+TEST(DistFsdp, SgdMomentumEqualsPlain) {
+  check_fsdp_equals_plain<optim::SGD>({.lr = 0.1, .momentum = 0.9}, false, 1, true);
+}
+TEST(DistFsdp, AdamWithClippingEqualsPlain) {
+  check_fsdp_equals_plain<optim::Adam>({.lr = 0.01}, true, 1, true);
+}
+TEST(DistFsdp, AdamWAccumulatedWithoutPrefetchEqualsPlain) {
+  check_fsdp_equals_plain<optim::AdamW>({.lr = 0.01, .weight_decay = 0.1}, true, 2, false);
+}
+
+// The shards are what a rank keeps: 1/world of each unit (padded), and nothing of the full
+// parameters between steps; destroying the wrapper hands the module its full parameters back.
+TEST(DistFsdp, ShardsAndRelease) {
+  const int w = pg().world_size();
+  manual_seed(2);
+  Net outside(6, 10, 2);  // shares its tensors with the copy the wrapper holds
+  const auto before = by_name(outside.named_parameters());
+  std::map<std::string, std::vector<double>> trained;
+  {
+    dist::FullyShardedDataParallel<Net> fsdp(outside);
+    std::int64_t elements = 0;
+    for (const auto& [name, n] : fsdp.units()) elements += n;
+    EXPECT_EQ(elements, 6 * 10 + 10 + 10 * 10 + 10 + 10 * 2 + 2);
+    for (const auto& [name, n] : fsdp.units()) {
+      std::int64_t shard = 0;
+      for (const auto& [pname, p] : fsdp.named_parameters())
+        if (pname == (name.empty() ? "flat_param" : name + ".flat_param")) shard = p.numel();
+      EXPECT_EQ(shard, (n + w - 1) / w) << name;
+    }
+    EXPECT_EQ(by_name(fsdp.full_state_dict()), before);  // every rank holds rank 0's model
+    optim::SGD opt(fsdp.parameters(), {.lr = 0.5});
+    auto x = randn<double>({4, 6});
+    fsdp(x).sum().backward();
+    opt.step();
+    trained = by_name(fsdp.full_state_dict());
+    EXPECT_NE(trained, before);
+  }
+  EXPECT_EQ(by_name(outside.named_parameters()), trained);
+  auto y = outside.forward(randn<double>({2, 6}));  // the module works on its own again
+  EXPECT_EQ(y.size(1), 2);
+}
+
+// A unit inside a unit, and a unit checkpointed inside another (its recomputation runs while its
+// parameters are gathered for backward): the same training as the plain model.
+struct OuterImpl : nn::Module {
+  dist::FullyShard<nn::LinearT<double>> inner;
+  nn::LinearT<double> own;
+  OuterImpl()
+      : inner(register_module("inner", dist::FullyShard(nn::LinearT<double>(6, 6)))),
+        own(register_module("own", nn::LinearT<double>(6, 6))) {}
+  Tensor<double> forward(const Tensor<double>& x) {
+    auto h = nn::utils::checkpoint([inner = inner](const Tensor<double>& a) { return tanh(inner(a)); }, x);
+    return own(h) + x;
+  }
+};
+struct Outer : nn::ModuleHolder<OuterImpl> {
+  using ModuleHolder::ModuleHolder;
+  Outer() : ModuleHolder(std::make_shared<OuterImpl>()) {}
+};
+struct Nested : nn::Module {
+  dist::FullyShard<Outer> outer;
+  nn::LinearT<double> head;
+  Nested() : outer(register_module("outer", dist::FullyShard(Outer()))), head(register_module("head", nn::LinearT<double>(6, 2))) {}
+  Tensor<double> forward(const Tensor<double>& x) { return head(outer(x)); }
+};
+TEST(DistFsdp, NestedAndCheckpointedUnitsEqualPlain) {
+  const int w = pg().world_size(), r = pg().rank(), rows = 2;
+  manual_seed(6);
+  auto x = randn<double>({rows * w * 3, 6});
+  auto y = randn<double>({rows * w * 3, 2});
+  manual_seed(9);
+  Nested plain;
+  manual_seed(9);
+  dist::FullyShardedDataParallel<Nested> fsdp{Nested()};
+  ASSERT_EQ(fsdp.units().size(), 3u);  // the root (head), outer (own), outer.inner
+  optim::Adam plain_opt(plain.parameters(), {.lr = 0.02}), fsdp_opt(fsdp.parameters(), {.lr = 0.02});
+  for (int s = 0; s < 3; ++s) {
+    plain_opt.zero_grad();
+    fsdp_opt.zero_grad();
+    nn::functional::mse_loss(plain.forward(x.narrow(0, s * rows * w, rows * w)), y.narrow(0, s * rows * w, rows * w))
+        .backward();
+    const auto mine = s * rows * w + r * rows;
+    nn::functional::mse_loss(fsdp(x.narrow(0, mine, rows)), y.narrow(0, mine, rows)).backward();
+    plain_opt.step();
+    fsdp_opt.step();
+    const auto want = by_name(plain.named_parameters()), got = by_name(fsdp.full_state_dict());
+    for (const auto& [name, v] : want)
+      for (std::size_t i = 0; i < v.size(); ++i)
+        ASSERT_NEAR(got.at(name)[i], v[i], 1e-12) << name << "[" << i << "], step " << s;
+  }
+}
+
+// A weight tied between a unit and the root is refused at construction; so are a unit adopted
+// twice and a backward pass after the wrapper is gone.
+struct Tied : nn::Module {
+  nn::LinearT<double> shared;
+  dist::FullyShard<nn::LinearT<double>> unit;
+  Tied()
+      : shared(register_module("shared", nn::LinearT<double>(4, 4))),
+        unit(register_module("unit", dist::FullyShard(shared))) {}
+  Tensor<double> forward(const Tensor<double>& x) { return shared(unit(x)); }
+};
+TEST(DistFsdp, Refusals) {
+  EXPECT_TRUE(throws_with([] { dist::FullyShardedDataParallel<Tied> f{Tied()}; },
+                          {"'shared.weight' is also 'unit.weight'", "tied weight"}));
+  Tensor<double> loss;
+  {
+    dist::FullyShardedDataParallel<Net> gone{Net(3, 4, 2)};
+    loss = gone(randn<double>({2, 3})).sum();
+  }
+  EXPECT_TRUE(throws_with([&] { loss.backward(); }, {"destroyed before this backward"}));
+  Net net(3, 4, 2);
+  dist::FullyShardedDataParallel<Net> first(net);
+  EXPECT_TRUE(throws_with([&] { dist::FullyShardedDataParallel<Net> second(net); },
+                          {"'l1' is a unit of another FullyShardedDataParallel"}));
+}
+
+// Mixed precision (Note [sharded master weights]): a bfloat16 module with float32 shards keeps
+// the updates that bfloat16 parameters would round away. Each step moves every parameter by 2e-4,
+// under half a bfloat16 step for weights from 0.25 up, so a bfloat16 update would leave those
+// where they were; the gathered bfloat16 parameters are the rounded float32 sums of all the steps.
+struct HalfNet : nn::Module {
+  dist::FullyShard<nn::LinearT<bfloat16>> fc;
+  HalfNet() : fc(register_module("fc", dist::FullyShard(nn::LinearT<bfloat16>(8, 8)))) {}
+  Tensor<bfloat16> forward(const Tensor<bfloat16>& x) { return fc(x); }
+};
+TEST(DistFsdp, Bfloat16ComputeWithFloat32Shards) {
+  const int steps = 40;
+  const double lr = 5e-5;  // the gradient of out.sum() with 4 rows of ones is 4 for every parameter
+  manual_seed(8);
+  HalfNet init;
+  const auto start = by_name(init.named_parameters());
+  dist::FullyShardedDataParallel<HalfNet> fsdp(nn::clone(init, Device::cpu()), {.shard_dtype = DType::Float32});
+  for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.dtype(), DType::Float32);
+  optim::SGD opt(fsdp.parameters(), {.lr = lr});
+  auto x = ones<bfloat16>({4, 8});
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    fsdp(x).sum().backward();
+    for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.grad().dtype(), DType::Float32);
+    opt.step();
+  }
+  const auto got = by_name(fsdp.full_state_dict());
+  int large = 0, moved = 0;
+  for (const auto& [name, v] : start)
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      const double want = v[i] - steps * lr * 4;  // in float32, then rounded to bfloat16
+      EXPECT_NEAR(got.at(name)[i], want, std::abs(want) / 256 + 1e-6) << name << "[" << i << "]";
+      if (std::abs(v[i]) < 0.25) continue;  // from 0.25 up, one step is under half a bfloat16 step
+      const double one_step = static_cast<double>(static_cast<float>(bfloat16(static_cast<float>(v[i] - lr * 4))));
+      ASSERT_EQ(one_step, v[i]) << "one step rounds away in bfloat16";
+      ++large;
+      moved += got.at(name)[i] != v[i];
+    }
+  EXPECT_GE(large, 5);
+  EXPECT_EQ(moved, large);
+}
+
+/// Twelve blocks of 64x64: Adam over the whole model needs its parameters, gradients and two
+/// moments (4 x 8 bytes a parameter, double); sharded over 4 ranks, a quarter of that and a few
+/// blocks' gathered parameters and gradients.
+struct Deep : nn::Module {
+  std::vector<dist::FullyShard<nn::LinearT<double>>> blocks;
+  Deep() {
+    for (int i = 0; i < 12; ++i)
+      blocks.push_back(register_module("b" + std::to_string(i), dist::FullyShard(nn::LinearT<double>(64, 64))));
+  }
+  Tensor<double> forward(const Tensor<double>& x) {
+    auto h = x;
+    for (auto& b : blocks) h = tanh(b(h));
+    return h;
+  }
+};
+
+TEST(DistFsdp, ModelLargerThanOneDeviceTrainsOverFourRanks) {
+  if (pg().world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  const Device d = Device::cpu(0);
+  const std::int64_t params = 12 * (64 * 64 + 64), bytes = params * 8;
+  struct Lift {
+    Device d;
+    ~Lift() { set_memory_limit(d, 0); }
+  } lift{d};
+  manual_seed(4);
+  auto x = randn<double>({8, 64});
+  auto train = [&](auto&& forward, std::vector<AnyTensor> ps) {
+    optim::Adam opt(ps, {.lr = 1e-3});
+    for (int s = 0; s < 2; ++s) {
+      opt.zero_grad();
+      forward(x).square().mean().backward();
+      opt.step();
+    }
+  };
+  // Room for the model twice (it is built whole before it is sharded): plain Adam needs four
+  // times the model, sharded over 4 ranks once and a few blocks.
+  set_memory_limit(d, memory_stats(d).allocated + bytes * 2);
+  {
+    Deep plain;
+    EXPECT_TRUE(throws_with([&] { train([&](const Tensor<double>& in) { return plain.forward(in); }, plain.parameters()); }, {"out of memory on cpu:0"}));
+  }
+  dist::FullyShardedDataParallel<Deep> fsdp{Deep()};
+  train([&](const Tensor<double>& in) { return fsdp(in); }, fsdp.parameters());
+}
+
+}  // namespace
