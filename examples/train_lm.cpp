@@ -20,7 +20,8 @@
 // of kept; the results are the same bit for bit, the peak memory printed after each epoch lower.
 // --fsdp (transformer, --distributed): ZeRO-3 (dist::FullyShardedDataParallel), each encoder layer
 // a unit: every process keeps 1/W of the parameters, gradients and AdamW state; the model file is
-// written from the gathered parameters, the optimizer state is not written (--resume refuses it).
+// written from the gathered parameters, the shards and their optimizer state as a sharded
+// checkpoint (OUT/sharded, one file a process), which --resume reads on any number of processes.
 // --memory-limit MIB caps each training device's memory (set_memory_limit) once the model is
 // built: what does not fit then stops with an out-of-memory error naming the device.
 #include <chorus/distributed.hpp>
@@ -245,6 +246,7 @@ int train(const Config& c, const Corpus& corpus, M model, const std::string& des
   }
   const auto model_path = (fs::path(c.out) / "model.safetensors").string();
   const auto optim_path = (fs::path(c.out) / "optimizer.safetensors").string();
+  const auto sharded_dir = (fs::path(c.out) / "sharded").string();  // --fsdp's shards and optimizer
   model.to(device);
   std::map<std::string, std::string> meta;
   if (c.resume) {
@@ -269,7 +271,10 @@ int train(const Config& c, const Corpus& corpus, M model, const std::string& des
     optim::CosineAnnealingLR sched(opt, steps * c.epochs, c.lr / 10);
     int start_epoch = 1;
     if (c.resume) {
-      load(opt, optim_path, {.scheduler = &sched});
+      if constexpr (requires { net.load_sharded(opt, sharded_dir); })
+        net.load_sharded(opt, sharded_dir, {.scheduler = &sched});  // written by any number of processes
+      else
+        load(opt, optim_path, {.scheduler = &sched});
       start_epoch = std::stoi(meta.at("epoch")) + 1;
       default_generator().set_offset(std::stoull(meta.at("generator_offset")));  // dropout continues as it would have
       if (world.reports())
@@ -332,9 +337,11 @@ int train(const Config& c, const Corpus& corpus, M model, const std::string& des
         save(net.module(), model_path,
              {{"epoch", std::to_string(epoch)}, {"model", c.model}, {"vocab", vocab_ids(corpus.vocab)},
               {"val_loss", std::to_string(v)}, {"generator_offset", std::to_string(default_generator().get_offset())}});
-        if (!c.fsdp) save(opt, optim_path, {.scheduler = &sched});  // FSDP's is each rank's shard
+        if (!c.fsdp) save(opt, optim_path, {.scheduler = &sched});
       };
       with_full_parameters(net, write);
+      if constexpr (requires { net.save_sharded(opt, sharded_dir); })  // every rank its own shards
+        net.save_sharded(opt, sharded_dir, {.scheduler = &sched}, {{"epoch", std::to_string(epoch)}});
     }
     if (c.sample > 0 && last_epoch == c.epochs)
       with_full_parameters(net, [&] {
@@ -415,7 +422,6 @@ int main(int argc, char** argv) try {
   const bool lstm = c.model == "lstm";
   CHORUS_CHECK(!(lstm && c.checkpoint), "--checkpoint is for --model transformer (its encoder layers)");
   CHORUS_CHECK(!c.fsdp || (!lstm && c.distributed), "--fsdp is for --model transformer under --distributed");
-  CHORUS_CHECK(!(c.fsdp && c.resume), "--resume: a --fsdp run writes no optimizer state to resume from");
   if (c.hidden == 0) c.hidden = lstm ? 256 : 128;
   if (c.layers == 0) c.layers = lstm ? 1 : 2;
   if (c.lr == 0) c.lr = lstm ? 3e-3 : 1e-3;

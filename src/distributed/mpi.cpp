@@ -3,6 +3,7 @@
 #include <chorus/distributed/backend_impl.hpp>
 #include <chorus/distributed/checkpointer_impl.hpp>
 #include <chorus/distributed/ddp_impl.hpp>
+#include <chorus/distributed/fsdp_checkpoint_impl.hpp>
 #include <chorus/distributed/fsdp_impl.hpp>
 #include <chorus/distributed/fsdp_unit_impl.hpp>
 #include <chorus/distributed/mpi_backend_impl.hpp>

@@ -9,7 +9,10 @@
 
 #include <chorus/distributed/fsdp.hpp>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <vector>
 
@@ -244,6 +247,52 @@ TEST(DistFsdp, Bfloat16ComputeWithFloat32Shards) {
     }
   EXPECT_GE(large, 5);
   EXPECT_EQ(moved, large);
+}
+
+// Sharded checkpoints (Note [resharding checkpoints]; resuming on other worlds is
+// reshard_check.sh's): a round trip on this world restores the shards, the optimizer and the
+// schedule; a checkpoint of another model, a directory without an index and an optimizer over
+// other tensors are refused.
+TEST(DistFsdp, ShardedCheckpointRoundTripAndRefusals) {
+  auto id = Tensor<std::int64_t>::empty(Shape{1}, Device::cpu());
+  backend::fill(id, static_cast<std::int64_t>(::getpid()));
+  pg().broadcast(id, 0);  // a directory every rank names alike
+  const auto dir = (std::filesystem::temp_directory_path() / ("chorus_fsdp_" + std::to_string(id.item()))).string();
+  manual_seed(4);
+  dist::FullyShardedDataParallel<Net> fsdp{Net(6, 10, 2)};
+  optim::Adam opt(fsdp.parameters(), {.lr = 0.01});
+  optim::StepLR sched(opt, 1, 0.5);
+  auto x = randn<double>({4, 6});
+  fsdp(x).sum().backward();
+  opt.step();
+  sched.step();
+  fsdp.save_sharded(opt, dir, {.scheduler = &sched}, {{"step", "1"}});
+  const auto saved = by_name(fsdp.full_state_dict());
+  manual_seed(5);
+  dist::FullyShardedDataParallel<Net> again{Net(6, 10, 2)};
+  optim::Adam again_opt(again.parameters(), {.lr = 0.01});
+  optim::StepLR again_sched(again_opt, 1, 0.5);
+  EXPECT_NE(by_name(again.full_state_dict()), saved);
+  EXPECT_EQ(again.load_sharded(again_opt, dir, {.scheduler = &again_sched}).at("step"), "1");
+  EXPECT_EQ(by_name(again.full_state_dict()), saved);
+  EXPECT_EQ(again_sched.last_epoch(), 1);
+  EXPECT_EQ(again_opt.lr(0), opt.lr(0));
+  // Both take the same next step.
+  opt.zero_grad();
+  for (auto* f : {&fsdp, &again}) (*f)(x).sum().backward();
+  opt.step();
+  again_opt.step();
+  EXPECT_EQ(by_name(again.full_state_dict()), by_name(fsdp.full_state_dict()));
+
+  dist::FullyShardedDataParallel<Net> other{Net(6, 11, 2)};
+  optim::Adam other_opt(other.parameters(), {.lr = 0.01});
+  EXPECT_TRUE(throws_with([&] { other.load_sharded(other_opt, dir); }, {"holds the root unit of 22 elements"}));
+  EXPECT_TRUE(throws_with([&] { other.load_sharded(other_opt, dir + "/none"); }, {"index.json", "cannot be read"}));
+  Net plain(6, 10, 2);
+  optim::Adam plain_opt(plain.parameters(), {.lr = 0.01});
+  EXPECT_TRUE(throws_with([&] { fsdp.save_sharded(plain_opt, dir); }, {"must step the wrapper's parameters()"}));
+  pg().barrier();
+  if (pg().rank() == 0) std::filesystem::remove_all(dir);
 }
 
 /// Twelve blocks of 64x64: Adam over the whole model needs its parameters, gradients and two

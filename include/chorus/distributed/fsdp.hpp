@@ -27,6 +27,7 @@
 #include "../nn/checkpoint.hpp"
 #include "../nn/module.hpp"
 #include "../parallel/data_parallel.hpp"
+#include "fsdp_checkpoint.hpp"
 #include "fsdp_unit.hpp"
 #include "process_group.hpp"
 #include "zero_redundancy_optimizer.hpp"
@@ -207,6 +208,21 @@ class FullyShardedDataParallel {
     shared_.group->check_usable("FullyShardedDataParallel::summon_full_params");
     CHORUS_CHECK(!shared_.summoned, "FullyShardedDataParallel::summon_full_params: already summoned");
     return FullParams(shared_);
+  }
+
+  /// Writes a checkpoint of the shards, `opt` (which steps parameters()) and what `with` names
+  /// into directory `dir`, each rank its own files and rank 0 an index with `metadata` (the step,
+  /// the data position in global samples, generator offsets): a collective that never gathers the
+  /// model (Note [resharding checkpoints]).
+  void save_sharded(const optim::Optimizer& opt, const std::string& dir, const io::TrainingState& with = {},
+                    const io::Metadata& metadata = {}) {
+    detail::save_fsdp_sharded(nn::module_of(module_), units_, *shared_.group, opt, dir, with, metadata);
+  }
+  /// Reads a checkpoint that save_sharded wrote, on this world or any other size, into the
+  /// shards, `opt` and what `with` names; returns the metadata saved with it. Every rank calls it.
+  io::Metadata load_sharded(optim::Optimizer& opt, const std::string& dir, const io::TrainingState& with = {}) {
+    detail::finish_all_gradients(shared_);
+    return detail::load_fsdp_sharded(nn::module_of(module_), units_, *shared_.group, opt, dir, with);
   }
 
   /// The wrapped module. Its parameters view no memory outside their unit's forward and backward

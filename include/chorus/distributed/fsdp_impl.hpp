@@ -86,8 +86,8 @@ CHORUS_INLINE std::vector<nn::Module::NamedTensor> fsdp_full_state_dict(
   }
   std::vector<nn::Module::NamedTensor> out;
   for (const auto& [name, t] : root.named_parameters()) out.push_back({name, copies.at(t.impl_key())});
-  for (const auto& [name, t] : root.named_buffers())
-    t.visit([&](const auto& b) { out.push_back({name, AnyTensor(b.detach().clone())}); });
+  for (const auto& buffer : root.named_buffers())
+    buffer.tensor.visit([&](const auto& b) { out.push_back({buffer.name, AnyTensor(b.detach().clone())}); });
   return out;
 }
 

@@ -113,6 +113,10 @@ class FsdpUnit {
   const AnyTensor& shard() const { return shard_; }
   const std::vector<AnyTensor>& params() const { return params_; }
   const std::vector<std::string>& param_names() const { return names_; }
+  /// Where each parameter starts in the flat buffer, in elements.
+  const std::vector<std::int64_t>& offsets() const { return offsets_; }
+  DType dtype() const { return dtype_; }
+  DType shard_dtype() const { return shard_dtype_; }
   FsdpShared& shared() const { return shared_; }
   bool gathered() const { return block_ != nullptr; }
   /// Elements of the flat parameter (unpadded), and of one rank's shard.

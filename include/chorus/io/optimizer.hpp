@@ -41,6 +41,8 @@ CHORUS_INLINE void save(const optim::Optimizer& opt, const std::string& path, co
 /// it: a scheduler of the same kind, a scaler's state, the masters, which are then written into
 /// the model too). Nothing changes when anything mismatches.
 CHORUS_INLINE void load(optim::Optimizer& opt, const std::string& path, const io::TrainingState& with = {});
+/// The same from a file already read (io::read) or an image (io::parse).
+CHORUS_INLINE void load(optim::Optimizer& opt, const io::File& f, const io::TrainingState& with = {});
 
 CHORUS_NAMESPACE_END
 

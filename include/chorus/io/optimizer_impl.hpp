@@ -59,8 +59,15 @@ CHORUS_INLINE void save(const optim::Optimizer& opt, const std::string& path, co
 }
 
 CHORUS_INLINE void load(optim::Optimizer& opt, const std::string& path, const io::TrainingState& with) {
+  load(opt, io::read(path), with);
+}
+
+CHORUS_INLINE void load(optim::Optimizer& opt, const io::File& f, const io::TrainingState& with) {
   optim::LRScheduler* scheduler = with.scheduler;
-  auto f = io::read(path);
+  // For messages: the file's name (its source without read()'s quotes).
+  const std::string path = f.source.size() >= 2 && f.source.front() == '\'' && f.source.back() == '\''
+                               ? f.source.substr(1, f.source.size() - 2)
+                               : f.source;
   auto get = [&](const char* k) {
     auto it = f.metadata.find(k);
     return it == f.metadata.end() ? std::string() : it->second;

@@ -295,10 +295,10 @@ CHORUS_INLINE void load_into(nn::Module& module, const File& f, const std::strin
   std::vector<std::pair<std::string, detail::Source>> sources;
   for (const auto& [name, rec] : f.tensors) {
     detail::Source s{rec.dtype, rec.shape, nullptr};
-    s.write = [&f, &r = rec, name](AnyTensor& t) {
+    s.write = [&f, &r = rec, n = name](AnyTensor& t) {
       t.visit([&](auto& x) {
         using T = typename std::decay_t<decltype(x)>::value_type;
-        detail::check_has_memory(x, name);
+        detail::check_has_memory(x, n);
         if (r.dtype != x.dtype()) {  // checked: both floating, convert_dtype asked
           visit_dtype(r.dtype, [&](auto tag) {
             using F = decltype(tag);
