@@ -5,6 +5,8 @@
 //   dist_reshard train DIR K          train K steps, save_sharded into DIR (and DIR.full.safetensors)
 //   dist_reshard resume DIR T OUT     load_sharded from DIR, train on to step T, write the full model
 //   dist_reshard straight T OUT       train T steps from the start, write the full model
+//   dist_reshard consolidate DIR OUT  dist::consolidate_sharded (one process; what the
+//                                     consolidate_sharded example program does)
 //   dist_reshard compare A B TOL      the largest difference of two files' tensors must be <= TOL
 #include <chorus/distributed.hpp>
 
@@ -49,6 +51,10 @@ void train(dist::FullyShardedDataParallel<Net>& fsdp, optim::Optimizer& opt, opt
 
 int run(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "consolidate" && argc == 4) {
+    dist::consolidate_sharded(argv[2], argv[3]);
+    return 0;
+  }
   if (mode == "compare" && argc == 5) {
     const auto a = io::read(argv[2]), b = io::read(argv[3]);
     const double tol = std::stod(argv[4]);
@@ -84,7 +90,8 @@ int run(int argc, char** argv) {
   } else if (mode == "straight" && argc == 4) {
     train(fsdp, opt, sched, 0, std::stoi(argv[2]));
   } else {
-    std::fprintf(stderr, "usage: dist_reshard train DIR K | resume DIR T OUT | straight T OUT | compare A B TOL\n");
+    std::fprintf(stderr, "usage: dist_reshard train DIR K | resume DIR T OUT | straight T OUT | consolidate DIR OUT "
+                         "| compare A B TOL\n");
     return 2;
   }
   const auto full = fsdp.full_state_dict();

@@ -2,11 +2,10 @@
 # Resharding checkpoints (Note [resharding checkpoints]): a FullyShardedDataParallel job trains 3
 # steps on 4 ranks and saves; resumed on 4 ranks it ends bitwise where an uninterrupted 4-rank run
 # does; resumed on 2 and on 3 ranks it ends where an uninterrupted run on that world does, to
-# rounding (the sums' order); the consolidated file holds the model the 4 ranks held at the save
-# (by the consolidate_sharded example program).
-#   reshard_check.sh MPIEXEC DIST_RESHARD CONSOLIDATE_SHARDED
+# rounding (the sums' order); the consolidated file holds the model the 4 ranks held at the save.
+#   reshard_check.sh MPIEXEC DIST_RESHARD
 set -u
-mpiexec=$1 prog=$2 consolidate=$3
+mpiexec=$1 prog=$2
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fail() { echo "reshard_check: FAIL: $*"; exit 1; }
@@ -22,6 +21,6 @@ for m in 2 3; do
   "$prog" compare "$work/resumed$m.safetensors" "$work/straight$m.safetensors" 1e-12 ||
     fail "resumed on $m ranks differs from the $m-rank run"
 done
-"$consolidate" "$work/ckpt" "$work/one.safetensors" || fail "consolidate_sharded"
+"$prog" consolidate "$work/ckpt" "$work/one.safetensors" || fail "consolidate_sharded"
 "$prog" compare "$work/one.safetensors" "$work/ckpt.full.safetensors" 0 || fail "the consolidated file differs"
 echo "reshard ok: saved on 4 ranks; resumed on 4 bitwise, on 2 and 3 within 1e-12; consolidated bitwise"

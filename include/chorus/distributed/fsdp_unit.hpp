@@ -38,8 +38,9 @@
 // rounds this rank's shard to the parameters' dtype and all-gathers that (half the bytes of
 // float32); the gradients are reduce-scattered in the parameters' dtype (summed in float on each
 // rank's side: Note [16-bit sums over MPI]) and widened into the float32 gradient of the shard. So
-// updates smaller than a 16-bit step accumulate in the shards, as with amp's master weights, and
-// each rank holds 2 bytes a parameter for one gathered unit, 12/N bytes for Adam's master state.
+// updates smaller than a 16-bit step accumulate in the shards, as with amp's master weights; a
+// rank holds 16/N bytes a parameter for the float32 shards, their gradients and Adam's moments,
+// and 2 bytes a parameter of the units it has gathered.
 //
 // Note [unsharded parameter memory]
 // A unit's parameters keep their identity (the module, the optimizer's view of the module, the
