@@ -184,7 +184,7 @@ TEST(DistFsdp, NestedAndCheckpointedUnitsEqualPlain) {
 }
 
 // A weight tied between a unit and the root is refused at construction; so are a unit adopted
-// twice and a backward pass after the wrapper is gone.
+// twice, a backward pass after the wrapper is gone and a GradScaler over the shards.
 struct Tied : nn::Module {
   nn::LinearT<double> shared;
   dist::FullyShard<nn::LinearT<double>> unit;
@@ -202,6 +202,13 @@ TEST(DistFsdp, Refusals) {
     loss = gone(randn<double>({2, 3})).sum();
   }
   EXPECT_TRUE(throws_with([&] { loss.backward(); }, {"destroyed before this backward"}));
+  {  // loss scaling would let each rank skip its shard's step alone
+    dist::FullyShardedDataParallel<Net> f{Net(3, 4, 2)};
+    optim::SGD opt(f.parameters(), {.lr = 0.1});
+    amp::GradScaler scaler;
+    scaler.scale(f(randn<double>({2, 3})).sum()).backward();
+    EXPECT_TRUE(throws_with([&] { scaler.step(opt); }, {"FullyShardedDataParallel shard", "shard_dtype"}));
+  }
   Net net(3, 4, 2);
   dist::FullyShardedDataParallel<Net> first(net);
   EXPECT_TRUE(throws_with([&] { dist::FullyShardedDataParallel<Net> second(net); },

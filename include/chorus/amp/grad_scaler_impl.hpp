@@ -37,6 +37,11 @@ CHORUS_INLINE void GradScaler::unscale_(optim::Optimizer& opt) {
       if constexpr (is_floating_v<T>) {
         auto g = p.grad();
         if (!g.defined()) return;
+        // Each rank would decide alone whether its shard's step is skipped (and move its scale
+        // alone): the shards, and the ranks' loss scales, would part.
+        CHORUS_CHECK(!p.impl()->grad_is_shard, "GradScaler::unscale_: parameter ", i, " is a "
+                     "FullyShardedDataParallel shard, whose inf check every rank would make alone; train the "
+                     "16-bit module with float32 shards in bfloat16 (shard_dtype), which needs no loss scaling");
         if constexpr (is_reduced_floating_v<T>) {
           CHORUS_FAIL("GradScaler::unscale_: parameter ", i, " has a ", dtype_name(dtype_of<T>()),
                       " gradient; keep the optimizer's parameters (master weights) in float32 "
