@@ -130,6 +130,8 @@ class FullyShardedDataParallel {
     shared_.prefetch = options.prefetch;
     shared_.shard_dtype = options.shard_dtype;
     units_ = detail::setup_fsdp(nn::module_of(module_), shared_);
+    const auto shards = parameters();
+    device_ = shards.empty() ? Device::cpu(0) : shards[0].device();
   }
   /// Gives the module its full parameters back (a collective, as construction), so that it works
   /// on its own afterwards; skipped while an exception unwinds (the module then holds none).
@@ -164,7 +166,7 @@ class FullyShardedDataParallel {
   std::vector<nn::Module::NamedTensor> named_parameters() const {
     std::vector<nn::Module::NamedTensor> out;
     for (const auto& u : units_)
-      if (!u->empty()) out.push_back({u->is_root() ? "flat_param" : u->name() + ".flat_param", u->shard()});
+      if (!u->empty()) out.push_back({u->shard_name(), u->shard()});
     return out;
   }
   /// torch.nn.utils.clip_grad_norm_ over every rank's shards (a collective); returns the norm.
@@ -240,7 +242,7 @@ class FullyShardedDataParallel {
       });
   }
   /// The device of the module's parameters.
-  Device device() const { return units_.empty() || parameters().empty() ? Device::cpu(0) : parameters()[0].device(); }
+  Device device() const { return device_; }
   ProcessGroup& process_group() const { return *shared_.group; }
   /// The units' names, the root ("") first, and how many parameter elements each holds.
   std::vector<std::pair<std::string, std::int64_t>> units() const {
@@ -268,6 +270,7 @@ class FullyShardedDataParallel {
   M module_;
   detail::FsdpShared shared_;
   std::vector<std::shared_ptr<detail::FsdpUnit>> units_;  // the root first
+  Device device_;
 };
 
 }  // namespace CHORUS_DIST_NS

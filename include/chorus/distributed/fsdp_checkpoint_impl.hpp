@@ -23,8 +23,14 @@ CHORUS_INLINE std::string shard_file(const std::string& dir, const char* kind, i
   return (std::filesystem::path(dir) / name).string();
 }
 
-/// A unit's tensor name in the model files.
-CHORUS_INLINE std::string shard_key(const FsdpUnit& u) { return u.is_root() ? "flat_param" : u.name() + ".flat_param"; }
+/// The caller's metadata an index holds.
+CHORUS_INLINE io::Metadata index_metadata(const nlohmann::json& index) {
+  io::Metadata out;
+  if (index.contains("metadata") && index["metadata"].is_object())
+    for (const auto& [k, v] : index["metadata"].items())
+      if (v.is_string()) out[k] = v.get<std::string>();
+  return out;
+}
 
 /// The index of `dir`, checked against the model's units.
 CHORUS_INLINE nlohmann::json read_index(const std::string& dir) {
@@ -79,7 +85,7 @@ CHORUS_INLINE void save_fsdp_sharded(nn::Module& root, const std::vector<std::sh
                                       "itself (shard_dtype); there are no amp::MasterWeights to save");
   std::vector<nn::Module::NamedTensor> tensors;
   for (const auto& u : units)
-    if (!u->empty()) tensors.push_back({shard_key(*u), u->shard()});
+    if (!u->empty()) tensors.push_back({u->shard_name(), u->shard()});
   CHORUS_CHECK(opt.parameters().size() == tensors.size(), "save_sharded: the optimizer steps ",
                opt.parameters().size(), " tensors; it must step the wrapper's parameters() (", tensors.size(),
                " shards)");
@@ -107,7 +113,7 @@ CHORUS_INLINE void save_fsdp_sharded(nn::Module& root, const std::vector<std::sh
                           {"shape", u->params()[i].shape().vec()},
                           {"offset", u->offsets()[i]}});
       index["units"].push_back({{"name", u->name()},
-                                {"key", shard_key(*u)},
+                                {"key", u->shard_name()},
                                 {"numel", u->numel()},
                                 {"shard_numel", u->shard_numel()},
                                 {"dtype", dtype_name(u->dtype())},
@@ -231,11 +237,7 @@ CHORUS_INLINE io::Metadata load_fsdp_sharded(nn::Module& root, const std::vector
       backend::copy(t, io::detail::host_tensor<T>(first_model, *rec).to(t.device()));
       t.bump_version();
     });
-  io::Metadata out;
-  if (index.contains("metadata") && index["metadata"].is_object())
-    for (const auto& [k, v] : index["metadata"].items())
-      if (v.is_string()) out[k] = v.get<std::string>();
-  return out;
+  return index_metadata(index);
 }
 
 }  // namespace detail
@@ -280,11 +282,7 @@ CHORUS_INLINE void consolidate_sharded(const std::string& dir, const std::string
       tensors.push_back({name.substr(7), AnyTensor(io::detail::host_tensor<T>(models[0], rec))});
     });
   }
-  io::Metadata meta;
-  if (index.contains("metadata") && index["metadata"].is_object())
-    for (const auto& [k, v] : index["metadata"].items())
-      if (v.is_string()) meta[k] = v.get<std::string>();
-  io::detail::write_atomically(path, io::detail::serialise(tensors, meta));
+  io::detail::write_atomically(path, io::detail::serialise(tensors, detail::index_metadata(index)));
 }
 
 }  // namespace CHORUS_DIST_NS

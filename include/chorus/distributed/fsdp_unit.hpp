@@ -104,6 +104,8 @@ class FsdpUnit {
 
   const std::string& name() const { return name_; }
   bool is_root() const { return root_; }
+  /// Its shard's name: "flat_param" for the root's, "<unit>.flat_param" (parameters(), files).
+  std::string shard_name() const { return root_ ? "flat_param" : name_ + ".flat_param"; }
   bool empty() const { return params_.empty(); }
   /// Its parameters train (and so its shard): a frozen unit reduces no gradients.
   bool trains() const { return !empty() && shard_.visit([](const auto& s) { return s.requires_grad(); }); }

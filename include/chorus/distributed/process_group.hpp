@@ -106,19 +106,11 @@ class ProcessGroup {
   /// [world_size, *t.shape()]: every rank's t, in rank order.
   template <class T>
   Tensor<T> all_gather(const Tensor<T>& t) {
-    const std::string what = "all_gather";
-    check_tensor(t, what);
+    check_tensor(t, "all_gather");
     std::vector<std::int64_t> dims{state_.world};
     for (auto s : t.shape()) dims.push_back(s);
     auto out = Tensor<T>::empty(Shape(dims), t.device());
-    auto work = make_work(what, t);
-    work->keep.push_back(AnyTensor(out));
-    if (local_only(t)) {
-      backend::copy(out.view(t.shape()), t);
-      return out;
-    }
-    backend_for(t.device(), what).all_gather(work, AnyTensor(t), AnyTensor(out));
-    work->wait(state_.timeout);
+    all_gather_into_async(out, t)->wait(state_.timeout);
     return out;
   }
 
