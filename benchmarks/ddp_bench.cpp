@@ -1,5 +1,6 @@
 // DistributedDataParallel on the CPU: one mlp-medium training step (4 x Linear(1024, 1024), ReLU,
-// MSE, SGD) with a fixed global batch of 512 split over the processes, one BLAS thread each.
+// MSE, SGD) with a fixed global batch of 512 split over the processes, one BLAS thread each
+// (--width 4096: mlp-large's layers, 4 x Linear(4096, 4096), with a CPU-sized --batch).
 // Run under mpirun with 1 and 2 processes (benchmarks/ddp_scaling.sh does both and prints the
 // speedup). Rank 0 prints one JSON line:
 //   step_ms   median time of a DDP step (forward, backward with bucketed all-reduces, SGD)
@@ -11,7 +12,7 @@
 //   grad_bytes  of that, its gradients
 //
 //   mpirun -np N ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB (default 25)]
-//                          [--optimizer sgd|adam|zero1|zero2|zero3]
+//                          [--optimizer sgd|adam|zero1|zero2|zero3] [--width W (1024)]
 // zero1: ZeroRedundancyOptimizer<Adam>; zero2: the same with DistributedDataParallel::shard_gradients;
 // zero3: dist::FullyShardedDataParallel with each Linear a unit, and Adam over the shards (its
 // line has step_ms and the bytes only: no buckets, no no_sync).
@@ -31,19 +32,18 @@ using namespace chorus;
 namespace {
 struct MlpMedium : nn::Module {
   nn::Sequential net;
-  MlpMedium()
-      : net(register_module("net", nn::Sequential(nn::Linear(1024, 1024), nn::ReLU(), nn::Linear(1024, 1024),
-                                                  nn::ReLU(), nn::Linear(1024, 1024), nn::ReLU(),
-                                                  nn::Linear(1024, 1024)))) {}
+  explicit MlpMedium(std::int64_t w)
+      : net(register_module("net", nn::Sequential(nn::Linear(w, w), nn::ReLU(), nn::Linear(w, w), nn::ReLU(),
+                                                  nn::Linear(w, w), nn::ReLU(), nn::Linear(w, w)))) {}
   Tensor<float> forward(const Tensor<float>& x) { return net(x); }
 };
 
 /// mlp-medium with each Linear a FullyShard unit (ZeRO-3).
 struct MlpMediumUnits : nn::Module {
   std::vector<dist::FullyShard<nn::Linear>> layers;
-  MlpMediumUnits() {
+  explicit MlpMediumUnits(std::int64_t w) {
     for (int i = 0; i < 4; ++i)
-      layers.push_back(register_module("fc" + std::to_string(i), dist::FullyShard(nn::Linear(1024, 1024))));
+      layers.push_back(register_module("fc" + std::to_string(i), dist::FullyShard(nn::Linear(w, w))));
   }
   Tensor<float> forward(const Tensor<float>& x) {
     auto h = layers[0](x);
@@ -51,6 +51,11 @@ struct MlpMediumUnits : nn::Module {
     return h;
   }
 };
+
+/// The JSON's workload: mlp-medium's or mlp-large's width, or another.
+std::string workload_name(std::int64_t width) {
+  return width == 1024 ? "mlp-medium" : width == 4096 ? "mlp-large" : "mlp-" + std::to_string(width);
+}
 
 /// Median of `steps` timed runs of f after `warmup` untimed ones; every run starts on all ranks
 /// at once (a barrier), so rank 0's time is the step's.
@@ -68,10 +73,10 @@ double median_ms(dist::ProcessGroup& pg, int warmup, int steps, const std::funct
 }
 
 /// The zero3 form: the step and what rank 0 holds after it.
-int bench_zero3(dist::ProcessGroup& pg, int warmup, int steps, int batch, const Tensor<float>& x,
+int bench_zero3(dist::ProcessGroup& pg, int warmup, int steps, int batch, std::int64_t width, const Tensor<float>& x,
                 const Tensor<float>& y) {
   const auto held_before = memory_stats(Device::cpu(0)).allocated;
-  dist::FullyShardedDataParallel<MlpMediumUnits> fsdp{MlpMediumUnits{}};
+  dist::FullyShardedDataParallel<MlpMediumUnits> fsdp{MlpMediumUnits{width}};
   optim::Adam opt(fsdp.parameters(), {.lr = 1e-4});
   const double step_ms = median_ms(pg, warmup, steps, [&] {
     auto loss = nn::functional::mse_loss(fsdp(x), y);
@@ -85,9 +90,10 @@ int bench_zero3(dist::ProcessGroup& pg, int warmup, int steps, int batch, const 
   for (const auto& p : fsdp.parameters())
     if (p.grad().defined()) grad_bytes += p.grad().nbytes();
   if (pg.rank() == 0)
-    std::printf("{\"workload\": \"mlp-medium\", \"processes\": %d, \"global_batch\": %d, \"step_ms\": %.2f, "
+    std::printf("{\"workload\": \"%s\", \"processes\": %d, \"global_batch\": %d, \"step_ms\": %.2f, "
                 "\"optimizer\": \"zero3\", \"held_bytes\": %lld, \"grad_bytes\": %zu}\n",
-                pg.world_size(), batch, step_ms, static_cast<long long>(held_bytes), grad_bytes);
+                workload_name(width).c_str(), pg.world_size(), batch, step_ms, static_cast<long long>(held_bytes),
+                grad_bytes);
   return 0;
 }
 }  // namespace
@@ -96,6 +102,7 @@ int main(int argc, char** argv) try {
   int steps = 20, warmup = 3, batch = 512;
   double bucket_mb = 25;  // DistributedDataParallel's default cap
   std::string optimizer = "sgd";
+  std::int64_t width = 1024;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--steps") steps = std::stoi(argv[i + 1]);
@@ -103,9 +110,10 @@ int main(int argc, char** argv) try {
     else if (a == "--batch") batch = std::stoi(argv[i + 1]);
     else if (a == "--bucket-mb") bucket_mb = std::stod(argv[i + 1]);
     else if (a == "--optimizer") optimizer = argv[i + 1];
+    else if (a == "--width") width = std::stoll(argv[i + 1]);
     else {
       std::fprintf(stderr, "usage: ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB] "
-                           "[--optimizer sgd|adam|zero1|zero2|zero3]\n");
+                           "[--optimizer sgd|adam|zero1|zero2|zero3] [--width W]\n");
       return 2;
     }
   }
@@ -114,14 +122,14 @@ int main(int argc, char** argv) try {
   CHORUS_CHECK(batch % world == 0, "batch ", batch, " is not a multiple of ", world);
   backend::cpu::set_blas_threads(1);
   manual_seed(0);
-  auto x = randn<float>({batch / world, 1024});
-  auto y = randn<float>({batch / world, 1024});
+  auto x = randn<float>({batch / world, width});
+  auto y = randn<float>({batch / world, width});
   CHORUS_CHECK(optimizer == "sgd" || optimizer == "adam" || optimizer == "zero1" || optimizer == "zero2" ||
                    optimizer == "zero3",
                "--optimizer must be sgd, adam, zero1, zero2 or zero3, not '", optimizer, "'");
-  if (optimizer == "zero3") return bench_zero3(pg, warmup, steps, batch, x, y);
+  if (optimizer == "zero3") return bench_zero3(pg, warmup, steps, batch, width, x, y);
   const auto held_before = memory_stats(Device::cpu(0)).allocated;
-  DistributedDataParallel<MlpMedium> ddp(MlpMedium{},
+  DistributedDataParallel<MlpMedium> ddp(MlpMedium{width},
                                          {.bucket_cap_bytes = static_cast<std::size_t>(bucket_mb * (1 << 20))});
   std::unique_ptr<optim::Optimizer> opt_owner;
   if (optimizer == "sgd") {
@@ -171,7 +179,7 @@ int main(int argc, char** argv) try {
   // The baseline of the scaling: the plain module's step, no wrapper (one process only).
   double plain_ms = 0;
   if (world == 1) {
-    MlpMedium plain;
+    MlpMedium plain(width);
     optim::SGD plain_opt(plain.parameters(), {.lr = 1e-4});
     plain_ms = run([&] {
       auto loss = nn::functional::mse_loss(plain.forward(x), y);
@@ -183,10 +191,10 @@ int main(int argc, char** argv) try {
   const double hidden = comm_ms > 0 ? std::clamp(1.0 - (step_ms - local_ms) / comm_ms, 0.0, 1.0) : 0.0;
   if (pg.rank() == 0)
     std::printf(
-        "{\"workload\": \"mlp-medium\", \"processes\": %d, \"global_batch\": %d, \"buckets\": %zu, "
+        "{\"workload\": \"%s\", \"processes\": %d, \"global_batch\": %d, \"buckets\": %zu, "
         "\"gradient_bytes\": %zu, \"step_ms\": %.2f, \"local_ms\": %.2f, \"comm_ms\": %.2f, \"hidden\": %.2f, "
         "\"plain_ms\": %.2f, \"optimizer\": \"%s\", \"held_bytes\": %lld, \"grad_bytes\": %zu}\n",
-        world, batch, buckets.size(), bytes, step_ms, local_ms, comm_ms, hidden, plain_ms, optimizer.c_str(),
+        workload_name(width).c_str(), world, batch, buckets.size(), bytes, step_ms, local_ms, comm_ms, hidden, plain_ms, optimizer.c_str(),
         static_cast<long long>(held_bytes), grad_bytes);
   return 0;
 } catch (const std::exception& e) {

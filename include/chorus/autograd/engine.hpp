@@ -10,6 +10,7 @@
 // run concurrently on their devices. The calling thread coordinates: it waits for posted
 // nodes, runs the inline ones as they become ready, and rethrows the first error (naming the
 // node and its device) after everything in flight has finished.
+#include <optional>
 #include <vector>
 
 #include "../backend/backend.hpp"
@@ -35,8 +36,10 @@ bool exclusively_owned(const Tensor<T>& t) {
 /// that meet at one input) and the CPU communicator (a bucket's replica gradients, viewed
 /// on the primary device through host aliases), so that both follow one rule about which
 /// memory may be written.
+/// `memory_of`: prefer a part whose memory that device allocated (a gradient kept there,
+/// DataParallel::shard_gradients: it is then handed over without a copy).
 template <class T>
-Tensor<T> sum_into_unshared(std::vector<Tensor<T>>& parts) {
+Tensor<T> sum_into_unshared(std::vector<Tensor<T>>& parts, std::optional<Device> memory_of = std::nullopt) {
   if (parts.empty()) return {};
   if (parts.size() == 1) return std::move(parts[0]);
   auto contiguous = [](const Tensor<T>& t) {
@@ -53,6 +56,8 @@ Tensor<T> sum_into_unshared(std::vector<Tensor<T>>& parts) {
   std::size_t into = parts.size();
   for (std::size_t i = 0; i < std::min<std::size_t>(parts.size(), 2) && into == parts.size(); ++i)
     if (exclusively_owned(parts[i])) into = i;
+  if (into == 0 && memory_of && exclusively_owned(parts[1]) && memory_device(parts[1].impl()->storage) == *memory_of)
+    into = 1;  // a + b is b + a: the same sum in the other part's memory
   Tensor<T> sum;
   if (into < parts.size()) {
     sum = std::move(parts[into]);
@@ -76,7 +81,7 @@ std::vector<Tensor<T>> gradients_in(const NodeBase& node, std::vector<std::vecto
     std::vector<Tensor<T>> parts;
     parts.reserve(arrived[i].size());
     for (auto& a : arrived[i]) parts.push_back(std::move(a.as<T>()));
-    inputs[i] = sum_into_unshared(parts);
+    inputs[i] = sum_into_unshared(parts, node.gradient_memory());
   }
   for (std::uint32_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined()) {

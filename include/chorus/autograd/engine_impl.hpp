@@ -22,14 +22,33 @@ namespace autograd {
 template <class T>
 typename Node<T>::TensorList AccumulateGrad<T>::apply(typename Node<T>::TensorList&& grads) {
   Tensor<T> g = std::move(grads[0]);
-  auto& var = *variable_;
-  CHORUS_CHECK(g.shape() == var.shape, "AccumulateGrad: gradient of shape ", g.shape(),
-               " for a leaf of shape ", var.shape);
-  CHORUS_CHECK(g.device() == var.device(), "AccumulateGrad: gradient on ", g.device(), " for a leaf on ",
-               var.device());
+  CHORUS_CHECK(g.shape() == variable_->shape, "AccumulateGrad: gradient of shape ", g.shape(),
+               " for a leaf of shape ", variable_->shape);
+  CHORUS_CHECK(g.device() == variable_->device(), "AccumulateGrad: gradient on ", g.device(), " for a leaf on ",
+               variable_->device());
+  // A gradient kept on another device (DataParallel::shard_gradients) accumulates there: the
+  // sum travels now, while backward still runs, and the leaf's device keeps none of it.
+  auto& var = variable_->grad_keeper ? *variable_->grad_keeper : *variable_;
+  bool handover = true;  // g's memory may become the gradient
+  if (g.device() != var.device()) {
+    if (g.device().is_cpu() && var.device().is_cpu() && g.is_contiguous()) {
+      // CPU devices share the host's memory (Note [host aliases]): g is read where it is, and
+      // handed over only when that device allocated it (the replica there made the sum).
+      handover = memory_device(g.impl()->storage) == var.device();
+      auto view = std::make_shared<TensorImpl<T>>();
+      view->storage = make_alias_storage(var.device(), g.impl()->storage,
+                                         static_cast<std::size_t>(g.storage_offset()) * sizeof(T),
+                                         static_cast<std::size_t>(g.numel()) * sizeof(T));
+      view->shape = g.shape();
+      view->strides = g.strides();
+      g = Tensor<T>(std::move(view));
+    } else {
+      g = g.to(var.device());
+    }
+  }
   if (!var.grad) {
     // Steal the incoming gradient when nothing else can see its storage; copy otherwise.
-    if (detail::exclusively_owned(g)) {
+    if (handover && detail::exclusively_owned(g)) {
       var.grad = g.impl();
     } else {
       auto copy = Tensor<T>::empty(g.shape(), g.device());

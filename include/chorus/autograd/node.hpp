@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -104,6 +105,9 @@ class NodeBase {
   virtual void release_saved() {}
   /// False for nodes that outlive one graph (AccumulateGrad is shared by every backward).
   virtual bool releasable() const { return true; }
+  /// The device whose memory should hold the sum of gradients arriving at one input, if any
+  /// (an AccumulateGrad whose leaf's gradient is kept on another device).
+  virtual std::optional<Device> gradient_memory() const { return std::nullopt; }
 
   std::uint32_t num_inputs() const { return static_cast<std::uint32_t>(input_meta_.size()); }
   const std::vector<Edge>& next_edges() const { return next_; }
@@ -220,6 +224,10 @@ class AccumulateGrad final : public Node<T> {
   }
   std::string name() const override { return "AccumulateGrad"; }
   bool releasable() const override { return false; }
+  std::optional<Device> gradient_memory() const override {
+    if (variable_->grad_keeper) return variable_->grad_keeper->device();
+    return std::nullopt;
+  }
   typename Node<T>::TensorList apply(typename Node<T>::TensorList&& grads) override;
   const std::shared_ptr<TensorImpl<T>>& variable() const { return variable_; }
 

@@ -198,6 +198,17 @@ inline bool storage_unshared(const Storage& s) {
   return true;
 }
 
+/// The device whose allocator holds `s`'s bytes, through host aliases and slices (an alias's
+/// own device is the one it lends them to).
+inline Device memory_device(const Storage& s) {
+  const StorageImpl* at = s.get();
+  while (const auto* owner = at->memory_owner()) {
+    if (!*owner) break;
+    at = owner->get();
+  }
+  return at->device();
+}
+
 inline Storage make_storage(Device device, std::size_t nbytes) {
   return std::make_shared<StorageImpl>(device, nbytes);
 }

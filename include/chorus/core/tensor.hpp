@@ -51,6 +51,10 @@ struct TensorImpl {
   bool grad_on_other_rank = false;
   // A FullyShardedDataParallel shard: its gradient is this rank's part of the flat gradient only.
   bool grad_is_shard = false;
+  // Another tensor, on the device that steps this parameter, keeps its gradient (ZeRO-2 in one
+  // process: DataParallel::shard_gradients, Note [sharded gradients in one process]): grad() and
+  // set_grad() read and write the keeper's, and backward accumulates there.
+  std::shared_ptr<TensorImpl<T>> grad_keeper;
 
   Device device() const { return storage ? storage->device() : Device{}; }
   T* data() const { return storage ? static_cast<T*>(storage->data()) + offset : nullptr; }
@@ -136,13 +140,24 @@ class Tensor {
     return *this;
   }
 
-  /// The accumulated gradient of a leaf (undefined before the first backward).
-  Tensor grad() const { return Tensor(checked().grad); }
+  /// The accumulated gradient of a leaf (undefined before the first backward). Under
+  /// DataParallel::shard_gradients it is on the device whose shard steps this parameter.
+  Tensor grad() const {
+    const auto& im = checked();
+    return Tensor(im.grad_keeper ? im.grad_keeper->grad : im.grad);
+  }
+  /// The device grad() is on: this tensor's, or where DataParallel::shard_gradients keeps it.
+  Device grad_device() const {
+    const auto& im = checked();
+    return im.grad_keeper ? im.grad_keeper->device() : im.device();
+  }
   /// Replaces (or clears, with an undefined tensor) the accumulated gradient. The gradient
-  /// must match this tensor's shape and device, as PyTorch requires of an assigned .grad, and
-  /// be contiguous (backward and the optimizers write it in place as a flat array).
+  /// must match this tensor's shape and grad_device() (its device, as PyTorch requires of an
+  /// assigned .grad), and be contiguous (backward and the optimizers write it in place as a flat
+  /// array).
   void set_grad(const Tensor& g) const {
     auto& im = checked();
+    if (im.grad_keeper) return Tensor(im.grad_keeper).set_grad(g);
     if (g.defined()) {
       CHORUS_CHECK(g.shape() == im.shape, "set_grad: gradient of shape ", g.shape(), " for a tensor of shape ",
                    im.shape);

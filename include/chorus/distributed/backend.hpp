@@ -20,6 +20,7 @@
 // communicator; a rank that gets no answer within the timeout (the others are stuck in a
 // collective that this rank left, say after an exception) also exits without MPI_Finalize.
 // An explicit dist::shutdown() that leaves this way throws a chorus::Error saying why.
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -78,7 +79,13 @@ enum class Launcher { None, Mpi, Torchrun };
 
 namespace detail {
 class GroupState;
+
+/// How many threads of this process wait in Work::wait now (Note [polling collectives]).
+inline std::atomic<int>& collective_waiters() {
+  static std::atomic<int> n{0};
+  return n;
 }
+}  // namespace detail
 
 /// A collective in flight. wait() returns once the result is in the tensors (CPU tensors,
 /// and barrier) or ordered before later work on the calling thread's current stream (CUDA

@@ -60,7 +60,16 @@ CHORUS_INLINE std::string GroupState::where() const {
 CHORUS_INLINE void Work::wait(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lk(m_);
   const auto deadline = start_ + timeout;
-  if (!cv_.wait_until(lk, deadline, [this] { return done_; })) {
+  struct Waiting {  // the communication thread polls without sleeping meanwhile (Note [polling collectives])
+    Waiting() { detail::collective_waiters().fetch_add(1, std::memory_order_relaxed); }
+    ~Waiting() { detail::collective_waiters().fetch_sub(1, std::memory_order_relaxed); }
+  };
+  bool done = false;
+  {
+    const Waiting waiting;
+    done = cv_.wait_until(lk, deadline, [this] { return done_; });
+  }
+  if (!done) {
     lk.unlock();
     std::ostringstream msg;
     msg << "dist: " << what_ << " did not complete within " << std::chrono::duration<double>(timeout).count()

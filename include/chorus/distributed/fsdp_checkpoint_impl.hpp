@@ -10,27 +10,12 @@
 #include <nlohmann/json.hpp>
 
 #include "fsdp_checkpoint.hpp"
+#include "sharded_files.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace dist {
 inline namespace CHORUS_DIST_NS {
 namespace detail {
-
-/// "model-00002-of-00004.safetensors" (kind "model" or "optim").
-CHORUS_INLINE std::string shard_file(const std::string& dir, const char* kind, int rank, int world) {
-  char name[64];
-  std::snprintf(name, sizeof name, "%s-%05d-of-%05d.safetensors", kind, rank, world);
-  return (std::filesystem::path(dir) / name).string();
-}
-
-/// The caller's metadata an index holds.
-CHORUS_INLINE io::Metadata index_metadata(const nlohmann::json& index) {
-  io::Metadata out;
-  if (index.contains("metadata") && index["metadata"].is_object())
-    for (const auto& [k, v] : index["metadata"].items())
-      if (v.is_string()) out[k] = v.get<std::string>();
-  return out;
-}
 
 /// The index of `dir`, checked against the model's units.
 CHORUS_INLINE nlohmann::json read_index(const std::string& dir) {

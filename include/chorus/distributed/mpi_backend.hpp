@@ -167,8 +167,11 @@ class CommThread {
   // the two buckets' all-reduces (16.8 MB, 7.4 ms alone) then added 20 ms to the step (96 ms,
   // 76 ms under no_sync). Polling with sched_yield between tests made it 83-89 ms: a yield still
   // lets the computation threads of the same core run. The sleeps stay for a collective that has
-  // not moved for kSpin (a peer still computing its step, or one that hangs), so that a waiting
-  // rank does not hold a core for long.
+  // not completed for kSpin while this process still computes (a peer still computing its step,
+  // or one that hangs), so that the computation keeps the cores. While a thread of this process
+  // waits for a collective (Work::wait), the polls only yield: a 64 MB reduce (MPI_Ireduce, mlp-
+  // large's layer, ZeRO-2) moves one fragment per poll, and with 200 us sleeps between polls it
+  // took seconds instead of the 50 ms a tight wait takes.
   static constexpr std::chrono::milliseconds kSpin{20};
 
   void complete(Op& op, std::string error);

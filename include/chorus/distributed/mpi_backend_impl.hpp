@@ -180,15 +180,16 @@ CHORUS_INLINE void CommThread::run() {
       }
     }
     // Note [polling collectives]: poll without sleeping for kSpin after the last start or
-    // completion, then back off (up to 200 us per poll) so that a rank waiting for a slow
-    // peer leaves the cores to the computation.
+    // completion, or while a thread of this process waits for a collective, then back off (up to
+    // 200 us per poll) so that a rank waiting for a slow peer leaves the cores to the computation.
     const auto now = std::chrono::steady_clock::now();
     if (progressed || !fresh.empty()) {
       last_progress = now;
       idle_polls = 0;
     }
     if (!active.empty()) {
-      if (now - last_progress < kSpin) std::this_thread::yield();
+      if (now - last_progress < kSpin || detail::collective_waiters().load(std::memory_order_relaxed) > 0)
+        std::this_thread::yield();
       else std::this_thread::sleep_for(std::chrono::microseconds(std::min(200, 5 * ++idle_polls)));
     }
   }

@@ -23,6 +23,14 @@
 //   steps — so it works whether the gradients are whole on every rank (DDP) or sharded (ZeRO-2,
 //   DistributedDataParallel::shard_gradients); found_inf_anywhere gathers GradScaler's inf
 //   checks alike.
+// - Checkpoints that reshard (Note [resharding checkpoints] in fsdp_checkpoint.hpp, for ZeRO-1/2):
+//   save_sharded(dir) has each rank write optim-r-of-N.safetensors, its own parameters' state
+//   under their global indices (the plain optimizer's file, cut by owner), the groups, the
+//   scheduler and the scaler, and rank 0 an index.json (world, each parameter's shape, dtype and
+//   owner, the caller's metadata); nothing is gathered. load_sharded(dir) on any world takes each
+//   of its parameters' state whole from the file of its old owner (a parameter's state never
+//   spans files), scalars and the rest from rank 0's, and loads that through io::load's checks.
+//   The model is whole on every rank: rank 0 saves it with chorus::save.
 // - A rank that owns no parameter (more ranks than parameters) still needs an O to answer
 //   lr() and friends: it gets one over a single zero-element placeholder, which never has a
 //   gradient and so never steps.
@@ -35,6 +43,7 @@
 #include <vector>
 
 #include "../compiled.hpp"
+#include "../io/optimizer.hpp"
 #include "../nn/utils.hpp"
 #include "../optim/optimizer.hpp"
 #include "process_group.hpp"
@@ -68,6 +77,16 @@ CHORUS_INLINE double zero_clip_grad_norm(ProcessGroup& group, const std::vector<
                                          double norm_type);
 /// Whether `mine` holds on any rank (a collective).
 CHORUS_INLINE bool zero_any_rank(ProcessGroup& group, bool mine, Device device);
+/// save_sharded: this rank's file (`local_state` of the parameters `local_index`) into `dir`, then
+/// rank 0's index (a collective).
+CHORUS_INLINE void zero_save_sharded(ProcessGroup& group, const optim::Optimizer& opt,
+                                     const std::vector<optim::Optimizer::State>& local_state,
+                                     const std::vector<std::size_t>& local_index, const std::vector<int>& owner,
+                                     const std::string& dir, const io::TrainingState& with,
+                                     const io::Metadata& metadata);
+/// load_sharded: the state of this rank's parameters (by `owner`) from a directory any world wrote.
+CHORUS_INLINE io::Metadata zero_load_sharded(ProcessGroup& group, optim::Optimizer& opt, const std::vector<int>& owner,
+                                             const std::string& dir, const io::TrainingState& with);
 /// One broadcast per (owner, dtype) of the owner's parameters packed in index order.
 CHORUS_INLINE void zero_sync_parameters(ProcessGroup& group, const std::vector<AnyTensor>& params,
                                         const std::vector<int>& owner, Device device);
@@ -129,6 +148,20 @@ class ZeroRedundancyOptimizer final : public optim::Optimizer {
   const std::vector<State>& state() const override {
     detail::zero_check_consolidated(consolidated_, group_.rank());
     return state_;
+  }
+
+  /// Writes this rank's state into `dir` and rank 0 the index (a collective; Note [ZeRO-1 over the
+  /// process group]): a checkpoint that resumes on any number of ranks through load_sharded,
+  /// without gathering the state anywhere. `metadata`: the caller's (step, data position).
+  void save_sharded(const std::string& dir, const io::TrainingState& with = {},
+                    const io::Metadata& metadata = {}) const {
+    detail::zero_save_sharded(group_, *this, local_->state(), local_index_, owner_, dir, with, metadata);
+  }
+  /// Reads a directory save_sharded wrote on any number of ranks (every rank calls it; no
+  /// collective): this rank's parameters' state, the groups' lrs and what `with` names. Returns
+  /// the metadata saved with it. Nothing changes when the directory does not match.
+  io::Metadata load_sharded(const std::string& dir, const io::TrainingState& with = {}) {
+    return detail::zero_load_sharded(group_, *this, owner_, dir, with);
   }
 
   /// Takes the whole state (as io::load reads it on every rank) and keeps this rank's shard.

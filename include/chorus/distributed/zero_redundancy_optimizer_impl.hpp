@@ -3,6 +3,12 @@
 // optimizer type (the partition, the state gathering, the parameter broadcasts): compiled into
 // chorus::compiled and the MPI library (src/distributed/local.cpp, mpi.cpp), included by
 // zero_redundancy_optimizer.hpp itself in the header-only form (Note [compiled chorus]).
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "sharded_files.hpp"
 #include "zero_redundancy_optimizer.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -188,6 +194,88 @@ CHORUS_INLINE void zero_sync_parameters(ProcessGroup& group, const std::vector<A
     p.work->wait(group.timeout());
     if (p.unpack) p.unpack();
   }
+}
+
+CHORUS_INLINE void zero_save_sharded(ProcessGroup& group, const optim::Optimizer& opt,
+                                     const std::vector<optim::Optimizer::State>& local_state,
+                                     const std::vector<std::size_t>& local_index, const std::vector<int>& owner,
+                                     const std::string& dir, const io::TrainingState& with,
+                                     const io::Metadata& metadata) {
+  group.check_usable("ZeroRedundancyOptimizer::save_sharded");
+  const int rank = group.rank(), world = group.world_size();
+  std::vector<std::pair<std::size_t, const optim::Optimizer::State*>> states;
+  for (std::size_t j = 0; j < local_index.size(); ++j) states.emplace_back(local_index[j], &local_state[j]);
+  io::TrainingState mine = with;
+  if (rank != 0) mine.master = nullptr;  // the float32 masters are whole on every rank: rank 0 writes them
+  std::filesystem::create_directories(dir);
+  io::detail::write_atomically(shard_file(dir, "optim", rank, world), io::detail::optimizer_image(opt, states, mine));
+  group.barrier();  // every rank's file is whole before the index says so
+  if (rank == 0) {
+    nlohmann::json index{{"format", "chorus.zero"}, {"world", world}, {"optimizer", opt.name()}, {"metadata", metadata}};
+    index["params"] = nlohmann::json::array();
+    for (std::size_t i = 0; i < opt.parameters().size(); ++i)
+      index["params"].push_back({{"shape", opt.parameters()[i].shape().vec()},
+                                 {"dtype", dtype_name(opt.parameters()[i].dtype())},
+                                 {"owner", owner[i]}});
+    const std::string text = index.dump(1);
+    io::detail::write_atomically((std::filesystem::path(dir) / "index.json").string(),
+                                 std::vector<std::uint8_t>(text.begin(), text.end()));
+  }
+  group.barrier();  // the checkpoint is complete when save_sharded returns on any rank
+}
+
+CHORUS_INLINE io::Metadata zero_load_sharded(ProcessGroup& group, optim::Optimizer& opt, const std::vector<int>& owner,
+                                             const std::string& dir, const io::TrainingState& with) {
+  group.check_usable("ZeroRedundancyOptimizer::load_sharded");
+  const auto path = (std::filesystem::path(dir) / "index.json").string();
+  std::ifstream in(path);
+  CHORUS_CHECK(in.good(), "ZeroRedundancyOptimizer::load_sharded: '", path, "' cannot be read: not a sharded "
+                          "checkpoint, or one whose writing did not finish (index.json is written last)");
+  const auto index = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  CHORUS_CHECK(!index.is_discarded() && index.is_object() && index.value("format", "") == "chorus.zero" &&
+                   index.contains("world") && index.contains("params") && index["params"].is_array(),
+               "ZeroRedundancyOptimizer::load_sharded: '", path, "' is not a ZeroRedundancyOptimizer index");
+  const int old_world = index["world"].get<int>();
+  const auto& saved = index["params"];
+  CHORUS_CHECK(index.value("optimizer", "") == opt.name() && saved.size() == opt.parameters().size(),
+               "ZeroRedundancyOptimizer::load_sharded: '", dir, "' holds ", index.value("optimizer", "?"), " state of ",
+               saved.size(), " parameters; this optimizer is ", opt.name(), " over ", opt.parameters().size());
+  for (std::size_t i = 0; i < saved.size(); ++i) {
+    const auto& p = opt.parameters()[i];
+    const Shape shape(saved[i]["shape"].get<std::vector<std::int64_t>>());
+    const int q = saved[i].value("owner", -1);
+    CHORUS_CHECK(shape == p.shape() && saved[i].value("dtype", "") == std::string(dtype_name(p.dtype())) && q >= 0 &&
+                     q < old_world,
+                 "ZeroRedundancyOptimizer::load_sharded: '", dir, "': parameter ", i, " is ", saved[i].value("dtype", "?"),
+                 " ", shape, " (owner ", q, " of ", old_world, "); this optimizer's is ", dtype_name(p.dtype()), " ",
+                 p.shape());
+  }
+  std::map<int, io::File> files;  // the old ranks' files, opened as they are needed
+  auto file = [&](int q) -> const io::File& {
+    auto it = files.find(q);
+    if (it == files.end()) it = files.emplace(q, io::read(shard_file(dir, "optim", q, old_world))).first;
+    return it->second;
+  };
+  std::vector<nn::Module::NamedTensor> tensors;
+  auto take = [&](const io::File& f, const std::string& prefix) {
+    for (const auto& entry : f.tensors) {
+      const std::string& name = entry.first;
+      const io::TensorRecord& rec = entry.second;
+      if (name.rfind(prefix, 0) != 0) continue;
+      visit_dtype(rec.dtype, [&](auto tag) {
+        using T = decltype(tag);
+        tensors.push_back({name, AnyTensor(io::detail::host_tensor<T>(f, rec))});
+      });
+    }
+  };
+  for (std::size_t i = 0; i < saved.size(); ++i)
+    if (owner[i] == group.rank()) take(file(saved[i]["owner"].get<int>()), std::to_string(i) + ".");
+  const io::File& first = file(0);
+  if (with.master) take(first, "master.");
+  // The optimizer's file as if consolidated, with this rank's parameters' state only: io::load
+  // checks it all before anything changes, and load_state keeps this rank's shard.
+  load(opt, io::parse(io::detail::serialise(tensors, first.metadata)), with);
+  return index_metadata(index);
 }
 
 }  // namespace detail

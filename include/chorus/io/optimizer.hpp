@@ -32,6 +32,14 @@ struct TrainingState {
 };
 }  // namespace io
 
+namespace io::detail {
+/// What save(opt, path, with) writes, for the states of the given parameters only (index into
+/// opt.parameters(), that parameter's state): a ZeroRedundancyOptimizer's rank writes its own.
+CHORUS_INLINE std::vector<std::uint8_t> optimizer_image(
+    const optim::Optimizer& opt, const std::vector<std::pair<std::size_t, const optim::Optimizer::State*>>& states,
+    const io::TrainingState& with);
+}  // namespace io::detail
+
 /// Saves an optimizer's state: tensor "<i>.<key>" is entry `key` of parameter i's state; the
 /// metadata holds each parameter group's lr (and momentum), and the file what `with` names.
 CHORUS_INLINE void save(const optim::Optimizer& opt, const std::string& path, const io::TrainingState& with = {});

@@ -22,10 +22,18 @@ CHORUS_INLINE double parse_number(const std::string& s, const std::string& what)
 }  // namespace io::detail
 
 CHORUS_INLINE void save(const optim::Optimizer& opt, const std::string& path, const io::TrainingState& with) {
+  std::vector<std::pair<std::size_t, const optim::Optimizer::State*>> states;
+  for (std::size_t i = 0; i < opt.state().size(); ++i) states.emplace_back(i, &opt.state()[i]);
+  io::detail::write_atomically(path, io::detail::optimizer_image(opt, states, with));
+}
+
+CHORUS_INLINE std::vector<std::uint8_t> io::detail::optimizer_image(
+    const optim::Optimizer& opt, const std::vector<std::pair<std::size_t, const optim::Optimizer::State*>>& states,
+    const io::TrainingState& with) {
   const optim::LRScheduler* scheduler = with.scheduler;
   std::vector<nn::Module::NamedTensor> tensors;
-  for (std::size_t i = 0; i < opt.state().size(); ++i)
-    for (const auto& [k, v] : opt.state()[i]) tensors.push_back({std::to_string(i) + "." + k, v});
+  for (const auto& [i, state] : states)
+    for (const auto& [k, v] : *state) tensors.push_back({std::to_string(i) + "." + k, v});
   if (with.master) {
     CHORUS_CHECK(with.master->size() == opt.parameters().size(), "save: the master weights hold ",
                  with.master->size(), " parameters, the optimizer steps ", opt.parameters().size());
@@ -55,7 +63,7 @@ CHORUS_INLINE void save(const optim::Optimizer& opt, const std::string& path, co
     CHORUS_CHECK(with.scaler->is_enabled(), "save: the GradScaler is disabled (it has no state to save)");
     for (const auto& [k, v] : with.scaler->state_dict()) meta["scaler." + k] = io::detail::number(v);
   }
-  io::detail::write_atomically(path, io::detail::serialise(tensors, meta));
+  return io::detail::serialise(tensors, meta);
 }
 
 CHORUS_INLINE void load(optim::Optimizer& opt, const std::string& path, const io::TrainingState& with) {

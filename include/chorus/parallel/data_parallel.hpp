@@ -44,6 +44,11 @@
 
 CHORUS_NAMESPACE_BEGIN
 
+namespace parallel {
+template <class O>
+class ShardedOptimizer;
+}
+
 namespace parallel::detail {
 template <class M, class... Args>
 decltype(auto) call_forward(M& m, Args&&... args) {
@@ -287,6 +292,31 @@ class DataParallel : public parallel::DataParallelCore {
   /// checkpoint saved from one matches the other (load(dp, path) strips it again).
   DataParallel& set_name_prefix(std::string prefix) {
     set_name_prefix_core(std::move(prefix));
+    return *this;
+  }
+
+  /// ZeRO stage 2 in one process (Note [sharded gradients in one process]): from now on each
+  /// parameter's gradient is kept on the device whose shard of `opt` steps it, arriving there
+  /// during backward, so after backward each device holds its shard's gradients only.
+  /// `opt` is a ShardedOptimizer over this DataParallel's parameters and devices.
+  template <class O>
+  DataParallel& shard_gradients(parallel::ShardedOptimizer<O>& opt) {
+    auto names = [](const std::vector<Device>& ds) {
+      std::string out;
+      for (const auto& d : ds) out += (out.empty() ? "" : ", ") + d.str();
+      return out;
+    };
+    CHORUS_CHECK(opt.devices() == devices_, "DataParallel::shard_gradients: the optimizer's shards are on ",
+                 names(opt.devices()), ", this DataParallel's devices are ", names(devices_));
+    std::vector<const void*> mine, theirs;
+    for (const auto& p : parameters()) mine.push_back(p.impl_key());
+    for (const auto& p : opt.parameters()) theirs.push_back(p.impl_key());
+    std::sort(mine.begin(), mine.end());
+    std::sort(theirs.begin(), theirs.end());
+    CHORUS_CHECK(mine == theirs, "DataParallel::shard_gradients: the optimizer steps other parameters than this "
+                                 "DataParallel's parameters() (", theirs.size(), " against ", mine.size(),
+                 "); build the ShardedOptimizer from the DataParallel, or from parameter groups of dp.parameters()");
+    opt.shard_gradients();
     return *this;
   }
 

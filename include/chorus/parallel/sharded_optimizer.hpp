@@ -26,6 +26,23 @@
 // - state() collects the shards' entries (the shards' own tensors, on their devices) in the
 //   plain optimizer's layout, so io::save writes the plain optimizer's file; load_state (io::load)
 //   hands each shard its entries.
+//
+// Note [sharded gradients in one process]
+// DataParallel::shard_gradients(opt) is ZeRO stage 2 in one process: the gradient of a parameter
+// whose shard is on another device than the primary is kept there (TensorImpl::grad_keeper: the
+// shard's handle of the parameter holds it). Backward still sums the replicas' gradients on the
+// primary, bucket by bucket (Note [gradient buckets]); the parameter's AccumulateGrad then adds
+// the sum into the keeper's gradient on the shard's device, so the primary holds a gradient only
+// between its arrival and that copy, and after backward only shard 0's. The bytes that cross are
+// the ones ZeRO-1 in one process copies to the shards before stepping on GPUs; here they cross
+// during backward. On CPU devices nothing needs to cross: where the replica on the shard's device
+// computed a term, the sum is made in that memory (NodeBase::gradient_memory) and handed over as
+// it is (Note [host aliases]); otherwise it is copied into the shard device's memory. Everything that
+// reads or writes a gradient goes through grad() / set_grad(), which follow the keeper:
+// zero_grad (the module's or the optimizer's), nn::utils::clip_grad_norm_ over dp.parameters()
+// (the norm over every device's gradients), GradScaler, io::save. A plain optimizer stepping such
+// a parameter refuses its gradient (on another device); destroying the ShardedOptimizer hands the
+// gradients back to the parameters.
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,6 +70,14 @@ CHORUS_INLINE AnyTensor shard_handle(const AnyTensor& p, Device device);
 /// parameters and gradients.
 CHORUS_INLINE void bring_to_shard(const std::vector<std::size_t>& members, const std::vector<AnyTensor>& params,
                                   const std::vector<AnyTensor>& handles, Device device);
+/// Gives parameter i the handle handles[i] as its gradient's keeper where away[i], moving a
+/// gradient it has there (Note [sharded gradients in one process]).
+CHORUS_INLINE void keep_grads_on_shards(const std::vector<AnyTensor>& params, const std::vector<AnyTensor>& handles,
+                                        const std::vector<bool>& away);
+/// The optimizer's destructor: each kept gradient goes back to its parameter.
+CHORUS_INLINE void return_kept_grads(const std::vector<AnyTensor>& params, const std::vector<AnyTensor>& handles) noexcept;
+/// Every gradient can be stepped with (on the device that keeps it), before any shard steps.
+CHORUS_INLINE void check_shard_grads(const std::vector<AnyTensor>& params);
 /// After a shard on `device` stepped: the primary's parameters (on `primary`) hold the update.
 CHORUS_INLINE void return_from_shard(const std::vector<std::size_t>& members, const std::vector<AnyTensor>& params,
                                      const std::vector<AnyTensor>& handles, Device device, Device primary);
@@ -102,10 +127,15 @@ class ShardedOptimizer final : public optim::Optimizer {
     }
   }
 
+  ShardedOptimizer(const ShardedOptimizer&) = delete;
+  ShardedOptimizer& operator=(const ShardedOptimizer&) = delete;
+  /// Hands kept gradients back to the parameters (Note [sharded gradients in one process]).
+  ~ShardedOptimizer() override { detail::return_kept_grads(params_, handles_); }
+
   /// Steps every shard on its device's worker, at once (shard 0 on the calling thread).
   void step() override {
     NoGradGuard g;
-    check_grads();  // all of them, before any shard moves
+    detail::check_shard_grads(params_);  // all of them, before any shard moves
     gathered_.clear();
     for (std::size_t i = 0; i < params_.size(); ++i)
       CHORUS_CHECK(params_[i].device() == devices_[0], "ShardedOptimizer: parameter ", i, " is now on ",
@@ -151,6 +181,8 @@ class ShardedOptimizer final : public optim::Optimizer {
 
   /// The device whose shard holds parameter i (an index into the devices).
   std::size_t shard_of(std::size_t i) const { return shard_of_.at(i); }
+  /// Whether the gradients are kept on the shards' devices (DataParallel::shard_gradients).
+  bool shards_gradients() const { return shards_gradients_; }
   const std::vector<Device>& devices() const { return devices_; }
 
   double lr(std::size_t group) const override { return first().lr(group); }
@@ -169,6 +201,18 @@ class ShardedOptimizer final : public optim::Optimizer {
   std::string name() const override { return first().name(); }
 
  private:
+  template <class>
+  friend class chorus::DataParallel;
+  /// Keeps each parameter's gradient on its shard's device from now on (Note [sharded gradients
+  /// in one process]); what DataParallel::shard_gradients does once it has checked the match.
+  void shard_gradients() {
+    if (shards_gradients_) return;
+    std::vector<bool> away(params_.size(), false);
+    for (std::size_t i = 0; i < params_.size(); ++i) away[i] = devices_[shard_of_[i]] != devices_[0];
+    detail::keep_grads_on_shards(params_, handles_, away);
+    shards_gradients_ = true;
+  }
+
   void partition() { detail::partition_shards(params_, devices_.size(), members_, shard_of_); }
 
   const O& first() const {
@@ -194,6 +238,7 @@ class ShardedOptimizer final : public optim::Optimizer {
   std::vector<std::vector<std::size_t>> members_;  // members_[r]: shard r's parameters, in order
   std::vector<AnyTensor> handles_;                 // what shard r's optimizer steps for parameter i
   std::vector<std::unique_ptr<O>> shards_;         // null for a shard without parameters
+  bool shards_gradients_ = false;                  // Note [sharded gradients in one process]
   mutable std::vector<State> gathered_;            // state()'s result
 };
 

@@ -1,0 +1,169 @@
+// DataParallel's optimizer forms on CPU devices: what each device holds and the step time of
+// plain Adam, ZeRO-1 in one process (parallel::ShardedOptimizer<Adam>) and ZeRO-2 in one process
+// (the same with DataParallel::shard_gradients), in rounds whose order rotates (Note [paired
+// rounds] in bench_util.hpp). One JSON line per form and round:
+//   step_ms        median of the round's timed steps (forward, backward, Adam)
+//   param_bytes    4 Psi: the model's float32 parameters
+//   held_bytes     [device]: what each device holds after the timed steps (parameters, gradients,
+//                  optimizer state), against its allocation before the DataParallel was built
+//   grad_bytes     [device]: of that, the gradients kept there
+//   state_bytes    [device]: of that, the optimizer state kept there
+// benchmarks/zero_memory.sh --data-parallel prints them beside the ZeRO formulas.
+//
+//   dp_memory_bench [--workload mlp-medium|mlp-large|transformer-lm] [--devices N (2)] [--rounds R (3)]
+//                   [--steps S (3)] [--batch B] [--forms adam,zero1,zero2]
+// mlp-medium: 4 x Linear(1024, 1024), batch 512; mlp-large: 4 x Linear(4096, 4096), batch 64 (the
+// GPU workload's layers, a CPU-sized batch); transformer-lm: benchmarks/lm_models.hpp, batch 8.
+#include <chorus/chorus.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "bench_util.hpp"
+#include "lm_models.hpp"
+
+using namespace chorus;
+
+namespace {
+struct Mlp : nn::Module {
+  nn::Sequential net;
+  explicit Mlp(std::int64_t w)
+      : net(register_module("net", nn::Sequential(nn::Linear(w, w), nn::ReLU(), nn::Linear(w, w), nn::ReLU(),
+                                                  nn::Linear(w, w), nn::ReLU(), nn::Linear(w, w)))) {}
+  Tensor<float> forward(const Tensor<float>& x) { return net(x); }
+};
+
+struct Measured {
+  double step_ms = 0;
+  std::int64_t param_bytes = 0;
+  std::vector<std::int64_t> held, grads, state;
+};
+
+/// One form's round: builds the DataParallel and the optimizer, runs `steps` timed steps after
+/// one untimed, and measures what each device holds.
+template <class M, class Loss>
+Measured run_form(const std::string& form, const std::function<M()>& make, const std::vector<Device>& devices,
+                  int steps, const Loss& loss_of) {
+  std::vector<std::int64_t> before;
+  for (auto d : devices) before.push_back(memory_stats(d).allocated);
+  Measured out;
+  {
+    DataParallel<M> dp(make(), devices);
+    std::unique_ptr<optim::Optimizer> opt;
+    if (form == "adam") {
+      opt = std::make_unique<optim::Adam>(dp.parameters(), optim::AdamOptions{.lr = 1e-4});
+    } else {
+      auto sharded = std::make_unique<parallel::ShardedOptimizer<optim::Adam>>(dp, optim::AdamOptions{.lr = 1e-4});
+      if (form == "zero2") dp.shard_gradients(*sharded);
+      opt = std::move(sharded);
+    }
+    auto step = [&] {
+      opt->zero_grad();
+      loss_of(dp).backward();
+      opt->step();
+    };
+    step();
+    std::vector<double> t;
+    for (int i = 0; i < steps; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      step();
+      t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+    std::sort(t.begin(), t.end());
+    out.step_ms = t[t.size() / 2];
+    auto slot = [&](Device d) {
+      return static_cast<std::size_t>(std::find(devices.begin(), devices.end(), d) - devices.begin());
+    };
+    out.grads.assign(devices.size(), 0);
+    out.state.assign(devices.size(), 0);
+    for (const auto& p : dp.parameters()) {
+      out.param_bytes += static_cast<std::int64_t>(p.nbytes());
+      const auto g = p.grad();
+      if (g.defined()) out.grads[slot(g.device())] += static_cast<std::int64_t>(g.nbytes());
+    }
+    for (const auto& s : opt->state())
+      for (const auto& [key, v] : s)
+        if (key != "step") out.state[slot(v.device())] += static_cast<std::int64_t>(v.nbytes());
+    for (std::size_t r = 0; r < devices.size(); ++r) out.held.push_back(memory_stats(devices[r]).allocated - before[r]);
+  }
+  return out;
+}
+
+std::string json_list(const std::vector<std::int64_t>& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+template <class M, class Loss>
+void run_workload(const std::string& workload, const std::function<M()>& make, const std::vector<Device>& devices,
+           const std::vector<std::string>& forms, int rounds, int steps, int batch, const Loss& loss_of) {
+  for (int r = 0; r < rounds; ++r)
+    for (std::size_t k = 0; k < forms.size(); ++k) {
+      const auto& form = forms[(k + static_cast<std::size_t>(r)) % forms.size()];
+      const auto m = run_form<M>(form, make, devices, steps, loss_of);
+      std::printf("{\"workload\": \"%s\", \"devices\": %zu, \"batch\": %d, \"round\": %d, \"form\": \"%s\", "
+                  "\"step_ms\": %.2f, \"param_bytes\": %lld, \"held_bytes\": %s, \"grad_bytes\": %s, "
+                  "\"state_bytes\": %s}\n",
+                  workload.c_str(), devices.size(), batch, r, form.c_str(), m.step_ms,
+                  static_cast<long long>(m.param_bytes), json_list(m.held).c_str(), json_list(m.grads).c_str(),
+                  json_list(m.state).c_str());
+      std::fflush(stdout);
+    }
+}
+}  // namespace
+
+int main(int argc, char** argv) try {
+  std::string workload = "mlp-medium";
+  int ndev = 2, rounds = 3, steps = 3, batch = 0;
+  std::vector<std::string> forms = {"adam", "zero1", "zero2"};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i], v = argv[i + 1];
+    if (a == "--workload") workload = v;
+    else if (a == "--devices") ndev = std::stoi(v);
+    else if (a == "--rounds") rounds = std::stoi(v);
+    else if (a == "--steps") steps = std::stoi(v);
+    else if (a == "--batch") batch = std::stoi(v);
+    else if (a == "--forms") forms = bench::split(v);
+    else {
+      std::fprintf(stderr, "usage: dp_memory_bench [--workload mlp-medium|mlp-large|transformer-lm] [--devices N] "
+                           "[--rounds R] [--steps S] [--batch B] [--forms adam,zero1,zero2]\n");
+      return 2;
+    }
+  }
+  CHORUS_CHECK(ndev >= 1 && rounds >= 1 && steps >= 1, "--devices, --rounds and --steps must be at least 1");
+  for (const auto& f : forms)
+    CHORUS_CHECK(f == "adam" || f == "zero1" || f == "zero2", "--forms: adam, zero1 or zero2, not '", f, "'");
+  set_cpu_device_count(ndev);
+  std::vector<Device> devices;
+  for (int i = 0; i < ndev; ++i) devices.push_back(Device::cpu(i));
+  backend::cpu::set_blas_threads(1);  // DataParallel's devices are the threads
+  manual_seed(0);
+  if (workload == "mlp-medium" || workload == "mlp-large") {
+    const std::int64_t w = workload == "mlp-medium" ? 1024 : 4096;
+    if (batch == 0) batch = workload == "mlp-medium" ? 512 : 64;
+    auto x = randn<float>({batch, w}), y = randn<float>({batch, w});
+    run_workload<Mlp>(workload, [w] { return Mlp(w); }, devices, forms, rounds, steps, batch,
+               [&](DataParallel<Mlp>& dp) { return nn::functional::mse_loss(dp(x), y); });
+  } else if (workload == "transformer-lm") {
+    using Lm = bench::TransformerLmT<float>;
+    if (batch == 0) batch = 8;
+    auto x = randint(0, bench::kLmVocab, {batch, Lm::kSeq});
+    auto y = randint(0, bench::kLmVocab, {batch * Lm::kSeq});
+    run_workload<Lm>(workload, [] { return Lm(); }, devices, forms, rounds, steps, batch, [&](DataParallel<Lm>& dp) {
+      return nn::functional::cross_entropy(dp(x).reshape({y.shape()[0], bench::kLmVocab}), y);
+    });
+  } else {
+    CHORUS_FAIL("--workload: mlp-medium, mlp-large or transformer-lm, not '", workload, "'");
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "dp_memory_bench: %s\n", e.what());
+  return 1;
+}
