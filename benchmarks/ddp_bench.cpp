@@ -1,6 +1,8 @@
 // DistributedDataParallel on the CPU: one mlp-medium training step (4 x Linear(1024, 1024), ReLU,
 // MSE, SGD) with a fixed global batch of 512 split over the processes, one BLAS thread each
-// (--width 4096: mlp-large's layers, 4 x Linear(4096, 4096), with a CPU-sized --batch).
+// (--width 4096: mlp-large's layers, 4 x Linear(4096, 4096), with a CPU-sized --batch;
+// --workload transformer-lm: train_lm's Transformer with transformer-lm's sizes, 4 layers of
+// width 256, 4 heads, 128 tokens of a 96-symbol vocabulary, cross-entropy, global batch --batch).
 // Run under mpirun with 1 and 2 processes (benchmarks/ddp_scaling.sh does both and prints the
 // speedup). Rank 0 prints one JSON line:
 //   step_ms   median time of a DDP step (forward, backward with bucketed all-reduces, SGD)
@@ -13,6 +15,7 @@
 //
 //   mpirun -np N ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB (default 25)]
 //                          [--optimizer sgd|adam|zero1|zero2|zero3] [--width W (1024)]
+//                          [--workload mlp|transformer-lm]
 // zero1: ZeroRedundancyOptimizer<Adam>; zero2: the same with DistributedDataParallel::shard_gradients;
 // zero3: dist::FullyShardedDataParallel with each Linear a unit, and Adam over the shards (its
 // line has step_ms and the bytes only: no buckets, no no_sync).
@@ -26,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "../examples/lm_models.hpp"
 
 using namespace chorus;
 
@@ -73,13 +77,14 @@ double median_ms(dist::ProcessGroup& pg, int warmup, int steps, const std::funct
 }
 
 /// The zero3 form: the step and what rank 0 holds after it.
-int bench_zero3(dist::ProcessGroup& pg, int warmup, int steps, int batch, std::int64_t width, const Tensor<float>& x,
-                const Tensor<float>& y) {
-  const auto held_before = memory_stats(Device::cpu(0)).allocated;
-  dist::FullyShardedDataParallel<MlpMediumUnits> fsdp{MlpMediumUnits{width}};
+template <class Units, class In, class Loss>
+int bench_zero3(dist::ProcessGroup& pg, int warmup, int steps, int batch, const std::string& workload,
+                const std::function<Units()>& units, const In& x, const Loss& loss_of) {
+  const auto held_before = memory_stats(Device::cpu(0)).allocated;  // the model is made after this
+  dist::FullyShardedDataParallel<Units> fsdp{units()};
   optim::Adam opt(fsdp.parameters(), {.lr = 1e-4});
   const double step_ms = median_ms(pg, warmup, steps, [&] {
-    auto loss = nn::functional::mse_loss(fsdp(x), y);
+    auto loss = loss_of(fsdp(x));
     opt.zero_grad();
     loss.backward();
     opt.step();
@@ -92,64 +97,44 @@ int bench_zero3(dist::ProcessGroup& pg, int warmup, int steps, int batch, std::i
   if (pg.rank() == 0)
     std::printf("{\"workload\": \"%s\", \"processes\": %d, \"global_batch\": %d, \"step_ms\": %.2f, "
                 "\"optimizer\": \"zero3\", \"held_bytes\": %lld, \"grad_bytes\": %zu}\n",
-                workload_name(width).c_str(), pg.world_size(), batch, step_ms, static_cast<long long>(held_bytes),
-                grad_bytes);
+                workload.c_str(), pg.world_size(), batch, step_ms, static_cast<long long>(held_bytes), grad_bytes);
   return 0;
 }
-}  // namespace
 
-int main(int argc, char** argv) try {
+struct Options {
   int steps = 20, warmup = 3, batch = 512;
   double bucket_mb = 25;  // DistributedDataParallel's default cap
   std::string optimizer = "sgd";
-  std::int64_t width = 1024;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    if (a == "--steps") steps = std::stoi(argv[i + 1]);
-    else if (a == "--warmup") warmup = std::stoi(argv[i + 1]);
-    else if (a == "--batch") batch = std::stoi(argv[i + 1]);
-    else if (a == "--bucket-mb") bucket_mb = std::stod(argv[i + 1]);
-    else if (a == "--optimizer") optimizer = argv[i + 1];
-    else if (a == "--width") width = std::stoll(argv[i + 1]);
-    else {
-      std::fprintf(stderr, "usage: ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB] "
-                           "[--optimizer sgd|adam|zero1|zero2|zero3] [--width W]\n");
-      return 2;
-    }
-  }
-  auto& pg = dist::init();
+};
+
+/// One form of one workload: `plain` and `units` build the model without and with FullyShard
+/// units, `x` is this rank's input and `loss_of` maps the model's output to the loss.
+template <class Plain, class Units, class In, class Loss>
+int bench(dist::ProcessGroup& pg, const Options& o, const std::string& workload, const std::function<Plain()>& plain,
+          const std::function<Units()>& units, const In& x, const Loss& loss_of) {
   const int world = pg.world_size();
-  CHORUS_CHECK(batch % world == 0, "batch ", batch, " is not a multiple of ", world);
-  backend::cpu::set_blas_threads(1);
-  manual_seed(0);
-  auto x = randn<float>({batch / world, width});
-  auto y = randn<float>({batch / world, width});
-  CHORUS_CHECK(optimizer == "sgd" || optimizer == "adam" || optimizer == "zero1" || optimizer == "zero2" ||
-                   optimizer == "zero3",
-               "--optimizer must be sgd, adam, zero1, zero2 or zero3, not '", optimizer, "'");
-  if (optimizer == "zero3") return bench_zero3(pg, warmup, steps, batch, width, x, y);
+  if (o.optimizer == "zero3") return bench_zero3(pg, o.warmup, o.steps, o.batch, workload, units, x, loss_of);
   const auto held_before = memory_stats(Device::cpu(0)).allocated;
-  DistributedDataParallel<MlpMedium> ddp(MlpMedium{width},
-                                         {.bucket_cap_bytes = static_cast<std::size_t>(bucket_mb * (1 << 20))});
+  DistributedDataParallel<Plain> ddp(plain(), {.bucket_cap_bytes = static_cast<std::size_t>(o.bucket_mb * (1 << 20))});
   std::unique_ptr<optim::Optimizer> opt_owner;
-  if (optimizer == "sgd") {
+  if (o.optimizer == "sgd") {
     opt_owner = std::make_unique<optim::SGD>(ddp.parameters(), optim::SGDOptions{.lr = 1e-4});
-  } else if (optimizer == "adam") {
+  } else if (o.optimizer == "adam") {
     opt_owner = std::make_unique<optim::Adam>(ddp.parameters(), optim::AdamOptions{.lr = 1e-4});
   } else {
     auto zero = std::make_unique<optim::ZeroRedundancyOptimizer<optim::Adam>>(ddp.parameters(),
                                                                               optim::AdamOptions{.lr = 1e-4});
-    if (optimizer == "zero2") ddp.shard_gradients(*zero);
+    if (o.optimizer == "zero2") ddp.shard_gradients(*zero);
     opt_owner = std::move(zero);
   }
   optim::Optimizer& opt = *opt_owner;
   auto step = [&] {
-    auto loss = nn::functional::mse_loss(ddp(x), y);
+    auto loss = loss_of(ddp(x));
     opt.zero_grad();
     loss.backward();
     opt.step();
   };
-  auto run = [&](const std::function<void()>& f) { return median_ms(pg, warmup, steps, f); };
+  auto run = [&](const std::function<void()>& f) { return median_ms(pg, o.warmup, o.steps, f); };
   const double step_ms = run(step);
   pg.barrier();  // (the communication thread lets go of finished collectives' tensors)
   const auto held_bytes = memory_stats(Device::cpu(0)).allocated - held_before;
@@ -179,10 +164,10 @@ int main(int argc, char** argv) try {
   // The baseline of the scaling: the plain module's step, no wrapper (one process only).
   double plain_ms = 0;
   if (world == 1) {
-    MlpMedium plain(width);
-    optim::SGD plain_opt(plain.parameters(), {.lr = 1e-4});
+    Plain model = plain();
+    optim::SGD plain_opt(model.parameters(), {.lr = 1e-4});
     plain_ms = run([&] {
-      auto loss = nn::functional::mse_loss(plain.forward(x), y);
+      auto loss = loss_of(model.forward(x));
       plain_opt.zero_grad();
       loss.backward();
       plain_opt.step();
@@ -194,9 +179,56 @@ int main(int argc, char** argv) try {
         "{\"workload\": \"%s\", \"processes\": %d, \"global_batch\": %d, \"buckets\": %zu, "
         "\"gradient_bytes\": %zu, \"step_ms\": %.2f, \"local_ms\": %.2f, \"comm_ms\": %.2f, \"hidden\": %.2f, "
         "\"plain_ms\": %.2f, \"optimizer\": \"%s\", \"held_bytes\": %lld, \"grad_bytes\": %zu}\n",
-        workload_name(width).c_str(), world, batch, buckets.size(), bytes, step_ms, local_ms, comm_ms, hidden, plain_ms, optimizer.c_str(),
-        static_cast<long long>(held_bytes), grad_bytes);
+        workload.c_str(), world, o.batch, buckets.size(), bytes, step_ms, local_ms, comm_ms, hidden, plain_ms,
+        o.optimizer.c_str(), static_cast<long long>(held_bytes), grad_bytes);
   return 0;
+}
+}  // namespace
+
+int main(int argc, char** argv) try {
+  Options o;
+  std::int64_t width = 1024;
+  std::string workload = "mlp";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--steps") o.steps = std::stoi(argv[i + 1]);
+    else if (a == "--warmup") o.warmup = std::stoi(argv[i + 1]);
+    else if (a == "--batch") o.batch = std::stoi(argv[i + 1]);
+    else if (a == "--bucket-mb") o.bucket_mb = std::stod(argv[i + 1]);
+    else if (a == "--optimizer") o.optimizer = argv[i + 1];
+    else if (a == "--width") width = std::stoll(argv[i + 1]);
+    else if (a == "--workload") workload = argv[i + 1];
+    else {
+      std::fprintf(stderr, "usage: ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB] "
+                           "[--optimizer sgd|adam|zero1|zero2|zero3] [--width W] [--workload mlp|transformer-lm]\n");
+      return 2;
+    }
+  }
+  auto& pg = dist::init();
+  const int world = pg.world_size();
+  CHORUS_CHECK(o.batch % world == 0, "batch ", o.batch, " is not a multiple of ", world);
+  CHORUS_CHECK(o.optimizer == "sgd" || o.optimizer == "adam" || o.optimizer == "zero1" || o.optimizer == "zero2" ||
+                   o.optimizer == "zero3",
+               "--optimizer must be sgd, adam, zero1, zero2 or zero3, not '", o.optimizer, "'");
+  backend::cpu::set_blas_threads(1);
+  manual_seed(0);
+  if (workload == "mlp") {
+    auto x = randn<float>({o.batch / world, width});
+    auto y = randn<float>({o.batch / world, width});
+    return bench<MlpMedium, MlpMediumUnits>(
+        pg, o, workload_name(width), [&] { return MlpMedium(width); }, [&] { return MlpMediumUnits(width); }, x,
+        [&](const Tensor<float>& out) { return nn::functional::mse_loss(out, y); });
+  }
+  CHORUS_CHECK(workload == "transformer-lm", "--workload must be mlp or transformer-lm, not '", workload, "'");
+  constexpr std::int64_t kVocab = 96, kSeq = 128, kWidth = 256, kHeads = 4, kLayers = 4;
+  auto x = randint(0, kVocab, {o.batch / world, kSeq});
+  auto y = randint(0, kVocab, {o.batch / world * kSeq});
+  using Plain = examples::CharTransformerT<>;
+  using Units = examples::CharTransformerT<dist::FullyShard>;
+  return bench<Plain, Units>(
+      pg, o, workload, [&] { return Plain(kVocab, kSeq, kWidth, kHeads, kLayers, 0.0); },
+      [&] { return Units(kVocab, kSeq, kWidth, kHeads, kLayers, 0.0); }, x,
+      [&](const Tensor<float>& out) { return nn::functional::cross_entropy(out.reshape({y.shape()[0], kVocab}), y); });
 } catch (const std::exception& e) {
   std::fprintf(stderr, "ddp_bench: %s\n", e.what());
   return 1;

@@ -7,7 +7,8 @@
 # DistributedDataParallel (default): the mlp-medium step (global batch 512) under mpirun -np N
 # (default 2) with Adam (plain DDP), ZeRO-1 (ZeroRedundancyOptimizer<Adam>), ZeRO-2 (the same with
 # shard_gradients) and ZeRO-3 (FullyShardedDataParallel, each Linear a unit, Adam over the shards);
-# prints rank 0's bytes.
+# prints rank 0's bytes. Other workloads through ddp_bench's arguments: `--width 4096 --batch 64`
+# (mlp-large's layers), `--workload transformer-lm --batch 16` (each encoder layer a unit).
 #
 # DataParallel (--data-parallel WORKLOADS, e.g. mlp-medium,mlp-large,transformer-lm): one process,
 # N CPU devices, plain Adam, ZeRO-1 (parallel::ShardedOptimizer<Adam>) and ZeRO-2 (the same with
@@ -127,7 +128,7 @@ psi4 = runs["adam"][rounds[0]]["gradient_bytes"]  # 4 Psi: the fp32 gradients of
 formula = {"adam": (4 + 4 + 8) * psi4 / 4, "zero1": (4 + 4 + 8 / n) * psi4 / 4, "zero2": (4 + 4 / n + 8 / n) * psi4 / 4,
            "zero3": 16 / n * psi4 / 4}
 fmt = lambda s: f"{s['median']:.3f}x [{s['min']:.3f}-{s['max']:.3f}]"
-print(f"{len(rounds)} rounds, {n} processes; rank 0's bytes after the timed steps (MB = 1e6 bytes):")
+print(f"{runs['zero1'][rounds[0]]['workload']}: {len(rounds)} rounds, {n} processes; rank 0's bytes after the timed steps (MB = 1e6 bytes):")
 for form in ("adam", "zero1", "zero2", "zero3"):
     d = runs[form][rounds[0]]
     ratio = spread(paired_ratios([runs[form][r]["step_ms"] for r in rounds], [runs["zero1"][r]["step_ms"] for r in rounds]))
