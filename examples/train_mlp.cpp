@@ -4,8 +4,8 @@
 //   train_mlp [--cpu N | --gpus] [--epochs E] [--batch B]
 //   mpirun -np 2 train_mlp --distributed [--epochs E] [--batch B]
 //
-// --distributed: one process per device with DistributedDataParallel (see the README's
-// "Beyond one machine"): B is the global batch, each of the W processes takes B / W samples
+// --distributed: one process per device with DistributedDataParallel (see docs/distributed.md):
+// B is the global batch, each of the W processes takes B / W samples
 // of it through a DistributedSampler; rank 0 reports.
 #include <chorus/distributed.hpp>
 

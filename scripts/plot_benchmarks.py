@@ -5,7 +5,7 @@ of per-round ratios with its min-max as an error bar (Note [paired rounds] in
 benchmarks/bench_util.hpp).
 
 usage: plot_benchmarks.py OUT.png BENCH.json [MORE.json ...]   (needs: pip install matplotlib)
-       plot_benchmarks.py --markdown CPU.json    the README's Performance table and scaling line
+       plot_benchmarks.py --markdown CPU.json    docs/performance.md's table and scaling line
 """
 import json
 import os
@@ -55,7 +55,7 @@ def plain_scaling(s):
 
 
 def markdown(path):
-    """chorus_bench's JSON as the README's table: one row per chorus configuration, the peer at
+    """chorus_bench's JSON as docs/performance.md's table: one row per chorus configuration, the peer at
     the same thread count, the ratio's median and min-max over the rounds; then the scaling."""
     with open(path) as f:
         doc = json.load(f)

@@ -11,7 +11,7 @@
 // renamed): a crash at any moment leaves the previous checkpoint whole. Every rank reads. The
 // sampler's position is the step itself: with data::DistributedSampler (or any order that
 // depends only on the epoch) step N is batch N % batches_per_epoch of epoch N / batches_per_epoch,
-// so a resumed loop skips to it (README, "Crash and resume"); all of it gives parameters bitwise
+// so a resumed loop skips to it (docs/distributed.md, "Crash and resume"); all of it gives parameters bitwise
 // equal to an uninterrupted run's.
 #include <algorithm>
 #include <cstdint>

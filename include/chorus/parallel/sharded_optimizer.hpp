@@ -37,8 +37,8 @@
 // the ones ZeRO-1 in one process copies to the shards before stepping on GPUs; here they cross
 // during backward. On CPU devices nothing needs to cross: where the replica on the shard's device
 // computed a term, the sum is made in that memory (NodeBase::gradient_memory) and handed over as
-// it is (Note [host aliases]); otherwise it is copied into the shard device's memory. Everything that
-// reads or writes a gradient goes through grad() / set_grad(), which follow the keeper:
+// it is (Note [host aliases]); otherwise it is copied into the shard device's memory. Everything
+// that reads or writes a gradient goes through grad() / set_grad(), which follow the keeper:
 // zero_grad (the module's or the optimizer's), nn::utils::clip_grad_norm_ over dp.parameters()
 // (the norm over every device's gradients), GradScaler, io::save. A plain optimizer stepping such
 // a parameter refuses its gradient (on another device); destroying the ShardedOptimizer hands the
@@ -181,8 +181,6 @@ class ShardedOptimizer final : public optim::Optimizer {
 
   /// The device whose shard holds parameter i (an index into the devices).
   std::size_t shard_of(std::size_t i) const { return shard_of_.at(i); }
-  /// Whether the gradients are kept on the shards' devices (DataParallel::shard_gradients).
-  bool shards_gradients() const { return shards_gradients_; }
   const std::vector<Device>& devices() const { return devices_; }
 
   double lr(std::size_t group) const override { return first().lr(group); }
@@ -206,11 +204,11 @@ class ShardedOptimizer final : public optim::Optimizer {
   /// Keeps each parameter's gradient on its shard's device from now on (Note [sharded gradients
   /// in one process]); what DataParallel::shard_gradients does once it has checked the match.
   void shard_gradients() {
-    if (shards_gradients_) return;
+    if (gradients_kept_) return;
     std::vector<bool> away(params_.size(), false);
     for (std::size_t i = 0; i < params_.size(); ++i) away[i] = devices_[shard_of_[i]] != devices_[0];
     detail::keep_grads_on_shards(params_, handles_, away);
-    shards_gradients_ = true;
+    gradients_kept_ = true;
   }
 
   void partition() { detail::partition_shards(params_, devices_.size(), members_, shard_of_); }
@@ -238,7 +236,7 @@ class ShardedOptimizer final : public optim::Optimizer {
   std::vector<std::vector<std::size_t>> members_;  // members_[r]: shard r's parameters, in order
   std::vector<AnyTensor> handles_;                 // what shard r's optimizer steps for parameter i
   std::vector<std::unique_ptr<O>> shards_;         // null for a shard without parameters
-  bool shards_gradients_ = false;                  // Note [sharded gradients in one process]
+  bool gradients_kept_ = false;                    // Note [sharded gradients in one process]
   mutable std::vector<State> gathered_;            // state()'s result
 };
 

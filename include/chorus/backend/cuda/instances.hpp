@@ -16,7 +16,7 @@
 //    launchers' host code, while the kernels and __device__ helpers sit behind
 //    `#if defined(__CUDACC__)` and CHORUS_LAUNCH/CHORUS_LAUNCH_GRID (launch.cuh) launch nothing
 //    there. A user's training code is then plain C++: the tutorial compiles in half the time
-//    of its header-only nvcc build (39 s against 79 s, README "Compile time").
+//    of its header-only nvcc build (39 s against 79 s, docs/getting-started.md, "Compile time").
 // Structs that host code names (reduce_all's functors, the batch-norm reduction ops) stay
 // outside the device-only regions, with __device__ members g++ ignores. A launcher instance
 // missing from the lists is compiled by an nvcc translation unit itself (as header-only code
