@@ -17,19 +17,6 @@ namespace dist {
 inline namespace CHORUS_DIST_NS {
 namespace detail {
 
-/// The index of `dir`, checked against the model's units.
-CHORUS_INLINE nlohmann::json read_index(const std::string& dir) {
-  const auto path = (std::filesystem::path(dir) / "index.json").string();
-  std::ifstream in(path);
-  CHORUS_CHECK(in.good(), "load_sharded: '", path, "' cannot be read: not a sharded checkpoint, or one whose "
-                          "writing did not finish (index.json is written last)");
-  nlohmann::json index = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  CHORUS_CHECK(!index.is_discarded() && index.is_object() && index.value("format", "") == "chorus.fsdp" &&
-                   index.contains("world") && index.contains("units"),
-               "load_sharded: '", path, "' is not a FullyShardedDataParallel index");
-  return index;
-}
-
 /// The elements [begin, end) of the 1-D tensor `rec` of file `f`, read alone, as T on `device`.
 template <class T>
 Tensor<T> read_range(const io::File& f, const io::TensorRecord& rec, std::int64_t begin, std::int64_t end,
@@ -105,9 +92,7 @@ CHORUS_INLINE void save_fsdp_sharded(nn::Module& root, const std::vector<std::sh
                                 {"shard_dtype", dtype_name(u->shard_dtype())},
                                 {"params", params}});
     }
-    const std::string text = index.dump(1);
-    io::detail::write_atomically((std::filesystem::path(dir) / "index.json").string(),
-                                 std::vector<std::uint8_t>(text.begin(), text.end()));
+    write_index(dir, index);
   }
   group.barrier();  // the checkpoint is complete when save_sharded returns on any rank
 }
@@ -116,7 +101,7 @@ CHORUS_INLINE io::Metadata load_fsdp_sharded(nn::Module& root, const std::vector
                                              ProcessGroup& group, optim::Optimizer& opt, const std::string& dir,
                                              const io::TrainingState& with) {
   group.check_usable("FullyShardedDataParallel::load_sharded");
-  const auto index = read_index(dir);
+  const auto index = read_index(dir, "chorus.fsdp", "units", "load_sharded", "a FullyShardedDataParallel index");
   const int old_world = index["world"].get<int>(), rank = group.rank();
   CHORUS_CHECK(old_world > 0, "load_sharded: '", dir, "': a world of ", old_world);
   std::vector<const FsdpUnit*> mine;
@@ -228,7 +213,8 @@ CHORUS_INLINE io::Metadata load_fsdp_sharded(nn::Module& root, const std::vector
 }  // namespace detail
 
 CHORUS_INLINE void consolidate_sharded(const std::string& dir, const std::string& path) {
-  const auto index = detail::read_index(dir);
+  const auto index =
+      detail::read_index(dir, "chorus.fsdp", "units", "consolidate_sharded", "a FullyShardedDataParallel index");
   const int world = index["world"].get<int>();
   std::vector<io::File> models;
   for (int q = 0; q < world; ++q) models.push_back(io::read(detail::shard_file(dir, "model", q, world)));

@@ -4,7 +4,6 @@
 // chorus::compiled and the MPI library (src/distributed/local.cpp, mpi.cpp), included by
 // zero_redundancy_optimizer.hpp itself in the header-only form (Note [compiled chorus]).
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 
@@ -217,9 +216,7 @@ CHORUS_INLINE void zero_save_sharded(ProcessGroup& group, const optim::Optimizer
       index["params"].push_back({{"shape", opt.parameters()[i].shape().vec()},
                                  {"dtype", dtype_name(opt.parameters()[i].dtype())},
                                  {"owner", owner[i]}});
-    const std::string text = index.dump(1);
-    io::detail::write_atomically((std::filesystem::path(dir) / "index.json").string(),
-                                 std::vector<std::uint8_t>(text.begin(), text.end()));
+    write_index(dir, index);
   }
   group.barrier();  // the checkpoint is complete when save_sharded returns on any rank
 }
@@ -227,14 +224,10 @@ CHORUS_INLINE void zero_save_sharded(ProcessGroup& group, const optim::Optimizer
 CHORUS_INLINE io::Metadata zero_load_sharded(ProcessGroup& group, optim::Optimizer& opt, const std::vector<int>& owner,
                                              const std::string& dir, const io::TrainingState& with) {
   group.check_usable("ZeroRedundancyOptimizer::load_sharded");
-  const auto path = (std::filesystem::path(dir) / "index.json").string();
-  std::ifstream in(path);
-  CHORUS_CHECK(in.good(), "ZeroRedundancyOptimizer::load_sharded: '", path, "' cannot be read: not a sharded "
-                          "checkpoint, or one whose writing did not finish (index.json is written last)");
-  const auto index = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  CHORUS_CHECK(!index.is_discarded() && index.is_object() && index.value("format", "") == "chorus.zero" &&
-                   index.contains("world") && index.contains("params") && index["params"].is_array(),
-               "ZeroRedundancyOptimizer::load_sharded: '", path, "' is not a ZeroRedundancyOptimizer index");
+  const auto index = read_index(dir, "chorus.zero", "params", "ZeroRedundancyOptimizer::load_sharded",
+                                "a ZeroRedundancyOptimizer index");
+  CHORUS_CHECK(index["params"].is_array(), "ZeroRedundancyOptimizer::load_sharded: '", dir,
+               "/index.json' is not a ZeroRedundancyOptimizer index");
   const int old_world = index["world"].get<int>();
   const auto& saved = index["params"];
   CHORUS_CHECK(index.value("optimizer", "") == opt.name() && saved.size() == opt.parameters().size(),
