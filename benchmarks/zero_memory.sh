@@ -11,9 +11,10 @@
 # (mlp-large's layers), `--workload transformer-lm --batch 16` (each encoder layer a unit).
 #
 # DataParallel (--data-parallel WORKLOADS, e.g. mlp-medium,mlp-large,transformer-lm): one process,
-# N CPU devices, plain Adam, ZeRO-1 (parallel::ShardedOptimizer<Adam>) and ZeRO-2 (the same with
-# DataParallel::shard_gradients); prints every device's gradients (where grad() is) and optimizer
-# state, and the bytes it holds. On CPU devices the replicas read the primary's parameters in place
+# N CPU devices, plain Adam, ZeRO-1 (parallel::ShardedOptimizer<Adam>), ZeRO-2 (the same with
+# DataParallel::shard_gradients) and, on the mlp workloads, ZeRO-3 (parallel::FullyShardedDataParallel,
+# each Linear a unit: every device holds its shard of the parameters too); prints every device's
+# gradients (where grad() is) and optimizer state, and the bytes it holds. On CPU devices the replicas read the primary's parameters in place
 # and a gradient sum is made in the memory of the replica that computed a term (Note [host
 # aliases]), so the 4 Psi of parameters is on device 0 only and the held bytes of plain and ZeRO-1
 # are spread over the devices; on GPUs every device also holds its replica's 4 Psi. --check: exit 1
@@ -61,11 +62,11 @@ for w, forms in runs.items():
     rounds = sorted(first)
     print(f"{w}: {n} CPU devices, batch {first[0]['batch']}, {len(rounds)} rounds, 4 Psi = {psi4 / 1e6:.2f} MB; "
           "per device (MB = 1e6 bytes): gradients kept there, optimizer state there [formula]; bytes held:")
-    for form in ("adam", "zero1", "zero2"):
+    for form in ("adam", "zero1", "zero2", "zero3"):
         if form not in forms:
             continue
         d = forms[form][rounds[0]]
-        grads = {"adam": (psi4, 0), "zero1": (psi4, 0), "zero2": (psi4 / n, psi4 / n)}[form]
+        grads = {"adam": (psi4, 0), "zero1": (psi4, 0), "zero2": (psi4 / n, psi4 / n), "zero3": (psi4 / n, psi4 / n)}[form]
         state = {"adam": (2 * psi4, 0)}.get(form, (2 * psi4 / n, 2 * psi4 / n))
         cells = []
 

@@ -242,3 +242,245 @@ TEST(ShardedGradients, AnotherDataParallelsOptimizerIsRefused) {
   parallel::ShardedOptimizer<optim::SGD> opt3(c.parameters(), {.lr = 0.1}, cpus(2));
   EXPECT_TRUE(throws_with([&] { c.shard_gradients(opt3); }, {"shards are on cpu:0, cpu:1", "cpu:0, cpu:1, cpu:2"}));
 }
+
+// ---- ZeRO-3 in one process: parallel::FullyShardedDataParallel (Note [fully sharded replicas]) ----
+
+namespace {
+
+std::map<std::string, std::vector<double>> by_name(const std::vector<nn::Module::NamedTensor>& ts) {
+  std::map<std::string, std::vector<double>> out;
+  for (const auto& [name, t] : ts)
+    out[name] = t.visit([](const auto& x) { return x.contiguous().template to<double>().to_vector(); });
+  return out;
+}
+
+double max_difference(const std::map<std::string, std::vector<double>>& a,
+                      const std::map<std::string, std::vector<double>>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (const auto& [name, v] : a) {
+    const auto& w = b.at(name);
+    EXPECT_EQ(v.size(), w.size()) << name;
+    for (std::size_t i = 0; i < std::min(v.size(), w.size()); ++i) worst = std::max(worst, std::abs(v[i] - w[i]));
+  }
+  return worst;
+}
+
+/// Two FullyShard units and the root's head, buffer and dropout, in float64.
+struct Units : nn::Module {
+  parallel::FullyShard<nn::LinearT<double>> l1, l2;
+  nn::LinearT<double> head;
+  nn::Dropout drop;
+  Tensor<double> scale;
+  Units()
+      : l1(register_module("l1", parallel::FullyShard(nn::LinearT<double>(6, 13)))),
+        l2(register_module("l2", parallel::FullyShard(nn::LinearT<double>(13, 7)))),
+        head(register_module("head", nn::LinearT<double>(7, 3))),
+        drop(register_module("drop", nn::Dropout(0.25))) {
+    scale = register_buffer("scale", full<double>({3}, 0.5));
+  }
+  Tensor<double> forward(const Tensor<double>& x) { return head(drop(tanh(l2(tanh(l1(x)))))) * scale; }
+};
+
+// The same parameters as the plain module after every step (1e-12, float64) on 1 to 4 devices:
+// Adam with clipping (the norm over every device's shards) and two backward passes a step, with
+// dropout drawing as over the whole batch; each shard, its gradient and its state on its device.
+TEST(FullyShardedDataParallel, EqualsThePlainRunOnOneToFourDevices) {
+  for (int k : {1, 2, 3, 4}) {
+    const std::string what = std::to_string(k) + " device(s)";
+    manual_seed(61);
+    Units init;
+    Units plain = nn::clone(init, Device::cpu(0));
+    parallel::FullyShardedDataParallel<Units> fsdp(nn::clone(init, Device::cpu(0)), {.devices = cpus(k)});
+    ASSERT_EQ(fsdp.units().size(), 3u);
+    ASSERT_EQ(fsdp.parameters().size(), 3u * static_cast<std::size_t>(k));
+    optim::Adam plain_opt(plain.parameters(), {.lr = 0.02}), opt(fsdp.parameters(), {.lr = 0.02});
+    manual_seed(62);
+    auto x = randn<double>({11, 6}), y = randn<double>({11, 3});
+    for (int s = 0; s < 3; ++s) {
+      plain_opt.zero_grad();
+      opt.zero_grad();
+      for (auto [from, rows] : {std::pair<std::int64_t, std::int64_t>{0, 6}, {6, 5}}) {
+        manual_seed(100 + s * 2 + from);
+        nn::functional::mse_loss(plain.forward(x.narrow(0, from, rows)), y.narrow(0, from, rows)).backward();
+        manual_seed(100 + s * 2 + from);
+        nn::functional::mse_loss(fsdp(x.narrow(0, from, rows)), y.narrow(0, from, rows)).backward();
+      }
+      const double plain_norm = nn::utils::clip_grad_norm_(plain.parameters(), 0.5);
+      const double norm = nn::utils::clip_grad_norm_(fsdp.parameters(), 0.5);
+      EXPECT_NEAR(norm, plain_norm, 1e-12) << what;
+      const auto shards = fsdp.parameters();
+      for (std::size_t i = 0; i < shards.size(); ++i) {
+        const Device on = Device::cpu(static_cast<int>(i % static_cast<std::size_t>(k)));
+        EXPECT_EQ(shards[i].device(), on) << what;
+        EXPECT_EQ(shards[i].as<double>().grad().device(), on) << what;
+      }
+      plain_opt.step();
+      opt.step();
+      EXPECT_LE(max_difference(by_name(fsdp.full_state_dict()), by_name(plain.named_tensors())), 1e-12)
+          << what << ", step " << s;
+    }
+    for (std::size_t i = 0; i < opt.state().size(); ++i)
+      for (const auto& [key, value] : opt.state()[i])
+        if (key != "step") {
+          EXPECT_EQ(value.device(), Device::cpu(static_cast<int>(i % static_cast<std::size_t>(k)))) << what << " " << key;
+        }
+    // eval() reaches every replica: no dropout anywhere.
+    fsdp.eval();
+    plain.eval();
+    NoGradGuard ng;
+    const auto got = fsdp(x).to_vector(), want = plain.forward(x).to_vector();
+    for (std::size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-12) << what;
+  }
+}
+
+// The destructor gives the module its whole parameters back (the same tensors, viewing memory again).
+TEST(FullyShardedDataParallel, TheModuleGetsItsParametersBack) {
+  manual_seed(63);
+  std::vector<nn::Module::NamedTensor> params;
+  std::map<std::string, std::vector<double>> trained;
+  {
+    parallel::FullyShardedDataParallel<Units> fsdp(Units(), {.devices = cpus(3)});
+    params = fsdp.module().named_parameters();
+    optim::SGD opt(fsdp.parameters(), {.lr = 0.1});
+    nn::functional::mse_loss(fsdp(randn<double>({5, 6})), randn<double>({5, 3})).backward();
+    opt.step();
+    trained = by_name(fsdp.full_state_dict());
+    for (const auto& [name, t] : params) EXPECT_EQ(t.visit([](const auto& x) { return static_cast<const void*>(x.data()); }), nullptr) << name;
+  }
+  auto named = params;
+  for (const auto& [name, v] : trained)
+    if (name == "scale") named.push_back({name, AnyTensor(full<double>({3}, 0.5))});
+  EXPECT_EQ(by_name(named), trained);
+}
+
+/// Twelve blocks of 64x64: Adam over the whole model needs its parameters, gradients and two
+/// moments (4 x 8 bytes a parameter, double); sharded over 4 devices, a quarter of that on each
+/// and a block's gathered parameters and gradients.
+struct Deep : nn::Module {
+  std::vector<parallel::FullyShard<nn::LinearT<double>>> blocks;
+  Deep() {
+    for (int i = 0; i < 12; ++i)
+      blocks.push_back(register_module("b" + std::to_string(i), parallel::FullyShard(nn::LinearT<double>(64, 64))));
+  }
+  Tensor<double> forward(const Tensor<double>& x) {
+    auto h = x;
+    for (auto& b : blocks) h = tanh(b(h));
+    return h;
+  }
+};
+
+// A model whose Adam training does not fit one device's memory trains over four, and its losses
+// equal the unsharded run's where that fits.
+TEST(FullyShardedDataParallel, ModelLargerThanOneDeviceTrainsOverFourDevices) {
+  const auto devices = cpus(4);
+  const std::int64_t bytes = 12 * (64 * 64 + 64) * 8;
+  struct Lift {
+    std::vector<Device> ds;
+    ~Lift() {
+      for (auto d : ds) set_memory_limit(d, 0);
+    }
+  } lift{devices};
+  manual_seed(64);
+  const Deep init;
+  manual_seed(65);
+  auto x = randn<double>({8, 64});
+  auto train = [&](auto&& forward, std::vector<AnyTensor> ps) {
+    std::vector<double> losses;
+    optim::Adam opt(ps, {.lr = 1e-3});
+    for (int s = 0; s < 3; ++s) {
+      opt.zero_grad();
+      auto loss = forward(x).square().mean();
+      loss.backward();
+      opt.step();
+      losses.push_back(loss.item());
+    }
+    return losses;
+  };
+  Deep unsharded = nn::clone(init, Device::cpu(0));
+  const auto want = train([&](const Tensor<double>& in) { return unsharded.forward(in); }, unsharded.parameters());
+  // Room for the model twice on each device (it is built whole on the first before it is sharded):
+  // plain Adam needs four times the model, sharded over 4 devices once and a few blocks.
+  {
+    Deep plain = nn::clone(init, Device::cpu(0));
+    set_memory_limit(devices[0], memory_stats(devices[0]).allocated + bytes * 2);
+    EXPECT_TRUE(throws_with([&] { train([&](const Tensor<double>& in) { return plain.forward(in); }, plain.parameters()); },
+                            {"out of memory on cpu:0"}));
+    set_memory_limit(devices[0], 0);
+  }
+  Deep model = nn::clone(init, Device::cpu(0));
+  for (auto d : devices) set_memory_limit(d, memory_stats(d).allocated + bytes * 2);
+  parallel::FullyShardedDataParallel<Deep> fsdp(std::move(model), {.devices = devices});
+  const auto got = train([&](const Tensor<double>& in) { return fsdp(in); }, fsdp.parameters());
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-12) << "step " << s;
+}
+
+// Mixed precision (Note [sharded master weights]): a bfloat16 module with float32 shards keeps
+// the updates that bfloat16 parameters would round away (each step moves every parameter by 2e-4,
+// under half a bfloat16 step from 0.25 up).
+struct HalfNet : nn::Module {
+  parallel::FullyShard<nn::LinearT<bfloat16>> fc;
+  HalfNet() : fc(register_module("fc", parallel::FullyShard(nn::LinearT<bfloat16>(8, 8)))) {}
+  Tensor<bfloat16> forward(const Tensor<bfloat16>& x) { return fc(x); }
+};
+TEST(FullyShardedDataParallel, Bfloat16ComputeWithFloat32Shards) {
+  const int steps = 40;
+  const double lr = 5e-5;  // the gradient of out.sum() with 4 rows of ones is 4 for every parameter
+  manual_seed(66);
+  HalfNet init;
+  const auto start = by_name(init.named_parameters());
+  parallel::FullyShardedDataParallel<HalfNet> fsdp(nn::clone(init, Device::cpu(0)),
+                                                   {.devices = cpus(2), .shard_dtype = DType::Float32});
+  for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.dtype(), DType::Float32);
+  optim::SGD opt(fsdp.parameters(), {.lr = lr});
+  auto x = ones<bfloat16>({4, 8});
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    fsdp(x).sum().backward();
+    for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.grad().dtype(), DType::Float32);
+    opt.step();
+  }
+  const auto got = by_name(fsdp.full_state_dict());
+  int large = 0, moved = 0;
+  for (const auto& [name, v] : start)
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      const double want = v[i] - steps * lr * 4;  // in float32, then rounded to bfloat16
+      EXPECT_NEAR(got.at(name)[i], want, std::abs(want) / 256 + 1e-6) << name << "[" << i << "]";
+      if (std::abs(v[i]) < 0.25) continue;
+      ++large;
+      moved += got.at(name)[i] != v[i];
+    }
+  EXPECT_GE(large, 5);
+  EXPECT_EQ(moved, large);
+}
+
+// Refusals: a batch with fewer rows than devices, a module off the primary device; a replica that
+// cannot be built (out of memory on its device) leaves the module as it was.
+TEST(FullyShardedDataParallel, RefusalsLeaveTheModuleWhole) {
+  manual_seed(67);
+  const auto devices = cpus(3);
+  Units model;
+  const auto before = by_name(model.named_tensors());
+  {
+    Units moved = nn::clone(model, Device::cpu(1));
+    EXPECT_TRUE(throws_with([&] { parallel::FullyShardedDataParallel<Units> f(moved, {.devices = devices}); },
+                            {"not on the primary device cpu:0"}));
+  }
+  {
+    struct Lift {
+      ~Lift() { set_memory_limit(Device::cpu(2), 0); }
+    } lift;
+    set_memory_limit(Device::cpu(2), memory_stats(Device::cpu(2)).allocated + 64);
+    EXPECT_TRUE(throws_with([&] { parallel::FullyShardedDataParallel<Units> f(model, {.devices = devices}); },
+                            {"in replica 2 on cpu:2", "out of memory on cpu:2"}));
+    EXPECT_EQ(by_name(model.named_tensors()), before);
+  }
+  parallel::FullyShardedDataParallel<Units> fsdp(model, {.devices = devices});
+  EXPECT_TRUE(throws_with([&] { fsdp(randn<double>({2, 6})); }, {"a batch of 2 rows over 3 devices", "at least one row"}));
+  EXPECT_TRUE(throws_with([&] { parallel::FullyShardedDataParallel<Units> again(fsdp.module(), {.devices = devices}); },
+                          {"'l1' is a unit of another FullyShardedDataParallel"}));
+  fsdp(randn<double>({3, 6})).sum().backward();  // still usable after the refusals
+}
+
+}  // namespace

@@ -5,7 +5,6 @@
 #include <chorus/distributed/ddp_impl.hpp>
 #include <chorus/distributed/fsdp_checkpoint_impl.hpp>
 #include <chorus/distributed/fsdp_impl.hpp>
-#include <chorus/distributed/fsdp_unit_impl.hpp>
 #include <chorus/distributed/mpi_backend_impl.hpp>
 #include <chorus/distributed/process_group_impl.hpp>
 #include <chorus/distributed/reducer_impl.hpp>

@@ -36,6 +36,8 @@ class StorageImpl {
   /// block's device (any kind), with a version counter of its own; it keeps block alive.
   struct slice_t {};
   StorageImpl(slice_t, const std::shared_ptr<StorageImpl>& block, std::size_t offset, std::size_t nbytes);
+  /// A slice of `nbytes` on `device` that views no memory until reseat_slice moves it onto a block.
+  StorageImpl(slice_t, Device device, std::size_t nbytes);
   ~StorageImpl() { alloc_->deallocate(data_, nbytes_); }
   StorageImpl(const StorageImpl&) = delete;
   StorageImpl& operator=(const StorageImpl&) = delete;
@@ -55,7 +57,7 @@ class StorageImpl {
   const std::shared_ptr<StorageImpl>* memory_owner() const;
   /// Moves a slice (Note [storage slices]) onto `nbytes()` bytes of `block` from byte `offset`,
   /// or, with a null block, onto no memory until the next move: the tensors that view the slice
-  /// follow (Note [unsharded parameter memory] in distributed/fsdp_unit.hpp). Its version counter
+  /// follow (Note [unsharded parameter memory] in parallel/shard_unit.hpp). Its version counter
   /// is unchanged.
   inline void reseat_slice(const std::shared_ptr<StorageImpl>& block, std::size_t offset);
 
@@ -130,6 +132,9 @@ inline void StorageImpl::reseat_slice(const std::shared_ptr<StorageImpl>& block,
   data_ = static_cast<char*>(block->data_) + offset;
   slice->set_owner(block);
 }
+
+inline StorageImpl::StorageImpl(slice_t, Device device, std::size_t nbytes)
+    : device_(device), nbytes_(nbytes), alloc_(new detail::StorageSlice(nullptr)) {}
 
 inline StorageImpl::StorageImpl(Device device, const std::shared_ptr<StorageImpl>& base, std::size_t offset,
                                 std::size_t nbytes)

@@ -2,7 +2,7 @@
 // FullyShardedDataParallel: ZeRO stage 3 over the process group, PyTorch's FSDP (fully_shard).
 // Each rank keeps 1/world of every parameter, gradient and optimizer state; a unit's parameters
 // are gathered for its forward and its backward only (Note [fully sharded parameters] in
-// fsdp_unit.hpp).
+// parallel/shard_unit.hpp). parallel::FullyShardedDataParallel is the same over one process's devices.
 //
 //   struct Net : nn::Module {
 //     std::vector<dist::FullyShard<nn::TransformerEncoderLayer>> blocks;  // a unit each
@@ -27,8 +27,8 @@
 #include "../nn/checkpoint.hpp"
 #include "../nn/module.hpp"
 #include "../parallel/data_parallel.hpp"
+#include "../parallel/fully_shard.hpp"
 #include "fsdp_checkpoint.hpp"
-#include "fsdp_unit.hpp"
 #include "process_group.hpp"
 #include "zero_redundancy_optimizer.hpp"
 
@@ -49,20 +49,32 @@ struct FullyShardedDataParallelOptions {
 };
 
 namespace detail {
-/// A FullyShard module's link to the FullyShardedDataParallel that adopted it (null before).
-class FsdpUnitSlot {
+using parallel::detail::finish_all_gradients;
+using parallel::detail::FsdpShared;
+using parallel::detail::FsdpUnit;
+using parallel::detail::run_unit;
+
+/// The ranks of a process group as the members a unit's shards are spread over.
+class ProcessShardGroup final : public parallel::detail::ShardGroup {
  public:
-  virtual ~FsdpUnitSlot() = default;
-  std::shared_ptr<FsdpUnit> fsdp_unit;
+  explicit ProcessShardGroup(ProcessGroup& group) : group_(group) {}
+  int rank() const override { return group_.rank(); }
+  int size() const override { return group_.world_size(); }
+  bool spans_processes() const override { return true; }
+  CHORUS_INLINE void broadcast(const AnyTensor& t) override;
+  CHORUS_INLINE parallel::detail::Pending all_gather(const AnyTensor& full, const AnyTensor& part,
+                                                     const std::string& what) override;
+  CHORUS_INLINE parallel::detail::Pending reduce_scatter(const AnyTensor& part, const AnyTensor& full,
+                                                         const std::string& what) override;
+
+ private:
+  ProcessGroup& group_;
 };
 
-/// The units of `root` (itself first, as the root unit; then each FullyShard module inside, by
-/// dotted name): each gets the parameters registered in it and not in a unit inside it. Refuses
-/// a parameter two units register (a tied weight) and a FullyShard another FSDP adopted.
-CHORUS_INLINE std::vector<std::pair<std::string, std::vector<nn::Module::NamedTensor>>> fsdp_units(
-    nn::Module& root, std::vector<FsdpUnitSlot*>& slots);
-/// Builds the units of `root` on `shared` (its group set), linking the FullyShard modules.
-CHORUS_INLINE std::vector<std::shared_ptr<FsdpUnit>> setup_fsdp(nn::Module& root, FsdpShared& shared);
+/// Builds the units of `root` over `group` (checking every rank holds the same model, and
+/// starting every rank from rank 0's buffers).
+CHORUS_INLINE std::vector<std::shared_ptr<FsdpUnit>> setup_fsdp(nn::Module& root, FsdpShared& shared,
+                                                                ProcessGroup& group);
 /// Every unit gathered once more, its parameters copied out (names as the module's), in the
 /// module's parameter order; then the module's buffers.
 CHORUS_INLINE std::vector<nn::Module::NamedTensor> fsdp_full_state_dict(
@@ -72,46 +84,8 @@ CHORUS_INLINE std::vector<nn::Module::NamedTensor> fsdp_full_state_dict(
 CHORUS_INLINE void release_fsdp(nn::Module& root, const std::vector<std::shared_ptr<FsdpUnit>>& units, bool gather);
 }  // namespace detail
 
-/// The module `Impl`, a unit of its own under a FullyShardedDataParallel: its parameters are
-/// gathered for its forward and backward only. Outside one it is `Impl` as it is (same
-/// parameters, buffers and names). Made by dist::FullyShard(block).
-template <class Impl>
-class FullyShardImpl : public Impl, public detail::FsdpUnitSlot {
- public:
-  explicit FullyShardImpl(const Impl& block) : Impl(block) {}
-  FullyShardImpl(const FullyShardImpl& other) : Impl(other) {}  // a copy is not adopted
-  FullyShardImpl& operator=(const FullyShardImpl&) = delete;
-
-  /// Impl's forward, between the gather of the unit's parameters and their release.
-  template <class... Args>
-  auto forward(const Args&... args) {
-    if (!fsdp_unit) return Impl::forward(args...);
-    auto unit = fsdp_unit;
-    return nn::detail::call_as_graph_function(
-        [this](const Args&... a) { return Impl::forward(a...); },
-        [&unit](auto run, std::vector<AnyTensor> inputs, std::vector<AnyTensor>) {
-          return detail::run_unit(unit, std::move(run), std::move(inputs));
-        },
-        args...);
-  }
-  std::string name() const override { return "FullyShard(" + Impl::name() + ")"; }
-};
-
-/// `block` (a holder such as nn::TransformerEncoderLayer or a user module's holder) as a unit of
-/// a FullyShardedDataParallel (PyTorch's fully_shard(block)): it shares the block's parameters
-/// and buffers, under the block's own names.
-template <class Holder>
-class FullyShard : public nn::ModuleHolder<FullyShardImpl<typename Holder::ImplType>> {
-  using Impl = typename Holder::ImplType;
-
- public:
-  using nn::ModuleHolder<FullyShardImpl<Impl>>::ModuleHolder;
-  explicit FullyShard(const Holder& block)
-      : nn::ModuleHolder<FullyShardImpl<Impl>>(std::make_shared<FullyShardImpl<Impl>>(*block)) {}
-};
-template <class Holder>
-  requires requires { typename Holder::ImplType; }
-FullyShard(const Holder&) -> FullyShard<Holder>;
+using parallel::FullyShard;
+using parallel::FullyShardImpl;
 
 /// ZeRO-3 (Note [fully sharded parameters]): the module's FullyShard submodules are units of
 /// their own and the rest of its parameters the root unit; every rank keeps its shard of each,
@@ -125,11 +99,11 @@ class FullyShardedDataParallel {
   /// Shards `module` (all of whose tensors live on one device) over `group` (default:
   /// dist::init()). A collective: every rank constructs it.
   explicit FullyShardedDataParallel(M module, Options options = {}, ProcessGroup* group = nullptr)
-      : module_(std::move(module)) {
-    shared_.group = group ? group : &dist::init();
+      : module_(std::move(module)), group_(group ? *group : dist::init()), members_(group_) {
+    shared_.group = &members_;
     shared_.prefetch = options.prefetch;
     shared_.shard_dtype = options.shard_dtype;
-    units_ = detail::setup_fsdp(nn::module_of(module_), shared_);
+    units_ = detail::setup_fsdp(nn::module_of(module_), shared_, group_);
     const auto shards = parameters();
     device_ = shards.empty() ? Device::cpu(0) : shards[0].device();
   }
@@ -137,7 +111,7 @@ class FullyShardedDataParallel {
   /// on its own afterwards; skipped while an exception unwinds (the module then holds none).
   ~FullyShardedDataParallel() {
     detail::release_fsdp(nn::module_of(module_), units_,
-                         std::uncaught_exceptions() == 0 && !shared_.group->broken());
+                         std::uncaught_exceptions() == 0 && !group_.broken());
   }
   FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
   FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
@@ -146,7 +120,7 @@ class FullyShardedDataParallel {
   /// the root unit gathered around it.
   template <class... Args>
   auto forward(Args&&... args) {
-    shared_.group->check_usable("FullyShardedDataParallel::forward");
+    group_.check_usable("FullyShardedDataParallel::forward");
     return call(to_device(std::forward<Args>(args))...);
   }
   template <class... Args>
@@ -171,11 +145,11 @@ class FullyShardedDataParallel {
   }
   /// torch.nn.utils.clip_grad_norm_ over every rank's shards (a collective); returns the norm.
   double clip_grad_norm_(double max_norm, double norm_type = 2.0) {
-    shared_.group->check_usable("FullyShardedDataParallel::clip_grad_norm_");
+    group_.check_usable("FullyShardedDataParallel::clip_grad_norm_");
     const auto shards = parameters();
     std::vector<std::size_t> all(shards.size());
     for (std::size_t i = 0; i < all.size(); ++i) all[i] = i;
-    return detail::zero_clip_grad_norm(*shared_.group, shards, all, device(), max_norm, norm_type);
+    return detail::zero_clip_grad_norm(group_, shards, all, device(), max_norm, norm_type);
   }
   /// The full parameters (copies, named as the module's, in its order) and buffers, gathered one
   /// unit at a time: a collective, and every rank gets them.
@@ -207,7 +181,7 @@ class FullyShardedDataParallel {
     detail::FsdpShared& shared_;
   };
   [[nodiscard]] FullParams summon_full_params() {
-    shared_.group->check_usable("FullyShardedDataParallel::summon_full_params");
+    group_.check_usable("FullyShardedDataParallel::summon_full_params");
     CHORUS_CHECK(!shared_.summoned, "FullyShardedDataParallel::summon_full_params: already summoned");
     return FullParams(shared_);
   }
@@ -218,13 +192,13 @@ class FullyShardedDataParallel {
   /// model (Note [resharding checkpoints]).
   void save_sharded(const optim::Optimizer& opt, const std::string& dir, const io::TrainingState& with = {},
                     const io::Metadata& metadata = {}) {
-    detail::save_fsdp_sharded(nn::module_of(module_), units_, *shared_.group, opt, dir, with, metadata);
+    detail::save_fsdp_sharded(nn::module_of(module_), units_, group_, opt, dir, with, metadata);
   }
   /// Reads a checkpoint that save_sharded wrote, on this world or any other size, into the
   /// shards, `opt` and what `with` names; returns the metadata saved with it. Every rank calls it.
   io::Metadata load_sharded(optim::Optimizer& opt, const std::string& dir, const io::TrainingState& with = {}) {
     detail::finish_all_gradients(shared_);
-    return detail::load_fsdp_sharded(nn::module_of(module_), units_, *shared_.group, opt, dir, with);
+    return detail::load_fsdp_sharded(nn::module_of(module_), units_, group_, opt, dir, with);
   }
 
   /// The wrapped module. Its parameters view no memory outside their unit's forward and backward
@@ -243,7 +217,7 @@ class FullyShardedDataParallel {
   }
   /// The device of the module's parameters.
   Device device() const { return device_; }
-  ProcessGroup& process_group() const { return *shared_.group; }
+  ProcessGroup& process_group() const { return group_; }
   /// The units' names, the root ("") first, and how many parameter elements each holds.
   std::vector<std::pair<std::string, std::int64_t>> units() const {
     std::vector<std::pair<std::string, std::int64_t>> out;
@@ -268,6 +242,8 @@ class FullyShardedDataParallel {
   }
 
   M module_;
+  ProcessGroup& group_;
+  detail::ProcessShardGroup members_;  // the ranks of group_, for the units
   detail::FsdpShared shared_;
   std::vector<std::shared_ptr<detail::FsdpUnit>> units_;  // the root first
   Device device_;

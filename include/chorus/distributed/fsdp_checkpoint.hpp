@@ -31,13 +31,14 @@
 #include "../compiled.hpp"
 #include "../io/optimizer.hpp"
 #include "../io/safetensors.hpp"
-#include "fsdp_unit.hpp"
+#include "../parallel/shard_unit.hpp"
 #include "process_group.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace dist {
 inline namespace CHORUS_DIST_NS {
 namespace detail {
+using parallel::detail::FsdpUnit;
 /// Writes this rank's files into `dir` and, once all are whole, rank 0 the index (a collective).
 CHORUS_INLINE void save_fsdp_sharded(nn::Module& root, const std::vector<std::shared_ptr<FsdpUnit>>& units,
                                      ProcessGroup& group, const optim::Optimizer& opt, const std::string& dir,

@@ -228,7 +228,7 @@ CHORUS_INLINE void write_atomically(const std::string& path, const std::vector<s
 
 /// Serialises named tensors (copied to the host) with metadata.
 /// Refuses a tensor that views no memory: a FullyShardedDataParallel's parameter between uses
-/// (Note [unsharded parameter memory] in distributed/fsdp_unit.hpp).
+/// (Note [unsharded parameter memory] in parallel/shard_unit.hpp).
 template <class T>
 void check_has_memory(const Tensor<T>& x, const std::string& name) {
   CHORUS_CHECK(x.numel() == 0 || x.data() != nullptr, "safetensors: '", name,

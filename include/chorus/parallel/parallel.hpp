@@ -6,6 +6,8 @@
 #include "comm.hpp"
 #include "data_parallel.hpp"
 #include "data_parallel_options.hpp"
+#include "fully_shard.hpp"
+#include "fully_sharded_data_parallel.hpp"
 #include "functional.hpp"
 #include "gather.hpp"
 #include "parallel_apply.hpp"

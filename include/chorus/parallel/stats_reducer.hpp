@@ -17,7 +17,8 @@
 CHORUS_NAMESPACE_BEGIN
 namespace parallel {
 
-/// The replicas of one DataParallel forward as participants of a sum. Each reduction is two
+/// The replicas of one DataParallel forward as participants of a sum (and of the gathers and
+/// reduce-scatters of a one-process FullyShardedDataParallel). Each reduction is two
 /// barriers: every replica posts its tensor and waits for the others, sums all of them in
 /// replica order on its own device (so every replica gets the same bits), waits until every
 /// replica has read every input, then overwrites its tensor. A replica that never arrives
@@ -62,6 +63,46 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
   }
 
   std::int64_t all_reduce(int rank, std::int64_t v);
+
+  // The collectives of FullyShard units over one process's devices (parallel::
+  // FullyShardedDataParallel, Note [fully sharded parameters]), with the same two barriers.
+
+  /// full = every replica's `part`, in replica order (full holds size() · part's elements).
+  template <class T>
+  void all_gather(int rank, const Tensor<T>& part, const Tensor<T>& full) {
+    const std::int64_t n = part.numel();
+    CHORUS_CHECK(full.numel() == n * size_, "FullyShardedDataParallel: replica ", rank, " gathers ", n,
+                 " elements a replica into ", full.numel());
+    exchange(rank, part, full, [&](int j, const Tensor<T>& src) {
+      CHORUS_CHECK(src.numel() == n, "FullyShardedDataParallel: replica ", j, " gathers ", src.numel(),
+                   " elements, replica ", rank, " ", n, "; every replica must run the same units in the same order");
+      backend::copy(full.narrow(0, j * n, n), src.device() == full.device() ? src : src.to(full.device()));
+    });
+  }
+
+  /// part = the sum over the replicas, in replica order, of elements [rank·n, rank·n + n) of
+  /// their `full` (n = part's elements).
+  template <class T>
+  void reduce_scatter(int rank, const Tensor<T>& full, const Tensor<T>& part) {
+    const std::int64_t n = part.numel();
+    Tensor<T> acc;
+    exchange(rank, full, part, [&](int j, const Tensor<T>& src) {
+      CHORUS_CHECK(src.numel() == n * size_, "FullyShardedDataParallel: replica ", j, " reduces ", src.numel(),
+                   " elements, replica ", rank, " ", n * size_, "; every replica must run the same units in the same "
+                   "order");
+      auto here = src.narrow(0, rank * n, n).to(part.device());
+      acc = acc.defined() ? add(acc, here) : (j == rank ? here.clone() : here);
+    });
+    backend::copy(part, acc);
+  }
+
+  /// t = replica 0's t.
+  template <class T>
+  void broadcast(int rank, const Tensor<T>& t) {
+    exchange(rank, t, t, [&](int j, const Tensor<T>& src) {
+      if (j == 0 && rank != 0) backend::copy(t, src.to(t.device()));
+    });
+  }
 
   int size() const { return size_; }
 
@@ -108,6 +149,27 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
   }
 
   [[noreturn]] void give_up(int rank, const char* phase, const std::string& why) const;
+
+  /// Posts `mine`, reads every replica's posted tensor through read(j, tensor) (on `out`'s
+  /// device, in replica order), and returns once every replica has read every other's: `mine`
+  /// may then be freed or overwritten.
+  template <class T, class Read>
+  void exchange(int rank, const Tensor<T>& mine, const Tensor<T>& out, Read&& read) {
+    if (size_ == 1) {
+      read(0, mine);
+      return;
+    }
+    mark_ready(rank, mine);
+    slots_[rank] = &mine;
+    barrier(rank, "post");
+    for (int j = 0; j < size_; ++j) {
+      wait_ready(rank, j, out);
+      read(j, *static_cast<const Tensor<T>*>(slots_[j]));
+    }
+    mark_read(rank, out);
+    barrier(rank, "read");
+    wait_reads(rank, mine);
+  }
 
   void barrier(int rank, const char* phase);
 

@@ -34,8 +34,8 @@ CHORUS_INLINE void ReplicaStatsGroup::cancel(int rank) {
 }
 
 CHORUS_INLINE void ReplicaStatsGroup::give_up(int rank, const char* phase, const std::string& why) const {
-  throw ReplicaCancelled("SyncBatchNorm: replica " + std::to_string(rank) + " stopped waiting (" + phase +
-                         ") for the other replicas' statistics: " + why);
+  throw ReplicaCancelled("replica " + std::to_string(rank) + " stopped waiting (" + phase +
+                         ") for the other replicas (SyncBatchNorm statistics, FullyShard parameters): " + why);
 }
 
 CHORUS_INLINE void ReplicaStatsGroup::barrier(int rank, const char* phase) {
@@ -58,10 +58,9 @@ CHORUS_INLINE void ReplicaStatsGroup::barrier(int rank, const char* phase) {
       give_up(rank, phase, "the backward pass failed in another node");
     }
     if (std::chrono::steady_clock::now() >= deadline)
-      CHORUS_FAIL("SyncBatchNorm: replica ", rank, " waited ", timeout_.count(), " ms (", phase, ") for ",
-                  size_ - arrived_, " of ", size_,
-                  " replicas to reach the same statistics reduction; every replica must run the same "
-                  "SyncBatchNorm layers in the same order");
+      CHORUS_FAIL("replica ", rank, " waited ", timeout_.count(), " ms (", phase, ") for ", size_ - arrived_, " of ",
+                  size_, " replicas to reach the same SyncBatchNorm reduction or FullyShard unit; every replica "
+                  "must run the same SyncBatchNorm layers and FullyShard units in the same order");
   }
   if (generation_ == gen) {  // cancelled while waiting
     --arrived_;

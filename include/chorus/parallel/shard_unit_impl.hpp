@@ -1,12 +1,10 @@
 #pragma once
-// The definitions of distributed/fsdp_unit.hpp: compiled into chorus::compiled and the MPI
-// library, or included by fsdp_unit.hpp in the header-only form (Note [compiled chorus]).
-#include "fsdp_unit.hpp"
+// The definitions of parallel/shard_unit.hpp: compiled into chorus::compiled, or included by
+// shard_unit.hpp in the header-only form (Note [compiled chorus]).
+#include "shard_unit.hpp"
 
 CHORUS_NAMESPACE_BEGIN
-namespace dist {
-inline namespace CHORUS_DIST_NS {
-namespace detail {
+namespace parallel::detail {
 
 CHORUS_INLINE AnyTensor convert_any(const AnyTensor& t, DType to) {
   if (t.dtype() == to) return t;
@@ -22,7 +20,7 @@ CHORUS_INLINE AnyTensor convert_any(const AnyTensor& t, DType to) {
 CHORUS_INLINE FsdpUnit::FsdpUnit(std::string name, const std::vector<nn::Module::NamedTensor>& params,
                                  FsdpShared& shared, bool root)
     : name_(std::move(name)), shared_(shared), root_(root) {
-  ProcessGroup& g = *shared_.group;
+  ShardGroup& g = *shared_.group;
   const std::string who = root_ ? std::string("the root") : "unit '" + name_ + "'";
   bool trains = false;
   for (const auto& [n, t] : params) {
@@ -52,25 +50,26 @@ CHORUS_INLINE FsdpUnit::FsdpUnit(std::string name, const std::vector<nn::Module:
   CHORUS_CHECK(is_floating_dtype(shard_dtype_) && dtype_size(shard_dtype_) >= dtype_size(dtype_),
                "FullyShardedDataParallel: shards of ", dtype_name(shard_dtype_), " for parameters of ",
                dtype_name(dtype_), " (", who, "); a shard is as wide as its parameters or wider");
-  const int world = g.world_size();
+  const int world = g.size();
   shard_numel_ = (numel_ + world - 1) / world;
   full_ = empty_any(dtype_, Shape{shard_numel_ * world}, device_);
   full_.visit([&](const auto& full) {
     using T = typename std::decay_t<decltype(full)>::value_type;
     NoGradGuard ng;
     backend::fill(full, T(0));  // the padding
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      const auto& p = params_[i].template as<T>();
-      backend::copy(flat_part(full, offsets_[i], p.numel(), p.shape()), p);
-    }
-    g.broadcast(full, 0);  // every rank starts from rank 0's parameters
+    if (g.rank() == 0)  // the others' parameters may view no memory (a replica's)
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        const auto& p = params_[i].template as<T>();
+        backend::copy(flat_part(full, offsets_[i], p.numel(), p.shape()), p);
+      }
+    g.broadcast(full_);  // every rank starts from rank 0's parameters
     const auto mine = full.narrow(0, g.rank() * shard_numel_, shard_numel_).contiguous();
     shard_ = convert_any(AnyTensor(mine), shard_dtype_);
     if (shard_.template is<T>() && shard_.template as<T>().impl() == mine.impl())
       shard_ = AnyTensor(mine.clone());  // its own memory, not the gathered buffer's
     shard_.visit([&](const auto& shard) {
       shard.impl()->requires_grad = trains;  // a leaf of its own
-      shard.impl()->grad_is_shard = true;
+      shard.impl()->grad_is_shard = g.spans_processes();
     });
     block_ = full.impl()->storage;
     for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -86,23 +85,32 @@ CHORUS_INLINE FsdpUnit::FsdpUnit(std::string name, const std::vector<nn::Module:
 
 CHORUS_INLINE void FsdpUnit::start_unshard() {
   if (empty() || block_ || gathering_) return;
-  ProcessGroup& g = *shared_.group;
-  full_ = empty_any(dtype_, Shape{shard_numel_ * g.world_size()}, device_);
+  ShardGroup& g = *shared_.group;
+  full_ = empty_any(dtype_, Shape{shard_numel_ * g.size()}, device_);
   const AnyTensor part = convert_any(shard_, dtype_);  // this rank's part, in the parameters' dtype
-  full_.visit([&](const auto& full) {
-    using T = typename std::decay_t<decltype(full)>::value_type;
-    gathering_ = g.all_gather_into_async(full, part.template as<T>().detach(), "FSDP all_gather of " + name_);
-  });
+  gathering_ = g.all_gather(full_, part.visit([](const auto& p) { return AnyTensor(p.detach()); }),
+                            "FSDP all_gather of " + name_);
+  if (!gathering_) gathering_ = [] {};
 }
 
 CHORUS_INLINE void FsdpUnit::unshard() {
   if (empty() || block_) return;
   start_unshard();
-  gathering_->wait(shared_.group->timeout());
-  gathering_.reset();
-  full_.visit([&](const auto& full) {
-    using T = typename std::decay_t<decltype(full)>::value_type;
-    block_ = full.impl()->storage;
+  auto gathering = std::move(gathering_);
+  gathering_ = nullptr;
+  gathering();
+  install(std::move(full_));
+}
+
+CHORUS_INLINE void FsdpUnit::install(AnyTensor full) {
+  if (empty()) return;
+  CHORUS_CHECK(full.dtype() == dtype_ && full.device() == device_ && full.numel() >= numel_,
+               "FullyShardedDataParallel: unit '", name_, "' of ", numel_, " ", dtype_name(dtype_), " elements on ",
+               device_, " given ", full.numel(), " ", dtype_name(full.dtype()), " elements on ", full.device());
+  full_ = std::move(full);
+  full_.visit([&](const auto& f) {
+    using T = typename std::decay_t<decltype(f)>::value_type;
+    block_ = f.impl()->storage;
     for (std::size_t i = 0; i < params_.size(); ++i)
       params_[i].template as<T>().impl()->storage->reseat_slice(block_, static_cast<std::size_t>(offsets_[i]) *
                                                                             sizeof(T));
@@ -112,8 +120,9 @@ CHORUS_INLINE void FsdpUnit::unshard() {
 CHORUS_INLINE void FsdpUnit::reshard() {
   if (empty() || shared_.summoned) return;
   if (gathering_) {  // a prefetch nobody used: finish it (every rank started it) and drop it
-    gathering_->wait(shared_.group->timeout());
-    gathering_.reset();
+    auto gathering = std::move(gathering_);
+    gathering_ = nullptr;
+    gathering();
   }
   for (const auto& p : params_) p.visit([](const auto& t) { t.impl()->storage->reseat_slice(nullptr, 0); });
   block_.reset();
@@ -125,8 +134,8 @@ CHORUS_INLINE void FsdpUnit::reduce_gradients(std::vector<AnyTensor> grads) {
   // One reduce-scatter in flight at a time: the last unit's ran while this one computed; its
   // full-size input is freed before this one's is made.
   finish_all_gradients(shared_);
-  ProcessGroup& g = *shared_.group;
-  auto flat = empty_any(dtype_, Shape{shard_numel_ * g.world_size()}, device_);
+  ShardGroup& g = *shared_.group;
+  auto flat = empty_any(dtype_, Shape{shard_numel_ * g.size()}, device_);
   grad_part_ = empty_any(dtype_, Shape{shard_numel_}, device_);
   flat.visit([&](const auto& f) {
     using T = typename std::decay_t<decltype(f)>::value_type;
@@ -137,15 +146,17 @@ CHORUS_INLINE void FsdpUnit::reduce_gradients(std::vector<AnyTensor> grads) {
         const auto& gi = grads[i].template as<T>();
         backend::copy(flat_part(f, offsets_[i], gi.numel(), gi.shape()), gi);
       }
-    reducing_ = g.reduce_scatter_async(grad_part_.template as<T>(), f, ReduceOp::Avg, "FSDP reduce_scatter of " + name_);
   });
+  reducing_ = g.reduce_scatter(grad_part_, flat, "FSDP reduce_scatter of " + name_);
+  if (!reducing_) reducing_ = [] {};
   shared_.reducing.push_back(this);
 }
 
 CHORUS_INLINE void FsdpUnit::finish_gradients() {
   if (!reducing_) return;
-  reducing_->wait(shared_.group->timeout());
-  reducing_.reset();
+  auto reducing = std::move(reducing_);
+  reducing_ = nullptr;
+  reducing();
   shard_.visit([&](const auto& s) {
     using T = typename std::decay_t<decltype(s)>::value_type;
     NoGradGuard ng;
@@ -194,7 +205,5 @@ CHORUS_INLINE void finish_all_gradients(FsdpShared& shared) {
   for (auto* u : reducing) u->finish_gradients();
 }
 
-}  // namespace detail
-}  // namespace CHORUS_DIST_NS
-}  // namespace dist
+}  // namespace parallel::detail
 CHORUS_NAMESPACE_END

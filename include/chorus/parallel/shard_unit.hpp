@@ -1,12 +1,14 @@
 #pragma once
-// The machinery behind FullyShardedDataParallel (fsdp.hpp): a unit's flat parameter sharded over
-// the ranks, gathered around the unit's forward and backward, and the graph node that runs the
-// unit's backward between a gather and a reduce-scatter.
+// The machinery behind both FullyShardedDataParallels (ZeRO-3): a unit's flat parameter sharded
+// over the members of a ShardGroup (the ranks of a process group for dist::FullyShardedDataParallel,
+// the devices of one process for parallel::FullyShardedDataParallel), gathered around the unit's
+// forward and backward, and the graph node that runs the unit's backward between a gather and a
+// reduce-scatter. Below, "rank" is a member of the group.
 //
 // Note [fully sharded parameters]
 // ZeRO stage 3 (PyTorch's FSDP): every rank keeps 1/world of each unit's parameters, gradients
 // and optimizer state.
-// - A unit (a dist::FullyShard module, or the root: the parameters no unit holds) lays its
+// - A unit (a FullyShard module, or the root: the parameters no unit holds) lays its
 //   parameters out in one flat buffer of one dtype, padded to a multiple of the world size;
 //   rank r keeps elements [r·S, r·S + S) as its shard, a 1-D leaf that requires grad: the tensor
 //   the optimizer steps (FullyShardedDataParallel::parameters()). Any optimizer whose update is
@@ -17,8 +19,9 @@
 //   buffer is freed. The unit's forward becomes one graph node (FullyShardBackward), which keeps
 //   the unit's own graph and activations, as the plain graph would; in backward it gathers the
 //   parameters again, runs the unit's graph (autograd::detail::grad_at, up to the unit's inputs,
-//   its parameters and whatever else it read), reduce-scatters the parameters' gradients (mean
-//   over the ranks, as DDP) into this rank's shard of the flat gradient, and frees the buffer.
+//   its parameters and whatever else it read), reduce-scatters the parameters' gradients (the
+//   mean over ranks, as DDP; the sum over one process's replicas, as DataParallel) into this
+//   rank's shard of the flat gradient, and frees the buffer.
 //   A unit's reduce-scatter runs while the next unit computes its backward and is waited for
 //   (its full-size input freed) before that unit's starts; its result is added to the shard's
 //   grad(), so repeated backward passes accumulate, as plain ones. The root's node, which runs
@@ -52,6 +55,7 @@
 // Between uses a parameter views no memory: reading it outside its unit's forward and backward
 // (rather than through FullyShardedDataParallel::full_state_dict) is an error of the program.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -63,14 +67,35 @@
 #include "../autograd/checkpoint.hpp"
 #include "../compiled.hpp"
 #include "../nn/module.hpp"
-#include "process_group.hpp"
 
 CHORUS_NAMESPACE_BEGIN
-namespace dist {
-inline namespace CHORUS_DIST_NS {
-namespace detail {
+namespace parallel::detail {
 
 class FsdpUnit;
+
+/// Waits for a collective a ShardGroup started (empty: nothing to wait for).
+using Pending = std::function<void()>;
+
+/// The members a unit's shards are spread over, and the collectives a unit needs from them
+/// (Note [fully sharded parameters]): the ranks of a process group (dist::FullyShardedDataParallel)
+/// or the replicas of one process, one per device (parallel::FullyShardedDataParallel). Every
+/// member calls the collectives in the same order.
+class ShardGroup {
+ public:
+  virtual ~ShardGroup() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// The members are processes: a shard's gradient is then this process's part of the model's
+  /// only (norms and inf checks need the group), as TensorImpl::grad_is_shard says.
+  virtual bool spans_processes() const = 0;
+  /// t = member 0's t, in place (a unit's first values).
+  virtual void broadcast(const AnyTensor& t) = 0;
+  /// Starts full = every member's `part`, in member order (full has size() · part's elements).
+  virtual Pending all_gather(const AnyTensor& full, const AnyTensor& part, const std::string& what) = 0;
+  /// Starts part = this member's slice of the members' `full`s combined: the mean over ranks
+  /// (DDP's gradient), the sum over one process's replicas (DataParallel's).
+  virtual Pending reduce_scatter(const AnyTensor& part, const AnyTensor& full, const std::string& what) = 0;
+};
 
 /// The contiguous elements [start, start + n) of a flat tensor, shaped `shape`.
 template <class T>
@@ -78,10 +103,10 @@ Tensor<T> flat_part(const Tensor<T>& flat, std::int64_t start, std::int64_t n, c
   return flat.narrow(0, start, n).view(shape);
 }
 
-/// What the units of one FullyShardedDataParallel share: the group, the forward order and the
-/// reduce-scatters in flight (Note [fully sharded parameters]).
+/// What the units of one FullyShardedDataParallel (one replica's, in one process) share: the
+/// group, the forward order and the reduce-scatters in flight (Note [fully sharded parameters]).
 struct FsdpShared {
-  ProcessGroup* group = nullptr;
+  ShardGroup* group = nullptr;
   bool prefetch = true;
   std::optional<DType> shard_dtype;  // the shards' dtype, where not the parameters'
   std::vector<FsdpUnit*> order;      // the units in the order the last forward ran them
@@ -132,6 +157,10 @@ class FsdpUnit {
   CHORUS_INLINE void unshard();
   /// Frees the full parameters (waits for a gather in flight first); not while summoned.
   CHORUS_INLINE void reshard();
+  /// Puts `full` (the whole flat parameter: the unit's dtype, on its device, size() shards long)
+  /// in place as the gathered parameters until the next reshard: unshard()'s second half, and
+  /// how a one-process FullyShardedDataParallel hands the module its parameters back.
+  CHORUS_INLINE void install(AnyTensor full);
   /// Starts the reduce-scatter of the unit's gradients (grads[i] for params()[i]; undefined: zero).
   CHORUS_INLINE void reduce_gradients(std::vector<AnyTensor> grads);
   /// Waits for the reduce-scatter in flight and adds this rank's part to shard().grad().
@@ -160,8 +189,8 @@ class FsdpUnit {
   AnyTensor shard_;
   std::shared_ptr<StorageImpl> block_;  // the gathered flat parameter (null: resharded)
   AnyTensor full_;                      // over block_
-  std::shared_ptr<Work> gathering_;
-  std::shared_ptr<Work> reducing_;
+  Pending gathering_;
+  Pending reducing_;
   AnyTensor grad_part_;                 // this rank's part of the reduced gradient, in flight
 };
 
@@ -322,11 +351,9 @@ std::vector<Tensor<T>> run_unit(const std::shared_ptr<FsdpUnit>& unit, autograd:
   return result;
 }
 
-}  // namespace detail
-}  // namespace CHORUS_DIST_NS
-}  // namespace dist
+}  // namespace parallel::detail
 CHORUS_NAMESPACE_END
 
 #if !CHORUS_COMPILED
-#include "fsdp_unit_impl.hpp"
+#include "shard_unit_impl.hpp"
 #endif
