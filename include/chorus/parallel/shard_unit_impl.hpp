@@ -140,12 +140,12 @@ CHORUS_INLINE void FsdpUnit::reduce_gradients(std::vector<AnyTensor> grads) {
   flat.visit([&](const auto& f) {
     using T = typename std::decay_t<decltype(f)>::value_type;
     NoGradGuard ng;
-    backend::fill(f, T(0));
-    for (std::size_t i = 0; i < params_.size(); ++i)
-      if (grads[i].defined()) {
-        const auto& gi = grads[i].template as<T>();
-        backend::copy(flat_part(f, offsets_[i], gi.numel(), gi.shape()), gi);
-      }
+    for (std::size_t i = 0; i < params_.size(); ++i) {  // zeros only where no gradient goes
+      const auto part = f.narrow(0, offsets_[i], params_[i].numel());
+      if (grads[i].defined()) backend::copy(part.view(grads[i].shape()), grads[i].template as<T>());
+      else backend::fill(part, T(0));
+    }
+    if (f.numel() > numel_) backend::fill(f.narrow(0, numel_, f.numel() - numel_), T(0));  // the padding
   });
   reducing_ = g.reduce_scatter(grad_part_, flat, "FSDP reduce_scatter of " + name_);
   if (!reducing_) reducing_ = [] {};

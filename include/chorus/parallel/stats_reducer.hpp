@@ -76,7 +76,7 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
     exchange(rank, part, full, [&](int j, const Tensor<T>& src) {
       CHORUS_CHECK(src.numel() == n, "FullyShardedDataParallel: replica ", j, " gathers ", src.numel(),
                    " elements, replica ", rank, " ", n, "; every replica must run the same units in the same order");
-      backend::copy(full.narrow(0, j * n, n), src.device() == full.device() ? src : src.to(full.device()));
+      backend::copy(full.narrow(0, j * n, n), src);  // straight into place, from any device
     });
   }
 
@@ -85,15 +85,24 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
   template <class T>
   void reduce_scatter(int rank, const Tensor<T>& full, const Tensor<T>& part) {
     const std::int64_t n = part.numel();
-    Tensor<T> acc;
+    Tensor<T> other;  // another device's slice, copied here
     exchange(rank, full, part, [&](int j, const Tensor<T>& src) {
       CHORUS_CHECK(src.numel() == n * size_, "FullyShardedDataParallel: replica ", j, " reduces ", src.numel(),
                    " elements, replica ", rank, " ", n * size_, "; every replica must run the same units in the same "
                    "order");
-      auto here = src.narrow(0, rank * n, n).to(part.device());
-      acc = acc.defined() ? add(acc, here) : (j == rank ? here.clone() : here);
+      const auto slice = src.narrow(0, rank * n, n);
+      if (j == 0) {
+        backend::copy(part, slice);
+        return;
+      }
+      const Tensor<T>* term = &slice;
+      if (slice.device() != part.device()) {
+        if (!other.defined()) other = Tensor<T>::empty(part.shape(), part.device());
+        backend::copy(other, slice);
+        term = &other;
+      }
+      backend::binary_same(part, *term, part, backend::fn::Add{});
     });
-    backend::copy(part, acc);
   }
 
   /// t = replica 0's t.
