@@ -455,6 +455,58 @@ TEST(FullyShardedDataParallel, Bfloat16ComputeWithFloat32Shards) {
   EXPECT_EQ(moved, large);
 }
 
+// Checkpoints that reshard (Note [resharding checkpoints]): 3 devices train 3 steps and save; the
+// uninterrupted 3-device run, and runs resumed from the files on 1, 2, 3 and 4 devices, take 3 more
+// steps: the same parameters (bitwise on 3 devices, 1e-12 on others: the gradients are summed over
+// another grouping of the batch), the schedule and Adam's step count resumed; another model's
+// checkpoint and an optimizer over other tensors are refused.
+TEST(FullyShardedDataParallel, ShardedCheckpointsResumeOnOtherDeviceCounts) {
+  const auto dir = (std::filesystem::temp_directory_path() / ("chorus_fsdp_dp_" + std::to_string(::getpid()))).string();
+  manual_seed(68);
+  const Units init;
+  manual_seed(69);
+  auto x = randn<double>({12, 6}), y = randn<double>({12, 3});
+  auto steps = [&](parallel::FullyShardedDataParallel<Units>& m, optim::Adam& opt, optim::StepLR& sched, int from, int n) {
+    for (int s = from; s < from + n; ++s) {
+      opt.zero_grad();
+      manual_seed(200 + s);
+      nn::functional::mse_loss(m(x), y).backward();
+      opt.step();
+      sched.step();
+    }
+  };
+  parallel::FullyShardedDataParallel<Units> first(nn::clone(init, Device::cpu(0)), {.devices = cpus(3)});
+  optim::Adam opt(first.parameters(), {.lr = 0.01});
+  optim::StepLR sched(opt, 2, 0.5);
+  steps(first, opt, sched, 0, 3);
+  first.save_sharded(opt, dir, {.scheduler = &sched}, {{"step", "3"}});
+  steps(first, opt, sched, 3, 3);
+  const auto want = by_name(first.full_state_dict());
+  for (int k : {1, 2, 3, 4}) {
+    parallel::FullyShardedDataParallel<Units> resumed(nn::clone(Units(), Device::cpu(0)), {.devices = cpus(k)});
+    optim::Adam ropt(resumed.parameters(), {.lr = 0.01});
+    optim::StepLR rsched(ropt, 2, 0.5);
+    const auto meta = resumed.load_sharded(ropt, dir, {.scheduler = &rsched});
+    EXPECT_EQ(meta.at("step"), "3");
+    EXPECT_EQ(rsched.last_epoch(), 3);
+    steps(resumed, ropt, rsched, 3, 3);
+    const double diff = max_difference(by_name(resumed.full_state_dict()), want);
+    if (k == 3) EXPECT_EQ(diff, 0.0) << "resumed on the same 3 devices";
+    else EXPECT_LE(diff, 1e-12) << k << " device(s)";
+  }
+  struct Other : nn::Module {
+    parallel::FullyShard<nn::LinearT<double>> l1;
+    Other() : l1(register_module("l1", parallel::FullyShard(nn::LinearT<double>(6, 14)))) {}
+    Tensor<double> forward(const Tensor<double>& in) { return l1(in); }
+  };
+  parallel::FullyShardedDataParallel<Other> other(Other(), {.devices = cpus(2)});
+  optim::Adam other_opt(other.parameters(), {.lr = 0.01});
+  EXPECT_TRUE(throws_with([&] { other.load_sharded(other_opt, dir); }, {"load_sharded", "holds 3 units"}));
+  optim::Adam partial({first.parameters()[0]}, {.lr = 0.01});
+  EXPECT_TRUE(throws_with([&] { first.save_sharded(partial, dir + "/x"); }, {"must step the wrapper's parameters()"}));
+  std::filesystem::remove_all(dir);
+}
+
 // Refusals: a batch with fewer rows than devices, a module off the primary device; a replica that
 // cannot be built (out of memory on its device) leaves the module as it was.
 TEST(FullyShardedDataParallel, RefusalsLeaveTheModuleWhole) {

@@ -6,6 +6,7 @@
 #include <chorus/parallel/fully_sharded_data_parallel_impl.hpp>
 #include <chorus/parallel/replicate_impl.hpp>
 #include <chorus/parallel/scatter_impl.hpp>
+#include <chorus/parallel/shard_checkpoint_impl.hpp>
 #include <chorus/parallel/shard_unit_impl.hpp>
 #include <chorus/parallel/sharded_optimizer_impl.hpp>
 #include <chorus/parallel/stats_reducer_impl.hpp>

@@ -7,7 +7,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 
-#include "sharded_files.hpp"
+#include "../io/sharded_files.hpp"
 #include "zero_redundancy_optimizer.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -207,7 +207,7 @@ CHORUS_INLINE void zero_save_sharded(ProcessGroup& group, const optim::Optimizer
   io::TrainingState mine = with;
   if (rank != 0) mine.master = nullptr;  // the float32 masters are whole on every rank: rank 0 writes them
   std::filesystem::create_directories(dir);
-  io::detail::write_atomically(shard_file(dir, "optim", rank, world), io::detail::optimizer_image(opt, states, mine));
+  io::detail::write_atomically(io::detail::shard_file(dir, "optim", rank, world), io::detail::optimizer_image(opt, states, mine));
   group.barrier();  // every rank's file is whole before the index says so
   if (rank == 0) {
     nlohmann::json index{{"format", "chorus.zero"}, {"world", world}, {"optimizer", opt.name()}, {"metadata", metadata}};
@@ -216,7 +216,7 @@ CHORUS_INLINE void zero_save_sharded(ProcessGroup& group, const optim::Optimizer
       index["params"].push_back({{"shape", opt.parameters()[i].shape().vec()},
                                  {"dtype", dtype_name(opt.parameters()[i].dtype())},
                                  {"owner", owner[i]}});
-    write_index(dir, index);
+    io::detail::write_index(dir, index);
   }
   group.barrier();  // the checkpoint is complete when save_sharded returns on any rank
 }
@@ -224,7 +224,7 @@ CHORUS_INLINE void zero_save_sharded(ProcessGroup& group, const optim::Optimizer
 CHORUS_INLINE io::Metadata zero_load_sharded(ProcessGroup& group, optim::Optimizer& opt, const std::vector<int>& owner,
                                              const std::string& dir, const io::TrainingState& with) {
   group.check_usable("ZeroRedundancyOptimizer::load_sharded");
-  const auto index = read_index(dir, "chorus.zero", "params", "ZeroRedundancyOptimizer::load_sharded",
+  const auto index = io::detail::read_index(dir, "chorus.zero", "params", "ZeroRedundancyOptimizer::load_sharded",
                                 "a ZeroRedundancyOptimizer index");
   CHORUS_CHECK(index["params"].is_array(), "ZeroRedundancyOptimizer::load_sharded: '", dir,
                "/index.json' is not a ZeroRedundancyOptimizer index");
@@ -246,7 +246,7 @@ CHORUS_INLINE io::Metadata zero_load_sharded(ProcessGroup& group, optim::Optimiz
   std::map<int, io::File> files;  // the old ranks' files, opened as they are needed
   auto file = [&](int q) -> const io::File& {
     auto it = files.find(q);
-    if (it == files.end()) it = files.emplace(q, io::read(shard_file(dir, "optim", q, old_world))).first;
+    if (it == files.end()) it = files.emplace(q, io::read(io::detail::shard_file(dir, "optim", q, old_world))).first;
     return it->second;
   };
   std::vector<nn::Module::NamedTensor> tensors;
@@ -268,7 +268,7 @@ CHORUS_INLINE io::Metadata zero_load_sharded(ProcessGroup& group, optim::Optimiz
   // The optimizer's file as if consolidated, with this rank's parameters' state only: io::load
   // checks it all before anything changes, and load_state keeps this rank's shard.
   load(opt, io::parse(io::detail::serialise(tensors, first.metadata)), with);
-  return index_metadata(index);
+  return io::detail::index_metadata(index);
 }
 
 }  // namespace detail

@@ -5,6 +5,7 @@
 // "master.<i>" the master copy of parameter i; the metadata holds the groups' hyperparameters,
 // the scheduler's and the scaler's state.
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,11 +34,13 @@ struct TrainingState {
 }  // namespace io
 
 namespace io::detail {
-/// What save(opt, path, with) writes, for the states of the given parameters only (index into
-/// opt.parameters(), that parameter's state): a ZeroRedundancyOptimizer's rank writes its own.
+/// What save(opt, path, with) writes, for the states of the given parameters only (the index the
+/// file gives it, that parameter's state): a ZeroRedundancyOptimizer's rank writes its own, a
+/// one-process FullyShardedDataParallel each device's. `parameters`: how many parameters the file
+/// says the optimizer steps (default: opt's).
 CHORUS_INLINE std::vector<std::uint8_t> optimizer_image(
     const optim::Optimizer& opt, const std::vector<std::pair<std::size_t, const optim::Optimizer::State*>>& states,
-    const io::TrainingState& with);
+    const io::TrainingState& with, std::optional<std::size_t> parameters = std::nullopt);
 }  // namespace io::detail
 
 /// Saves an optimizer's state: tensor "<i>.<key>" is entry `key` of parameter i's state; the

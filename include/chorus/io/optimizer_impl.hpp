@@ -29,7 +29,7 @@ CHORUS_INLINE void save(const optim::Optimizer& opt, const std::string& path, co
 
 CHORUS_INLINE std::vector<std::uint8_t> io::detail::optimizer_image(
     const optim::Optimizer& opt, const std::vector<std::pair<std::size_t, const optim::Optimizer::State*>>& states,
-    const io::TrainingState& with) {
+    const io::TrainingState& with, std::optional<std::size_t> parameters) {
   const optim::LRScheduler* scheduler = with.scheduler;
   std::vector<nn::Module::NamedTensor> tensors;
   for (const auto& [i, state] : states)
@@ -42,7 +42,7 @@ CHORUS_INLINE std::vector<std::uint8_t> io::detail::optimizer_image(
   }
   io::Metadata meta{{"format", "chorus.optimizer"},
                     {"optimizer", opt.name()},
-                    {"parameters", std::to_string(opt.parameters().size())},
+                    {"parameters", std::to_string(parameters.value_or(opt.parameters().size()))},
                     {"groups", std::to_string(opt.num_groups())}};
   for (std::size_t g = 0; g < opt.num_groups(); ++g) {
     meta["group." + std::to_string(g) + ".lr"] = io::detail::number(opt.lr(g));

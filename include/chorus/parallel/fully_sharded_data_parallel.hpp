@@ -49,6 +49,7 @@
 #include "../compiled.hpp"
 #include "data_parallel.hpp"
 #include "fully_shard.hpp"
+#include "shard_checkpoint.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace parallel {
@@ -97,6 +98,16 @@ class ShardReplicaScope final : public CloneScope {
   const std::unordered_set<const void*>& params_;
 };
 
+/// save_sharded of a one-process FullyShardedDataParallel: a member per replica (units[r]).
+CHORUS_INLINE void save_replica_shards(const std::vector<std::vector<std::shared_ptr<FsdpUnit>>>& units,
+                                       const std::vector<nn::Module::NamedTensor>& buffers,
+                                       const optim::Optimizer& opt, const std::string& dir,
+                                       const io::TrainingState& with, const io::Metadata& metadata);
+/// load_sharded of a one-process FullyShardedDataParallel; returns the saved metadata.
+CHORUS_INLINE io::Metadata load_replica_shards(const std::vector<std::vector<std::shared_ptr<FsdpUnit>>>& units,
+                                               const std::vector<nn::Module::NamedTensor>& buffers,
+                                               optim::Optimizer& opt, const std::string& dir,
+                                               const io::TrainingState& with);
 /// Rows per device for a batch of `batch` over `devices`: as even as they come, every device some.
 CHORUS_INLINE ChunkPlan even_chunks(std::int64_t batch, std::size_t devices);
 /// The flat parameter of unit `u` (the units[r][u] of every replica) put together from every
@@ -206,6 +217,21 @@ class FullyShardedDataParallel : public DataParallelCore {
     for (const auto& b : nn::module_of(module_).named_buffers())
       b.tensor.visit([&](const auto& x) { out.push_back({b.name, AnyTensor(x.detach().clone())}); });
     return out;
+  }
+
+  /// Writes a checkpoint of every device's shards, `opt` (which steps parameters()) and what
+  /// `with` names into directory `dir`: a model and an optimizer file per device and an index
+  /// with `metadata`, never the whole model at once, in the files of
+  /// dist::FullyShardedDataParallel::save_sharded with a device for a rank (Note [resharding
+  /// checkpoints]).
+  void save_sharded(const optim::Optimizer& opt, const std::string& dir, const io::TrainingState& with = {},
+                    const io::Metadata& metadata = {}) const {
+    detail::save_replica_shards(units_, nn::module_of(module_).named_buffers(), opt, dir, with, metadata);
+  }
+  /// Reads a checkpoint that save_sharded wrote over any number of devices into the shards, `opt`
+  /// and what `with` names; returns the metadata saved with it. Nothing changes on a mismatch.
+  io::Metadata load_sharded(optim::Optimizer& opt, const std::string& dir, const io::TrainingState& with = {}) {
+    return detail::load_replica_shards(units_, nn::module_of(module_).named_buffers(), opt, dir, with);
   }
 
   /// The wrapped module (replica 0). Its parameters view no memory outside their unit's forward

@@ -53,6 +53,62 @@ CHORUS_INLINE std::shared_ptr<void> ShardReplicaScope::copy_tensor(const void* i
   });
 }
 
+/// Each replica's units with parameters, in order.
+inline std::vector<UnitList> unit_lists(const std::vector<std::vector<std::shared_ptr<FsdpUnit>>>& units) {
+  std::vector<UnitList> lists(units.size());
+  for (std::size_t r = 0; r < units.size(); ++r)
+    for (const auto& u : units[r])
+      if (!u->empty()) lists[r].push_back(u.get());
+  return lists;
+}
+
+CHORUS_INLINE void save_replica_shards(const std::vector<std::vector<std::shared_ptr<FsdpUnit>>>& units,
+                                       const std::vector<nn::Module::NamedTensor>& buffers,
+                                       const optim::Optimizer& opt, const std::string& dir,
+                                       const io::TrainingState& with, const io::Metadata& metadata) {
+  CHORUS_CHECK(with.master == nullptr, "FullyShardedDataParallel::save_sharded: the wrapper keeps float32 master "
+                                      "shards itself (shard_dtype); there are no amp::MasterWeights to save");
+  const auto lists = unit_lists(units);
+  const std::size_t n = lists.size(), k_units = lists[0].size();
+  const auto params = opt.parameters();
+  CHORUS_CHECK(params.size() == k_units * n, "FullyShardedDataParallel::save_sharded: the optimizer steps ",
+               params.size(), " tensors; it must step the wrapper's parameters() (", k_units * n, " shards)");
+  for (std::size_t k = 0; k < k_units; ++k)
+    for (std::size_t r = 0; r < n; ++r)
+      CHORUS_CHECK(params[k * n + r].impl_key() == lists[r][k]->shard().impl_key(),
+                   "FullyShardedDataParallel::save_sharded: the optimizer's parameter ", k * n + r,
+                   " is not the shard of '", lists[r][k]->shard_name(), "' on device ", r,
+                   "; build it over parameters()");
+  for (std::size_t r = 0; r < n; ++r) {
+    const int rank = static_cast<int>(r), world = static_cast<int>(n);
+    write_shard_file(dir, lists[r], rank, world, r == 0 ? buffers : std::vector<nn::Module::NamedTensor>{});
+    std::vector<std::pair<std::size_t, const optim::Optimizer::State*>> states;
+    for (std::size_t k = 0; k < k_units; ++k) states.emplace_back(k, &opt.state()[k * n + r]);
+    io::detail::write_atomically(io::detail::shard_file(dir, "optim", rank, world),
+                                 io::detail::optimizer_image(opt, states, with, k_units));
+  }
+  io::detail::write_index(dir, shard_index(lists[0], static_cast<int>(n), metadata));  // last: the files are whole
+}
+
+CHORUS_INLINE io::Metadata load_replica_shards(const std::vector<std::vector<std::shared_ptr<FsdpUnit>>>& units,
+                                               const std::vector<nn::Module::NamedTensor>& buffers,
+                                               optim::Optimizer& opt, const std::string& dir,
+                                               const io::TrainingState& with) {
+  const auto lists = unit_lists(units);
+  const std::size_t n = lists.size();
+  ShardReader reader(dir, lists[0], "load_sharded");
+  std::vector<nn::Module::NamedTensor> state;
+  std::vector<std::vector<AnyTensor>> shards;
+  for (std::size_t r = 0; r < n; ++r)
+    shards.push_back(reader.read(lists[r], static_cast<int>(r), [&](std::size_t k) { return k * n + r; }, state));
+  io::Metadata meta = reader.first_optim().metadata;  // the groups, scheduler and scaler (the same in every file)
+  meta["parameters"] = std::to_string(opt.parameters().size());
+  chorus::load(opt, io::parse(io::detail::serialise(state, meta)), with);  // refuses, changing nothing, on a mismatch
+  for (std::size_t r = 0; r < n; ++r) set_shards(lists[r], shards[r]);
+  reader.read_buffers(buffers);
+  return io::detail::index_metadata(reader.index());
+}
+
 CHORUS_INLINE ChunkPlan even_chunks(std::int64_t batch, std::size_t devices) {
   const auto k = static_cast<std::int64_t>(devices);
   ChunkPlan plan;
