@@ -9,9 +9,13 @@
 #include <unistd.h>
 
 #include "data_parallel_util.hpp"
+#include "fsdp_models.hpp"
 
 using namespace chorus;
+using chorus::testing::by_name;
 using chorus::testing::cpus;
+using chorus::testing::Deep;
+using chorus::testing::HalfNet;
 using chorus::testing::Net;
 using chorus::testing::throws_with;
 
@@ -247,13 +251,6 @@ TEST(ShardedGradients, AnotherDataParallelsOptimizerIsRefused) {
 
 namespace {
 
-std::map<std::string, std::vector<double>> by_name(const std::vector<nn::Module::NamedTensor>& ts) {
-  std::map<std::string, std::vector<double>> out;
-  for (const auto& [name, t] : ts)
-    out[name] = t.visit([](const auto& x) { return x.contiguous().template to<double>().to_vector(); });
-  return out;
-}
-
 double max_difference(const std::map<std::string, std::vector<double>>& a,
                       const std::map<std::string, std::vector<double>>& b) {
   EXPECT_EQ(a.size(), b.size());
@@ -354,22 +351,6 @@ TEST(FullyShardedDataParallel, TheModuleGetsItsParametersBack) {
   EXPECT_EQ(by_name(named), trained);
 }
 
-/// Twelve blocks of 64x64: Adam over the whole model needs its parameters, gradients and two
-/// moments (4 x 8 bytes a parameter, double); sharded over 4 devices, a quarter of that on each
-/// and a block's gathered parameters and gradients.
-struct Deep : nn::Module {
-  std::vector<parallel::FullyShard<nn::LinearT<double>>> blocks;
-  Deep() {
-    for (int i = 0; i < 12; ++i)
-      blocks.push_back(register_module("b" + std::to_string(i), parallel::FullyShard(nn::LinearT<double>(64, 64))));
-  }
-  Tensor<double> forward(const Tensor<double>& x) {
-    auto h = x;
-    for (auto& b : blocks) h = tanh(b(h));
-    return h;
-  }
-};
-
 // A model whose Adam training does not fit one device's memory trains over four, and its losses
 // equal the unsharded run's where that fits.
 TEST(FullyShardedDataParallel, ModelLargerThanOneDeviceTrainsOverFourDevices) {
@@ -419,11 +400,6 @@ TEST(FullyShardedDataParallel, ModelLargerThanOneDeviceTrainsOverFourDevices) {
 // Mixed precision (Note [sharded master weights]): a bfloat16 module with float32 shards keeps
 // the updates that bfloat16 parameters would round away (each step moves every parameter by 2e-4,
 // under half a bfloat16 step from 0.25 up).
-struct HalfNet : nn::Module {
-  parallel::FullyShard<nn::LinearT<bfloat16>> fc;
-  HalfNet() : fc(register_module("fc", parallel::FullyShard(nn::LinearT<bfloat16>(8, 8)))) {}
-  Tensor<bfloat16> forward(const Tensor<bfloat16>& x) { return fc(x); }
-};
 TEST(FullyShardedDataParallel, Bfloat16ComputeWithFloat32Shards) {
   const int steps = 40;
   const double lr = 5e-5;  // the gradient of out.sum() with 4 rows of ones is 4 for every parameter

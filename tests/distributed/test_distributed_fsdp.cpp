@@ -6,6 +6,7 @@
 // device's memory trains over 4 ranks; misuse is refused. Part of the test_distributed binary
 // (mpirun -np 1 … 4).
 #include "dist_test_util.hpp"
+#include "../fsdp_models.hpp"
 
 #include <chorus/distributed/fsdp.hpp>
 
@@ -18,6 +19,9 @@
 
 using namespace chorus;
 using namespace dist_test;
+using chorus::testing::by_name;
+using chorus::testing::Deep;
+using chorus::testing::HalfNet;
 
 namespace {
 
@@ -32,12 +36,6 @@ struct Net : nn::Module {
   Tensor<double> forward(const Tensor<double>& x) { return head(tanh(l2(tanh(l1(x))))); }
 };
 
-std::map<std::string, std::vector<double>> by_name(const std::vector<nn::Module::NamedTensor>& ts) {
-  std::map<std::string, std::vector<double>> out;
-  for (const auto& [name, t] : ts)
-    out[name] = t.visit([](const auto& x) { return x.contiguous().template to<double>().to_vector(); });
-  return out;
-}
 
 /// FSDP over the world, each rank on its `rows` of every step's batch, against the plain model
 /// on the whole batch in this process: the same parameters (1e-12) after every step.
@@ -219,11 +217,6 @@ TEST(DistFsdp, Refusals) {
 // the updates that bfloat16 parameters would round away. Each step moves every parameter by 2e-4,
 // under half a bfloat16 step for weights from 0.25 up, so a bfloat16 update would leave those
 // where they were; the gathered bfloat16 parameters are the rounded float32 sums of all the steps.
-struct HalfNet : nn::Module {
-  dist::FullyShard<nn::LinearT<bfloat16>> fc;
-  HalfNet() : fc(register_module("fc", dist::FullyShard(nn::LinearT<bfloat16>(8, 8)))) {}
-  Tensor<bfloat16> forward(const Tensor<bfloat16>& x) { return fc(x); }
-};
 TEST(DistFsdp, Bfloat16ComputeWithFloat32Shards) {
   const int steps = 40;
   const double lr = 5e-5;  // the gradient of out.sum() with 4 rows of ones is 4 for every parameter
@@ -301,22 +294,6 @@ TEST(DistFsdp, ShardedCheckpointRoundTripAndRefusals) {
   pg().barrier();
   if (pg().rank() == 0) std::filesystem::remove_all(dir);
 }
-
-/// Twelve blocks of 64x64: Adam over the whole model needs its parameters, gradients and two
-/// moments (4 x 8 bytes a parameter, double); sharded over 4 ranks, a quarter of that and a few
-/// blocks' gathered parameters and gradients.
-struct Deep : nn::Module {
-  std::vector<dist::FullyShard<nn::LinearT<double>>> blocks;
-  Deep() {
-    for (int i = 0; i < 12; ++i)
-      blocks.push_back(register_module("b" + std::to_string(i), dist::FullyShard(nn::LinearT<double>(64, 64))));
-  }
-  Tensor<double> forward(const Tensor<double>& x) {
-    auto h = x;
-    for (auto& b : blocks) h = tanh(b(h));
-    return h;
-  }
-};
 
 TEST(DistFsdp, ModelLargerThanOneDeviceTrainsOverFourRanks) {
   if (pg().world_size() != 4) GTEST_SKIP() << "needs 4 ranks";

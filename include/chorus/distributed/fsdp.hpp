@@ -207,14 +207,7 @@ class FullyShardedDataParallel {
   const M& module() const { return module_; }
   void train(bool on = true) { nn::module_of(module_).train(on); }
   void eval() { train(false); }
-  void zero_grad(bool set_to_none = true) {
-    for (auto& p : parameters())
-      p.visit([&](auto& t) {
-        if (!t.grad().defined()) return;
-        if (set_to_none) t.set_grad(std::decay_t<decltype(t)>());
-        else backend::fill(t.grad(), typename std::decay_t<decltype(t)>::value_type(0));
-      });
-  }
+  void zero_grad(bool set_to_none = true) { parallel::detail::zero_shard_grads(parameters(), set_to_none); }
   /// The device of the module's parameters.
   Device device() const { return device_; }
   ProcessGroup& process_group() const { return group_; }

@@ -243,14 +243,7 @@ class FullyShardedDataParallel : public DataParallelCore {
   }
   void eval() { train(false); }
   bool is_training() const { return nn::module_of(module_).is_training(); }
-  void zero_grad(bool set_to_none = true) {
-    for (auto& p : parameters())
-      p.visit([&](auto& t) {
-        if (!t.grad().defined()) return;
-        if (set_to_none) t.set_grad(std::decay_t<decltype(t)>());
-        else backend::fill(t.grad(), typename std::decay_t<decltype(t)>::value_type(0));
-      });
-  }
+  void zero_grad(bool set_to_none = true) { parallel::detail::zero_shard_grads(parameters(), set_to_none); }
   /// The units' names, the root ("") first, and how many parameter elements each holds.
   std::vector<std::pair<std::string, std::int64_t>> units() const {
     std::vector<std::pair<std::string, std::int64_t>> out;

@@ -200,6 +200,9 @@ CHORUS_INLINE AnyTensor convert_any(const AnyTensor& t, DType to);
 /// Waits for every reduce-scatter in flight and adds the results to the shards' gradients.
 CHORUS_INLINE void finish_all_gradients(FsdpShared& shared);
 
+/// zero_grad of a FullyShardedDataParallel: each shard's gradient dropped (set_to_none) or zeroed.
+CHORUS_INLINE void zero_shard_grads(const std::vector<AnyTensor>& shards, bool set_to_none);
+
 /// The node of a unit's forward (Note [fully sharded parameters]): next edges are the unit's
 /// tensor inputs, then the edges out of it other than to its own parameters.
 template <class T>

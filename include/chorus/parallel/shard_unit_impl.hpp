@@ -205,5 +205,15 @@ CHORUS_INLINE void finish_all_gradients(FsdpShared& shared) {
   for (auto* u : reducing) u->finish_gradients();
 }
 
+CHORUS_INLINE void zero_shard_grads(const std::vector<AnyTensor>& shards, bool set_to_none) {
+  NoGradGuard ng;
+  for (const auto& p : shards)
+    p.visit([&](const auto& t) {
+      if (!t.grad().defined()) return;
+      if (set_to_none) t.set_grad(std::decay_t<decltype(t)>());
+      else backend::fill(t.grad(), typename std::decay_t<decltype(t)>::value_type(0));
+    });
+}
+
 }  // namespace parallel::detail
 CHORUS_NAMESPACE_END
