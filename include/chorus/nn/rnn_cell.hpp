@@ -100,8 +100,8 @@ std::vector<Tensor<T>> gate_chunks(const Tensor<T>& x, int n) {
 }
 
 // The time steps. `gi` is the input projection W_ih x + b_ih of this step (computed for a whole
-// sequence at once by the layers), `h`/`c` the state; the recurrent product is one GEMM.
-// A fused gate kernel (one pass over the gates instead of ~10 elementwise ops) is later work.
+// sequence at once by the layers), `h`/`c` the state; the recurrent product is one GEMM, the
+// gates ~10 elementwise operations.
 
 /// Elman RNN: h' = act(gi + W_hh h + b_hh), act = tanh or relu.
 template <class T>

@@ -525,8 +525,7 @@ Tensor<T> adaptive_avg_pool2d(const Tensor<T>& x, Pair output_size) {
 /// Rows of `weight` [num, dim] picked by `indices` (any shape): output indices.shape + [dim].
 /// The row `padding_idx` gets no gradient, as in torch.nn.functional.embedding: nullopt (the
 /// default) for none; a negative index counts from the end (-1 is the last row), as in PyTorch
-/// and nn::Embedding. (It used to be a plain int64 where -1 meant "none": F::embedding(i, w, -1)
-/// silently trained the last row that PyTorch freezes.)
+/// and nn::Embedding (so "none" is nullopt, never -1, which is the last row PyTorch freezes).
 template <class T>
 Tensor<T> embedding(const Tensor<std::int64_t>& indices, const Tensor<T>& weight,
                     std::optional<std::int64_t> padding_idx = std::nullopt) {
