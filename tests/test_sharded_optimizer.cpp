@@ -16,7 +16,9 @@ using namespace chorus;
 using chorus::testing::by_name;
 using chorus::testing::cpus;
 using chorus::testing::Deep;
+using chorus::testing::expect_float32_shards_keep_small_updates;
 using chorus::testing::HalfNet;
+using chorus::testing::MemoryLimits;
 using chorus::testing::Net;
 using chorus::testing::throws_with;
 
@@ -357,12 +359,7 @@ TEST(FullyShardedDataParallel, TheModuleGetsItsParametersBack) {
 TEST(FullyShardedDataParallel, ModelLargerThanOneDeviceTrainsOverFourDevices) {
   const auto devices = cpus(4);
   const std::int64_t bytes = 12 * (64 * 64 + 64) * 8;
-  struct Lift {
-    std::vector<Device> ds;
-    ~Lift() {
-      for (auto d : ds) set_memory_limit(d, 0);
-    }
-  } lift{devices};
+  const MemoryLimits lift{devices};
   manual_seed(64);
   const Deep init;
   manual_seed(65);
@@ -404,12 +401,7 @@ TEST(FullyShardedDataParallel, ModelLargerThanOneDeviceTrainsOverFourDevices) {
 TEST(FullyShardedDataParallel, TransformerLmLargerThanOneDeviceTrainsOverFourDevices) {
   using Lm = examples::CharTransformerT<parallel::FullyShard>;
   const auto devices = cpus(4);
-  struct Lift {
-    std::vector<Device> ds;
-    ~Lift() {
-      for (auto d : ds) set_memory_limit(d, 0);
-    }
-  } lift{devices};
+  const MemoryLimits lift{devices};
   manual_seed(71);
   const Lm init(32, 16, 128, 4, 4, 0.0);  // vocab 32, 16 positions, width 128, 4 heads, 4 layers
   std::int64_t bytes = 0;
@@ -445,38 +437,14 @@ TEST(FullyShardedDataParallel, TransformerLmLargerThanOneDeviceTrainsOverFourDev
   for (std::size_t s = 0; s < got.size(); ++s) EXPECT_NEAR(got[s], want[s], 1e-5 * want[s]) << "step " << s;
 }
 
-// Mixed precision (Note [sharded master weights]): a bfloat16 module with float32 shards keeps
-// the updates that bfloat16 parameters would round away (each step moves every parameter by 2e-4,
-// under half a bfloat16 step from 0.25 up).
+// Mixed precision: a bfloat16 module with float32 shards keeps the updates that bfloat16
+// parameters would round away (expect_float32_shards_keep_small_updates, fsdp_models.hpp).
 TEST(FullyShardedDataParallel, Bfloat16ComputeWithFloat32Shards) {
-  const int steps = 40;
-  const double lr = 5e-5;  // the gradient of out.sum() with 4 rows of ones is 4 for every parameter
   manual_seed(66);
   HalfNet init;
-  const auto start = by_name(init.named_parameters());
   parallel::FullyShardedDataParallel<HalfNet> fsdp(nn::clone(init, Device::cpu(0)),
                                                    {.devices = cpus(2), .shard_dtype = DType::Float32});
-  for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.dtype(), DType::Float32);
-  optim::SGD opt(fsdp.parameters(), {.lr = lr});
-  auto x = ones<bfloat16>({4, 8});
-  for (int s = 0; s < steps; ++s) {
-    opt.zero_grad();
-    fsdp(x).sum().backward();
-    for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.grad().dtype(), DType::Float32);
-    opt.step();
-  }
-  const auto got = by_name(fsdp.full_state_dict());
-  int large = 0, moved = 0;
-  for (const auto& [name, v] : start)
-    for (std::size_t i = 0; i < v.size(); ++i) {
-      const double want = v[i] - steps * lr * 4;  // in float32, then rounded to bfloat16
-      EXPECT_NEAR(got.at(name)[i], want, std::abs(want) / 256 + 1e-6) << name << "[" << i << "]";
-      if (std::abs(v[i]) < 0.25) continue;
-      ++large;
-      moved += got.at(name)[i] != v[i];
-    }
-  EXPECT_GE(large, 5);
-  EXPECT_EQ(moved, large);
+  expect_float32_shards_keep_small_updates(fsdp, by_name(init.named_parameters()));
 }
 
 // Checkpoints that reshard (Note [resharding checkpoints]): 3 devices train 3 steps and save; the
@@ -544,9 +512,7 @@ TEST(FullyShardedDataParallel, RefusalsLeaveTheModuleWhole) {
                             {"not on the primary device cpu:0"}));
   }
   {
-    struct Lift {
-      ~Lift() { set_memory_limit(Device::cpu(2), 0); }
-    } lift;
+    const MemoryLimits lift{{Device::cpu(2)}};
     set_memory_limit(Device::cpu(2), memory_stats(Device::cpu(2)).allocated + 64);
     EXPECT_TRUE(throws_with([&] { parallel::FullyShardedDataParallel<Units> f(model, {.devices = devices}); },
                             {"in replica 2 on cpu:2", "out of memory on cpu:2"}));

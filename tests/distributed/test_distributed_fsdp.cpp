@@ -21,7 +21,9 @@ using namespace chorus;
 using namespace dist_test;
 using chorus::testing::by_name;
 using chorus::testing::Deep;
+using chorus::testing::expect_float32_shards_keep_small_updates;
 using chorus::testing::HalfNet;
+using chorus::testing::MemoryLimits;
 
 namespace {
 
@@ -213,40 +215,13 @@ TEST(DistFsdp, Refusals) {
                           {"'l1' is a unit of another FullyShardedDataParallel"}));
 }
 
-// Mixed precision (Note [sharded master weights]): a bfloat16 module with float32 shards keeps
-// the updates that bfloat16 parameters would round away. Each step moves every parameter by 2e-4,
-// under half a bfloat16 step for weights from 0.25 up, so a bfloat16 update would leave those
-// where they were; the gathered bfloat16 parameters are the rounded float32 sums of all the steps.
+// Mixed precision: a bfloat16 module with float32 shards keeps the updates that bfloat16
+// parameters would round away (expect_float32_shards_keep_small_updates, fsdp_models.hpp).
 TEST(DistFsdp, Bfloat16ComputeWithFloat32Shards) {
-  const int steps = 40;
-  const double lr = 5e-5;  // the gradient of out.sum() with 4 rows of ones is 4 for every parameter
   manual_seed(8);
   HalfNet init;
-  const auto start = by_name(init.named_parameters());
   dist::FullyShardedDataParallel<HalfNet> fsdp(nn::clone(init, Device::cpu()), {.shard_dtype = DType::Float32});
-  for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.dtype(), DType::Float32);
-  optim::SGD opt(fsdp.parameters(), {.lr = lr});
-  auto x = ones<bfloat16>({4, 8});
-  for (int s = 0; s < steps; ++s) {
-    opt.zero_grad();
-    fsdp(x).sum().backward();
-    for (const auto& p : fsdp.parameters()) EXPECT_EQ(p.grad().dtype(), DType::Float32);
-    opt.step();
-  }
-  const auto got = by_name(fsdp.full_state_dict());
-  int large = 0, moved = 0;
-  for (const auto& [name, v] : start)
-    for (std::size_t i = 0; i < v.size(); ++i) {
-      const double want = v[i] - steps * lr * 4;  // in float32, then rounded to bfloat16
-      EXPECT_NEAR(got.at(name)[i], want, std::abs(want) / 256 + 1e-6) << name << "[" << i << "]";
-      if (std::abs(v[i]) < 0.25) continue;  // from 0.25 up, one step is under half a bfloat16 step
-      const double one_step = static_cast<double>(static_cast<float>(bfloat16(static_cast<float>(v[i] - lr * 4))));
-      ASSERT_EQ(one_step, v[i]) << "one step rounds away in bfloat16";
-      ++large;
-      moved += got.at(name)[i] != v[i];
-    }
-  EXPECT_GE(large, 5);
-  EXPECT_EQ(moved, large);
+  expect_float32_shards_keep_small_updates(fsdp, by_name(init.named_parameters()));
 }
 
 // Sharded checkpoints (Note [resharding checkpoints]; resuming on other worlds is
@@ -299,10 +274,7 @@ TEST(DistFsdp, ModelLargerThanOneDeviceTrainsOverFourRanks) {
   if (pg().world_size() != 4) GTEST_SKIP() << "needs 4 ranks";
   const Device d = Device::cpu(0);
   const std::int64_t params = 12 * (64 * 64 + 64), bytes = params * 8;
-  struct Lift {
-    Device d;
-    ~Lift() { set_memory_limit(d, 0); }
-  } lift{d};
+  const MemoryLimits lift{{d}};
   manual_seed(4);
   auto x = randn<double>({8, 64});
   auto train = [&](auto&& forward, std::vector<AnyTensor> ps) {
