@@ -7,6 +7,9 @@
 //                [--rounds R (7)] [--repeats N (timed steps per round)] [--json FILE] [--peer LIBTORCH_BENCH]
 //                [--bf16]  (mlp-medium and transformer-lm also in bfloat16 with float32 master weights)
 //                [--sharded]  (DataParallel over k > 1 devices also with parallel::ShardedOptimizer)
+//                [--profile FILE]  (after each workload's rounds, 5 steps of DataParallel over the most
+//                 devices recorded by chorus::profiler: FILE.<workload>.json, and their summary in
+//                 the JSON's "profiles": the devices' imbalance, copies, reductions, optimizer)
 // Each DataParallel over k > 1 devices also gets its ceiling (class Ceiling): k threads each
 // stepping a model of its own on 1/k of the batch, the computation alone. The run first names
 // the CPU (model and vector extensions), the route of its matrix products (Note [which GEMM])
@@ -35,6 +38,7 @@
 #include <string>
 #include <thread>
 
+#include "../examples/profile_option.hpp"
 #include "../examples/resnet.hpp"
 #include "bench_util.hpp"
 #include "lm_models.hpp"
@@ -322,12 +326,35 @@ double sgemm_peak(int threads) {
 
 }  // namespace
 
+/// 5 steps of workload `w` under DataParallel over `k` devices (after 2 warm-up steps) recorded
+/// by chorus::profiler: the trace in `path` tagged with the workload, the summary as JSON.
+nlohmann::json profile_workload(const std::string& w, int k, const std::string& path) {
+  set_num_threads(1);
+  std::vector<Device> devs;
+  for (int d = 0; d < k; ++d) devs.push_back(Device::cpu(d));
+  auto step = make_workload(w, devs, false);
+  step();
+  step();
+  auto prof = profiler::start();
+  for (int s = 0; s < 5; ++s) {
+    step();
+    prof.step();
+  }
+  const auto& p = prof.stop();
+  const std::string file = examples::tagged_path(path, w);
+  p.save(file);
+  const auto summary = p.summary();
+  std::fprintf(stderr, "profile of %s, DataParallel over %d devices (%s):\n%s", w.c_str(), k, file.c_str(),
+               summary.table().c_str());
+  return {{"workload", w}, {"devices", k}, {"trace", file}, {"steps", nlohmann::json::parse(summary.json())["steps"]}};
+}
+
 int main(int argc, char** argv) try {
   std::vector<int> threads = {1, 2}, devices = {1, 2};
   std::vector<std::string> workloads = {"tutorial", "mlp-small", "mlp-medium", "resnet20-cifar", "lstm-lm", "transformer-lm"};
   int repeats = 0, rounds = 7;
   bool bf16 = false, sharded = false;
-  std::string json_path = "chorus_bench.json", peer;
+  std::string json_path = "chorus_bench.json", peer, profile_path;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -354,10 +381,13 @@ int main(int argc, char** argv) try {
       bf16 = true;
     } else if (a == "--sharded") {
       sharded = true;
+    } else if (a == "--profile") {
+      profile_path = next();
     } else {
       std::cerr << "usage: chorus_bench [--threads 1,2] [--devices 1,2]"
                    " [--workloads tutorial,mlp-small,mlp-medium,resnet20-cifar,lstm-lm,transformer-lm]"
-                   " [--rounds R] [--repeats N] [--json FILE] [--peer LIBTORCH_BENCH] [--bf16] [--sharded]\n";
+                   " [--rounds R] [--repeats N] [--json FILE] [--peer LIBTORCH_BENCH] [--bf16] [--sharded]"
+                   " [--profile FILE]\n";
       return 2;
     }
   }
@@ -397,7 +427,7 @@ int main(int argc, char** argv) try {
   json peaks = json::object();
   for (const auto& [t, g] : peak) peaks[std::to_string(t)] = g;
   json records = json::array(), ratios = json::array(), scaling = json::array(), mixed = json::array(),
-       overhead = json::array();
+       overhead = json::array(), profiles = json::array();
   auto write_json = [&] {  // after every workload: an interrupted run keeps what it measured
     json doc = {{"machine", {{"cores", std::thread::hardware_concurrency()}, {"cpu", cpu}, {"gemm", route},
                              {"cpu_capability", capability}, {"sgemm_peak_gflops", peaks}}},
@@ -407,7 +437,8 @@ int main(int argc, char** argv) try {
                 {"ratios", ratios},
                 {"scaling", scaling},
                 {"over_ceiling", overhead},
-                {"bf16_over_float32", mixed}};
+                {"bf16_over_float32", mixed},
+                {"profiles", profiles}};
     std::ofstream(json_path) << doc.dump(2) << "\n";
   };
   std::vector<std::string> table;
@@ -541,6 +572,7 @@ int main(int argc, char** argv) try {
     }
     for (auto& r : ours) records.push_back(r);
     for (auto& r : peer_records) records.push_back(r);
+    if (!profile_path.empty() && max_dev > 1 && w != "tutorial") profiles.push_back(profile_workload(w, max_dev, profile_path));
     write_json();
   }
 

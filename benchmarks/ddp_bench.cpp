@@ -12,10 +12,13 @@
 //   plain_ms  (1 process) the plain module's step without DistributedDataParallel: the baseline
 //   held_bytes  what rank 0 holds after the timed steps (parameters, gradients, optimizer state)
 //   grad_bytes  of that, its gradients
+//   profiled_hidden_percent, profiled_comm_ms  (--profile FILE) from chorus::profiler over 5
+//               more steps: the share of the all-reduces' time during which backward computed,
+//               and their time, medians over the steps; each rank writes FILE.rank<R>.json
 //
 //   mpirun -np N ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB (default 25)]
 //                          [--optimizer sgd|adam|zero1|zero2|zero3] [--width W (1024)]
-//                          [--workload mlp|transformer-lm]
+//                          [--workload mlp|transformer-lm] [--profile FILE]
 // zero1: ZeroRedundancyOptimizer<Adam>; zero2: the same with DistributedDataParallel::shard_gradients;
 // zero3: dist::FullyShardedDataParallel with each Linear a unit, and Adam over the shards (its
 // line has step_ms and the bytes only: no buckets, no no_sync).
@@ -30,6 +33,7 @@
 #include <vector>
 
 #include "../examples/lm_models.hpp"
+#include "../examples/profile_option.hpp"
 
 using namespace chorus;
 
@@ -105,7 +109,17 @@ struct Options {
   int steps = 20, warmup = 3, batch = 512;
   double bucket_mb = 25;  // DistributedDataParallel's default cap
   std::string optimizer = "sgd";
+  std::string profile;  // --profile FILE: a trace of 5 steps per rank
 };
+
+/// The median of `field` over the profile's steps.
+double median_of(const profiler::Summary& s, double profiler::StepSummary::*field) {
+  std::vector<double> v;
+  for (const auto& step : s.steps) v.push_back(step.*field);
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
 
 /// One form of one workload: `plain` and `units` build the model without and with FullyShard
 /// units, `x` is this rank's input and `loss_of` maps the model's output to the loss.
@@ -174,13 +188,29 @@ int bench(dist::ProcessGroup& pg, const Options& o, const std::string& workload,
     });
   }
   const double hidden = comm_ms > 0 ? std::clamp(1.0 - (step_ms - local_ms) / comm_ms, 0.0, 1.0) : 0.0;
+  // The same steps seen by the profiler: how much of the all-reduces' time backward computed.
+  double profiled_hidden = -1, profiled_comm = -1;
+  if (!o.profile.empty()) {
+    auto prof = profiler::start();
+    for (int s = 0; s < 5; ++s) {
+      step();
+      prof.step();
+    }
+    const auto& p = prof.stop();
+    p.save(examples::tagged_path(o.profile, "rank" + std::to_string(pg.rank())));
+    const auto summary = p.summary();
+    profiled_hidden = median_of(summary, &profiler::StepSummary::hidden_percent);
+    profiled_comm = median_of(summary, &profiler::StepSummary::communication_ms);
+    if (pg.rank() == 0) std::fprintf(stderr, "%s", summary.table().c_str());
+  }
   if (pg.rank() == 0)
     std::printf(
         "{\"workload\": \"%s\", \"processes\": %d, \"global_batch\": %d, \"buckets\": %zu, "
         "\"gradient_bytes\": %zu, \"step_ms\": %.2f, \"local_ms\": %.2f, \"comm_ms\": %.2f, \"hidden\": %.2f, "
-        "\"plain_ms\": %.2f, \"optimizer\": \"%s\", \"held_bytes\": %lld, \"grad_bytes\": %zu}\n",
+        "\"plain_ms\": %.2f, \"optimizer\": \"%s\", \"held_bytes\": %lld, \"grad_bytes\": %zu, "
+        "\"profiled_hidden_percent\": %.1f, \"profiled_comm_ms\": %.2f}\n",
         workload.c_str(), world, o.batch, buckets.size(), bytes, step_ms, local_ms, comm_ms, hidden, plain_ms,
-        o.optimizer.c_str(), static_cast<long long>(held_bytes), grad_bytes);
+        o.optimizer.c_str(), static_cast<long long>(held_bytes), grad_bytes, profiled_hidden, profiled_comm);
   return 0;
 }
 }  // namespace
@@ -198,9 +228,11 @@ int main(int argc, char** argv) try {
     else if (a == "--optimizer") o.optimizer = argv[i + 1];
     else if (a == "--width") width = std::stoll(argv[i + 1]);
     else if (a == "--workload") workload = argv[i + 1];
+    else if (a == "--profile") o.profile = argv[i + 1];
     else {
       std::fprintf(stderr, "usage: ddp_bench [--steps S] [--warmup W] [--batch B] [--bucket-mb MB] "
-                           "[--optimizer sgd|adam|zero1|zero2|zero3] [--width W] [--workload mlp|transformer-lm]\n");
+                           "[--optimizer sgd|adam|zero1|zero2|zero3] [--width W] [--workload mlp|transformer-lm] "
+                           "[--profile FILE]\n");
       return 2;
     }
   }

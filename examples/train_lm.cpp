@@ -7,6 +7,7 @@
 //            [--epochs E] [--steps S] [--batch B] [--seq-len L] [--lr LR] [--hidden H] [--layers N]
 //            [--dropout P] [--out DIR] [--resume] [--stop-after E] [--sample N] [--temperature T]
 //            [--prompt TEXT] [--seed S] [--checkpoint] [--fsdp] [--memory-limit MIB]
+//            [--profile FILE [--profile-steps N]]
 //
 // The text (by default the GPL-3 licence text every Debian machine has) is read as bytes: the
 // vocabulary is the set of distinct bytes, the first 90% trains and the last 10% validates.
@@ -24,6 +25,8 @@
 // checkpoint (OUT/sharded, one file a process), which --resume reads on any number of processes.
 // --memory-limit MIB caps each training device's memory (set_memory_limit) once the model is
 // built: what does not fit then stops with an out-of-memory error naming the device.
+// --profile FILE: a Chrome trace of N steps (default 5) after 2 warm-up steps, and their summary
+// (examples/profile_option.hpp; under --distributed a file per rank).
 #include <chorus/distributed.hpp>
 
 #include <algorithm>
@@ -41,6 +44,7 @@
 #include <unistd.h>
 
 #include "device_options.hpp"
+#include "profile_option.hpp"
 #include "lm_models.hpp"
 
 using namespace chorus;
@@ -56,6 +60,7 @@ struct Config {
   std::int64_t steps = 0, hidden = 0;
   double lr = 0, dropout = -1, temperature = 0.8, memory_limit_mib = 0;
   std::uint64_t seed = 1;
+  mutable examples::ProfileOption profile;  // --profile: records steps while training
 };
 
 /// The text as token ids, and the vocabulary (the distinct bytes, in byte order).
@@ -314,6 +319,7 @@ int train(const Config& c, const Corpus& corpus, M model, const std::string& des
         else nn::utils::clip_grad_norm_(params, 1.0);
         opt.step();
         sched.step();
+        c.profile.after_step(c.distributed ? world.rank : -1);
         loss_avg = s == 0 ? loss.item() : 0.9 * loss_avg + 0.1 * loss.item();
         const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         if (world.reports())
@@ -371,7 +377,8 @@ void usage(const char* argv0) {
             << " [--model lstm|transformer] [--data FILE] [--cpu N | --gpus | --distributed] [--epochs E]"
                " [--steps S] [--batch B] [--seq-len L] [--lr LR] [--hidden H] [--layers N] [--dropout P]"
                " [--out DIR] [--resume] [--stop-after E] [--sample N] [--temperature T] [--prompt TEXT]"
-               " [--seed S] [--checkpoint] [--fsdp] [--memory-limit MIB]\n";
+               " [--seed S] [--checkpoint] [--fsdp] [--memory-limit MIB]"
+            << examples::ProfileOption::usage() << "\n";
 }
 
 }  // namespace
@@ -385,7 +392,7 @@ int main(int argc, char** argv) try {
       if (i + 1 >= argc) throw Error(a + " needs a value");
       return std::string(argv[++i]);
     };
-    if (examples::parse_device_option(i, argc, argv, c.devices)) continue;
+    if (examples::parse_device_option(i, argc, argv, c.devices) || c.profile.parse(i, argc, argv)) continue;
     if (a == "--model") c.model = value();
     else if (a == "--data") c.data = value();
     else if (a == "--distributed") c.distributed = true;

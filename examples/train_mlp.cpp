@@ -1,12 +1,14 @@
 // Trains an MLP classifier on a synthetic task with DataParallel over the available devices,
 // showing a progress bar with the loss and samples/s, and the final accuracy.
 //
-//   train_mlp [--cpu N | --gpus] [--epochs E] [--batch B]
-//   mpirun -np 2 train_mlp --distributed [--epochs E] [--batch B]
+//   train_mlp [--cpu N | --gpus] [--epochs E] [--batch B] [--profile FILE [--profile-steps N]]
+//   mpirun -np 2 train_mlp --distributed [--epochs E] [--batch B] [--profile FILE]
 //
 // --distributed: one process per device with DistributedDataParallel (see docs/distributed.md):
 // B is the global batch, each of the W processes takes B / W samples
 // of it through a DistributedSampler; rank 0 reports.
+// --profile FILE: a Chrome trace of 5 steps after 2 warm-up steps, and their summary
+// (examples/profile_option.hpp; under --distributed a file per rank).
 #include <chorus/distributed.hpp>
 
 #include <chrono>
@@ -16,6 +18,7 @@
 #include <unistd.h>
 
 #include "device_options.hpp"
+#include "profile_option.hpp"
 
 using namespace chorus;
 
@@ -78,7 +81,7 @@ double accuracy(M& model, const data::TensorDataset<float, std::int64_t>& test, 
 }
 
 /// --distributed: DistributedDataParallel, one process per device.
-int train_distributed(int epochs, int batch) {
+int train_distributed(int epochs, int batch, examples::ProfileOption& profile) {
   auto& pg = dist::init();
   const int world = pg.world_size(), rank = pg.rank();
   CHORUS_CHECK(batch % world == 0, "--batch ", batch, " is not a multiple of the ", world, " processes");
@@ -107,6 +110,7 @@ int train_distributed(int epochs, int batch) {
       opt.zero_grad();
       loss.backward();
       opt.step();
+      profile.after_step(rank);
       seen += static_cast<std::size_t>(b.data.size(0)) * world;
       loss_avg = step++ == 0 ? loss.item() : 0.9 * loss_avg + 0.1 * loss.item();
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -125,9 +129,10 @@ int main(int argc, char** argv) try {
   std::vector<Device> devices;
   int epochs = 5, batch = 256;
   bool distributed = false;
+  examples::ProfileOption profile;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (examples::parse_device_option(i, argc, argv, devices)) {
+    if (examples::parse_device_option(i, argc, argv, devices) || profile.parse(i, argc, argv)) {
       continue;
     } else if (a == "--distributed") {
       distributed = true;
@@ -136,7 +141,8 @@ int main(int argc, char** argv) try {
     } else if (a == "--batch" && i + 1 < argc) {
       batch = std::stoi(argv[++i]);
     } else {
-      std::cerr << "usage: " << argv[0] << " [--cpu N | --gpus | --distributed] [--epochs E] [--batch B]\n";
+      std::cerr << "usage: " << argv[0] << " [--cpu N | --gpus | --distributed] [--epochs E] [--batch B]"
+                << examples::ProfileOption::usage() << "\n";
       return 2;
     }
   }
@@ -145,7 +151,7 @@ int main(int argc, char** argv) try {
       std::cerr << "--distributed uses one device per process; leave out --cpu/--gpus\n";
       return 2;
     }
-    return train_distributed(epochs, batch);
+    return train_distributed(epochs, batch, profile);
   }
   if (devices.empty()) devices = available_devices();
   manual_seed(0);
@@ -171,6 +177,7 @@ int main(int argc, char** argv) try {
       opt.zero_grad();
       loss.backward();
       opt.step();
+      profile.after_step();
       seen += static_cast<std::size_t>(b.data.size(0));
       loss_avg = step++ == 0 ? loss.item() : 0.9 * loss_avg + 0.1 * loss.item();
       const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -7,6 +7,7 @@ set -euo pipefail
 packages=(cmake make g++ libopenblas-dev libgtest-dev nlohmann-json3-dev)
 packages+=(openmpi-bin libopenmpi-dev)  # chorus::distributed (optional for the library, used by the tests)
 packages+=(libdnnl-dev)  # oneDNN: CPU float32 convolutions (optional for the library; CI uses it)
+packages+=(doxygen)  # the API reference (cmake -DCHORUS_BUILD_DOCS=ON, target docs)
 if ! python3 -m pip --version >/dev/null 2>&1; then
   packages+=(python3 python3-pip)  # for the safetensors interoperability test
 fi
@@ -27,9 +28,10 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# The safetensors interoperability test reads and writes files with Python's safetensors.
-if ! python3 -c "import safetensors, numpy" 2>/dev/null; then
-  echo "install-deps: installing the Python packages safetensors and numpy"
-  python3 -m pip install --quiet safetensors numpy 2>/dev/null ||
-    python3 -m pip install --quiet --break-system-packages safetensors numpy
+# The safetensors interoperability test reads and writes files with Python's safetensors; the
+# profiler's pictures (scripts/plot_trace.py, test train_mlp_profile) are drawn with matplotlib.
+if ! python3 -c "import safetensors, numpy, matplotlib" 2>/dev/null; then
+  echo "install-deps: installing the Python packages safetensors, numpy and matplotlib"
+  python3 -m pip install --quiet safetensors numpy matplotlib 2>/dev/null ||
+    python3 -m pip install --quiet --break-system-packages safetensors numpy matplotlib
 fi

@@ -25,4 +25,5 @@
 #include "amp.hpp"
 
 #include "io/optimizer.hpp"
+#include "io/profile.hpp"
 #include "io/safetensors.hpp"

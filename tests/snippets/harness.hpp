@@ -9,6 +9,7 @@
 #include <chorus/distributed.hpp>
 
 #include <cstdint>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <vector>

@@ -53,11 +53,11 @@ bool unscale_check(T* x, std::int64_t n, T inv) {
 
 /// GradScaler's options (torch.amp.GradScaler's arguments).
 struct GradScalerOptions {
-  double init_scale = 65536.0;  // 2^16
-  double growth_factor = 2.0;
-  double backoff_factor = 0.5;
-  std::int64_t growth_interval = 2000;
-  bool enabled = true;
+  double init_scale = 65536.0;          ///< The initial scale (default 2^16; positive and finite).
+  double growth_factor = 2.0;           ///< update() multiplies the scale by it after growth_interval good steps (> 1).
+  double backoff_factor = 0.5;          ///< update() multiplies the scale by it after an inf/NaN step, in (0, 1).
+  std::int64_t growth_interval = 2000;  ///< Consecutive steps without inf/NaN gradients before the scale grows.
+  bool enabled = true;                  ///< False: a pass-through (scale(loss) is the loss, step() just steps).
 };
 
 /// Dynamic loss scaling (Note [loss scaling]). The loop:
@@ -69,14 +69,20 @@ struct GradScalerOptions {
 ///     scaler.update();
 class GradScaler {
  public:
+  /// A scaler starting at options.init_scale; throws on an invalid option.
   explicit GradScaler(GradScalerOptions options = {});
 
+  /// Whether loss scaling is on (GradScalerOptions::enabled).
   bool is_enabled() const { return o_.enabled; }
+  /// The options (after load_state_dict(), its init_scale is the loaded scale).
   const GradScalerOptions& options() const { return o_; }
   /// The current scale (1 when disabled, as PyTorch's get_scale()).
   double get_scale() const { return o_.enabled ? scale_ : 1.0; }
+  /// The factor the scale grows by (PyTorch's get_growth_factor()).
   double get_growth_factor() const { return o_.growth_factor; }
+  /// The factor the scale shrinks by (PyTorch's get_backoff_factor()).
   double get_backoff_factor() const { return o_.backoff_factor; }
+  /// The good steps in a row before the scale grows (PyTorch's get_growth_interval()).
   std::int64_t get_growth_interval() const { return o_.growth_interval; }
 
   /// loss * scale (recorded: backward gives scaled gradients); the loss itself when disabled.
@@ -109,6 +115,8 @@ class GradScaler {
   /// PyTorch's state_dict keys: scale, growth_factor, backoff_factor, growth_interval,
   /// _growth_tracker (empty when disabled, as PyTorch).
   std::map<std::string, double> state_dict() const;
+  /// Restores a state_dict() (all five keys); throws, changing nothing, when the scaler is
+  /// disabled, the state is empty or a value is invalid.
   void load_state_dict(const std::map<std::string, double>& s);
 
  private:

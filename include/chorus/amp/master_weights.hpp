@@ -45,6 +45,8 @@ struct MasterStepOptions {
   double norm_type = 2.0;          ///< the norm's order (> 0, or infinity)
 };
 
+/// Float32 master copies of a 16-bit model's parameters, which the optimizer steps in its place
+/// (Note [the form of mixed precision]).
 class MasterWeights {
  public:
   /// Float32 master copies of the 16-bit parameters among `model_params` (a float32 or
@@ -72,6 +74,7 @@ class MasterWeights {
   /// scaler.step(opt).
   bool step(GradScaler& scaler, optim::Optimizer& opt, MasterStepOptions options = {});
 
+  /// The number of model parameters (each with its master).
   std::size_t size() const { return model_.size(); }
   /// Whether parameter i has a master copy (false: a float32/float64 parameter, its own master).
   bool is_copy(std::size_t i) const { return model_.at(i).impl_key() != master_.at(i).impl_key(); }

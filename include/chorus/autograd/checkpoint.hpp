@@ -160,6 +160,7 @@ inline AnyTensor add_gradients(AnyTensor a, AnyTensor b) {
 template <class T>
 class CheckpointBackward final : public NodeBase {
  public:
+  /// The node's name, "CheckpointBackward".
   std::string name() const override { return "CheckpointBackward"; }
   DType dtype() const override { return dtype_of<T>(); }
   void release_saved() override {

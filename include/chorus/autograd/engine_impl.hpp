@@ -266,6 +266,12 @@ class GraphTask {
                    " a second time: its saved tensors were freed after the first backward "
                    "(pass retain_graph=true to the first call)");
       n->check_saved_versions();  // Note [version counter]
+      profiler::Scope span(profiler::Category::backward,
+                           [&] { return n->layer() ? *n->layer() : n->name(); });
+      if (span.active()) {
+        span.set_device(n->num_inputs() > 0 ? n->input_meta(0).device : n->device());
+        span.set_detail(n->name());
+      }
       auto outputs = n->apply_any(std::move(inputs));
       if (!retain_ && n->releasable()) {
         n->release_saved();

@@ -11,7 +11,9 @@ inline bool& grad_enabled_slot() {
 }
 }  // namespace detail
 
+/// True when operations on the calling thread record the autograd graph (torch.is_grad_enabled).
 inline bool is_grad_enabled() { return detail::grad_enabled_slot(); }
+/// Turns graph recording on or off for the calling thread (torch.set_grad_enabled).
 inline void set_grad_enabled(bool on) { detail::grad_enabled_slot() = on; }
 
 namespace detail {
@@ -33,6 +35,7 @@ inline bool is_recomputing() { return detail::checkpoint_phase() == 2; }
 /// Sets grad mode for the scope of the guard (restoring the previous mode afterwards).
 class GradModeGuard {
  public:
+  /// Enables grad mode when `enabled`, disables it otherwise.
   explicit GradModeGuard(bool enabled) : prev_(autograd::is_grad_enabled()) {
     autograd::set_grad_enabled(enabled);
   }

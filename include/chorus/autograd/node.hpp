@@ -13,6 +13,7 @@
 
 #include "../compiled.hpp"
 #include "../core/any_tensor.hpp"
+#include "../core/profiler.hpp"
 #include "../core/runtime.hpp"
 #include "grad_mode.hpp"
 
@@ -25,8 +26,9 @@ class NodeBase;
 /// node may take gradients of another dtype than the one the edge leaves from (Note [one
 /// graph over every dtype]).
 struct Edge {
-  std::shared_ptr<NodeBase> fn;
-  std::uint32_t input_nr = 0;
+  std::shared_ptr<NodeBase> fn;  ///< The node the gradient goes to (null: nowhere).
+  std::uint32_t input_nr = 0;    ///< Which of `fn`'s inputs (its forward outputs) receives it.
+  /// Whether the edge leads to a node.
   bool valid() const { return fn != nullptr; }
 };
 
@@ -89,11 +91,14 @@ inline bool backward_failed() {
 /// What the engine knows of a node, whatever its dtype.
 class NodeBase {
  public:
-  NodeBase() : seq_(detail::next_sequence_nr()) {}
+  NodeBase()
+      : seq_(detail::next_sequence_nr()),
+        layer_(profiler::enabled() ? profiler::detail::current_layer() : nullptr) {}
   virtual ~NodeBase() = default;
   NodeBase(const NodeBase&) = delete;
   NodeBase& operator=(const NodeBase&) = delete;
 
+  /// The node's name for error messages ("AccumulateGrad", "CheckpointBackward", …).
   virtual std::string name() const = 0;
   /// The dtype of the gradients this node takes (one per forward output).
   virtual DType dtype() const = 0;
@@ -109,30 +114,44 @@ class NodeBase {
   /// (an AccumulateGrad whose leaf's gradient is kept on another device).
   virtual std::optional<Device> gradient_memory() const { return std::nullopt; }
 
+  /// The number of gradients this node receives (one per forward output recorded by add_input()).
   std::uint32_t num_inputs() const { return static_cast<std::uint32_t>(input_meta_.size()); }
+  /// The edges this node's gradients go along, one per output of apply_any().
+  ///@{
   const std::vector<Edge>& next_edges() const { return next_; }
   std::vector<Edge>& mutable_next_edges() { return next_; }
+  ///@}
+  /// The order of creation among all nodes (a node made later has a larger number).
   std::uint64_t sequence_nr() const { return seq_; }
+  /// The dotted name of the layer whose forward made this node, when a profiler recorded then
+  /// (null otherwise): its backward is grouped under that layer.
+  const std::string* layer() const { return layer_; }
 
   /// The stream this node's backward runs on (where its forward ran; see Note [streams]).
   Stream* stream() const { return stream_; }
+  /// The device of stream() (the default Device when no stream is set).
   Device device() const { return stream_ ? stream_->device() : Device{}; }
+  /// Sets the stream this node's backward runs on.
   void set_stream(Stream* s) { stream_ = s; }
 
+  /// The shape and device of one forward output, which its gradient must have.
   struct InputMeta {
-    Shape shape;
-    Device device;
+    Shape shape;    ///< The output's shape.
+    Device device;  ///< The output's device.
   };
   /// Registers one more forward output (one more gradient this node receives).
   std::uint32_t add_input(const Shape& shape, Device device) {
     input_meta_.push_back({shape, device});
     return static_cast<std::uint32_t>(input_meta_.size() - 1);
   }
+  /// The shape and device of input i (forward output i); i is not checked.
   const InputMeta& input_meta(std::uint32_t i) const { return input_meta_[i]; }
 
+  /// Appends an edge to next_edges().
   void add_next_edge(Edge e) { next_.push_back(std::move(e)); }
   /// The DataParallel replica whose forward recorded this node (-1: none), for error messages.
   int replica() const { return replica_; }
+  /// Sets replica().
   void set_replica(int r) { replica_ = r; }
   /// Where this node runs, for error messages: "in replica 2 on cpu:2" or "on cpu:0".
   std::string where() const {
@@ -141,6 +160,7 @@ class NodeBase {
 
   /// Set by the engine after release_saved(); a second backward then fails clearly.
   bool released() const { return released_; }
+  /// Sets released() and drops the saved tensors' version records (called by the engine).
   void mark_released() {
     released_ = true;
     num_saved_ = 0;
@@ -187,6 +207,7 @@ class NodeBase {
   Stream* stream_ = nullptr;
   int replica_ = -1;
   std::uint64_t seq_;
+  const std::string* layer_;
   bool released_ = false;
 };
 
@@ -202,6 +223,7 @@ std::vector<Tensor<T>> gradients_in(const NodeBase& node, std::vector<std::vecto
 template <class T>
 class Node : public NodeBase {
  public:
+  /// The gradients apply() takes and returns.
   using TensorList = std::vector<Tensor<T>>;
 
   DType dtype() const override { return dtype_of<T>(); }
@@ -219,16 +241,21 @@ class Node : public NodeBase {
 template <class T>
 class AccumulateGrad final : public Node<T> {
  public:
+  /// The accumulator of the leaf `variable`, taking one gradient of its shape and device.
   explicit AccumulateGrad(std::shared_ptr<TensorImpl<T>> variable) : variable_(std::move(variable)) {
     this->add_input(variable_->shape, variable_->device());
   }
+  /// The node's name, "AccumulateGrad".
   std::string name() const override { return "AccumulateGrad"; }
   bool releasable() const override { return false; }
   std::optional<Device> gradient_memory() const override {
     if (variable_->grad_keeper) return variable_->grad_keeper->device();
     return std::nullopt;
   }
+  /// Adds the gradient into the leaf's grad (or the grad_keeper's, where it has one), taking the
+  /// incoming tensor when nothing else shares it; returns no gradients.
   typename Node<T>::TensorList apply(typename Node<T>::TensorList&& grads) override;
+  /// The leaf whose gradient this node accumulates.
   const std::shared_ptr<TensorImpl<T>>& variable() const { return variable_; }
 
  private:
@@ -316,6 +343,7 @@ std::shared_ptr<NodeT> make_node(std::initializer_list<const Tensor<T>*> inputs,
 /// records name the replica when their backward fails (as forward's errors do).
 class ReplicaGuard {
  public:
+  /// Sets the calling thread's replica to `r` (restored by the destructor).
   explicit ReplicaGuard(int r) : prev_(std::exchange(detail::current_replica(), r)) {}
   ~ReplicaGuard() { detail::current_replica() = prev_; }
   ReplicaGuard(const ReplicaGuard&) = delete;

@@ -27,12 +27,17 @@ struct MemoryStats {
 
 class StorageImpl;
 
+/// The memory of one device: hands out and takes back raw blocks and counts them (MemoryStats).
 class Allocator {
  public:
   virtual ~Allocator() = default;
+  /// A block of `nbytes` bytes (null for 0); throws when out of memory.
   virtual void* allocate(std::size_t nbytes) = 0;
+  /// Returns the block `p` of `nbytes` bytes (as passed to allocate()).
   virtual void deallocate(void* p, std::size_t nbytes) noexcept = 0;
+  /// A snapshot of this device's memory statistics.
   virtual MemoryStats stats() const = 0;
+  /// Restarts the high-water mark (MemoryStats::peak_allocated) at what is allocated now.
   virtual void reset_peak() = 0;
   /// Returns cached blocks to the system (no-op for non-caching allocators).
   virtual void empty_cache() {}
@@ -40,7 +45,7 @@ class Allocator {
   const StorageImpl* alias_owner() const { return alias_owner_; }
 
  protected:
-  const StorageImpl* alias_owner_ = nullptr;
+  const StorageImpl* alias_owner_ = nullptr;  ///< the owning storage, set by a host alias's allocator (else null)
 };
 
 namespace detail {
@@ -67,10 +72,12 @@ struct AtomicStats {
 /// capped (set_memory_limit).
 class CpuAllocator final : public Allocator {
  public:
-  static constexpr std::size_t kAlignment = 64;
+  static constexpr std::size_t kAlignment = 64;  ///< alignment of every block, in bytes
 
+  /// The allocator of cpu:`index` (no limit).
   explicit CpuAllocator(int index = 0) : index_(index) {}
 
+  /// A 64-byte aligned block of `nbytes` (null for 0); throws when it would pass the limit.
   void* allocate(std::size_t nbytes) override {
     if (nbytes == 0) return nullptr;
     if (const auto cap = limit_.load(std::memory_order_relaxed); cap > 0) {
@@ -85,16 +92,20 @@ class CpuAllocator final : public Allocator {
     stats_.num_system.fetch_add(1, std::memory_order_relaxed);
     return p;
   }
+  /// Frees the block `p` of `nbytes` bytes (nothing for null).
   void deallocate(void* p, std::size_t nbytes) noexcept override {
     if (!p) return;
     ::operator delete(p, std::align_val_t(kAlignment));
     stats_.on_free(static_cast<std::int64_t>(nbytes));
     stats_.reserved.fetch_sub(static_cast<std::int64_t>(nbytes), std::memory_order_relaxed);
   }
+  /// A snapshot of this device's memory statistics (reserved equals allocated: nothing is cached).
   MemoryStats stats() const override { return stats_.snapshot(); }
+  /// Restarts the high-water mark at what is allocated now.
   void reset_peak() override { stats_.reset_peak(); }
   /// The most live tensors may hold (0: no limit).
   void set_limit(std::int64_t bytes) { limit_.store(bytes, std::memory_order_relaxed); }
+  /// The most live tensors may hold, in bytes (0: no limit).
   std::int64_t limit() const { return limit_.load(std::memory_order_relaxed); }
 
  private:

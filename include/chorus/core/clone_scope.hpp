@@ -24,6 +24,8 @@ CHORUS_NAMESPACE_BEGIN
 template <class T>
 struct TensorImpl;
 
+/// While alive, makes copies of Tensor handles (and module holders) on this thread deep copies,
+/// one per original (Note [deep copy through copy constructors]); subclasses make the tensor copies.
 class CloneScope {
  public:
   CloneScope() : prev_(slot()) { slot() = this; }

@@ -10,17 +10,21 @@
 
 CHORUS_NAMESPACE_BEGIN
 
+/// The kind of a Device: the host CPU or a CUDA GPU.
 enum class DeviceKind : std::uint8_t { CPU = 0, CUDA = 1 };
 
 /// `cpu:i` (a virtual CPU device, see Note [virtual CPU devices]) or `cuda:i` (a visible GPU).
 struct Device {
-  DeviceKind kind = DeviceKind::CPU;
-  int index = 0;
+  DeviceKind kind = DeviceKind::CPU;  ///< CPU or CUDA
+  int index = 0;                      ///< the device's number within its kind
 
   constexpr Device() = default;
+  /// The device `i` of kind `k`.
   constexpr Device(DeviceKind k, int i) : kind(k), index(i) {}
 
+  /// `cpu:i`.
   static constexpr Device cpu(int i = 0) { return {DeviceKind::CPU, i}; }
+  /// `cuda:i`.
   static constexpr Device cuda(int i = 0) { return {DeviceKind::CUDA, i}; }
 
   /// Parses "cpu", "cpu:3", "cuda", "cuda:1".
@@ -40,9 +44,12 @@ struct Device {
     CHORUS_FAIL("invalid device string '", s, "': expected cpu[:N] or cuda[:N]");
   }
 
+  /// True for a CPU device.
   constexpr bool is_cpu() const { return kind == DeviceKind::CPU; }
+  /// True for a CUDA device.
   constexpr bool is_cuda() const { return kind == DeviceKind::CUDA; }
 
+  /// "cpu:i" or "cuda:i".
   std::string str() const { return std::string(is_cpu() ? "cpu:" : "cuda:") + std::to_string(index); }
 
   friend constexpr bool operator==(const Device&, const Device&) = default;
@@ -52,9 +59,12 @@ struct Device {
 
 CHORUS_NAMESPACE_END
 
+// Specialises the standard's std::hash for chorus::Device.
+/// \cond
 template <>
 struct std::hash<chorus::Device> {
   std::size_t operator()(const chorus::Device& d) const noexcept {
     return (static_cast<std::size_t>(d.kind) << 16) ^ static_cast<std::size_t>(d.index);
   }
 };
+/// \endcond

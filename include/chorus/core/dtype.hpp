@@ -10,8 +10,10 @@
 CHORUS_NAMESPACE_BEGIN
 
 // New dtypes go at the end: the numbers are part of keys (cuBLASLt's plan cache).
+/// The runtime element type of a tensor (torch.dtype): float32, float64, int64, bfloat16, float16.
 enum class DType : std::uint8_t { Float32, Float64, Int64, BFloat16, Float16 };
 
+/// True for the element types a Tensor<T> may hold: float, double, int64_t, bfloat16 and half.
 template <class T>
 inline constexpr bool is_supported_scalar_v = std::is_same_v<T, float> || std::is_same_v<T, double> ||
                                               std::is_same_v<T, std::int64_t> || is_reduced_floating_v<T>;
@@ -21,6 +23,7 @@ inline constexpr bool is_supported_scalar_v = std::is_same_v<T, float> || std::i
 template <class T>
 inline constexpr bool is_floating_v = std::is_same_v<T, float> || std::is_same_v<T, double> || is_reduced_floating_v<T>;
 
+/// The DType of element type `T` (a compile error for an unsupported type).
 template <class T>
 constexpr DType dtype_of() {
   static_assert(is_supported_scalar_v<T>, "chorus tensors hold float, double, int64_t, bfloat16 or half");
@@ -43,6 +46,7 @@ constexpr std::string_view dtype_name(DType d) {
   return "?";
 }
 
+/// Bytes per element of `d` (torch.dtype.itemsize).
 constexpr std::size_t dtype_size(DType d) {
   switch (d) {
     case DType::Float32: return 4;
@@ -54,7 +58,9 @@ constexpr std::size_t dtype_size(DType d) {
   return 0;
 }
 
+/// True for the floating-point dtypes (all but Int64; torch.dtype.is_floating_point).
 constexpr bool is_floating_dtype(DType d) { return d != DType::Int64; }
+/// True for the 16-bit floating-point dtypes, BFloat16 and Float16.
 constexpr bool is_reduced_floating_dtype(DType d) { return d == DType::BFloat16 || d == DType::Float16; }
 
 /// Calls f(T{}) with T the element type of `d` (to dispatch a runtime dtype to a template).

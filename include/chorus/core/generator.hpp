@@ -63,8 +63,8 @@ CHORUS_HOST_DEVICE inline void philox_block(std::uint64_t seed, std::uint64_t su
 /// What a Philox consumer takes from a generator: the seed and the offset its numbers start at
 /// (PyTorch's philox_engine_inputs).
 struct PhiloxState {
-  std::uint64_t seed = 0;
-  std::uint64_t offset = 0;
+  std::uint64_t seed = 0;    ///< the generator's seed (the Philox key)
+  std::uint64_t offset = 0;  ///< the offset, in numbers per subsequence, the consumer's draws start at
 };
 
 // Note [dropout random numbers]
@@ -98,12 +98,16 @@ struct PhiloxState {
 /// local element i has stream index base + (i / run) * stride + i % run (Note [dropout random
 /// numbers]).
 struct PhiloxLayout {
-  std::uint64_t seed = 0, offset = 0;  // the call's generator inputs
-  std::int64_t run = 1;                // local elements per run of consecutive stream indices (> 0)
-  std::uint64_t base = 0;              // stream index of local element 0
-  std::uint64_t stride = 0;            // stream distance between consecutive runs
+  /// The call's generator inputs (PhiloxState).
+  ///@{
+  std::uint64_t seed = 0, offset = 0;
+  ///@}
+  std::int64_t run = 1;                ///< local elements per run of consecutive stream indices (> 0)
+  std::uint64_t base = 0;              ///< stream index of local element 0
+  std::uint64_t stride = 0;            ///< stream distance between consecutive runs
 };
 
+/// The stream index of local element `i`: base + (i / run) * stride + i % run.
 CHORUS_HOST_DEVICE inline std::uint64_t stream_index(const PhiloxLayout& l, std::int64_t i) {
   const std::int64_t r = i / l.run;
   return l.base + static_cast<std::uint64_t>(r) * l.stride + static_cast<std::uint64_t>(i - r * l.run);
@@ -126,14 +130,18 @@ inline std::uint64_t keep_threshold(double keep) {
 /// Stream indices from here up belong to tensors a replica could not map (Note [dropout random numbers]).
 inline constexpr int kUnmappedStreamShift = 56;
 
+/// A seedable source of random numbers: a host Mersenne Twister and a Philox seed and offset
+/// (torch.Generator); thread-safe.
 class Generator {
  public:
+  /// A generator seeded with `seed`, its Philox offset at 0.
   explicit Generator(std::uint64_t seed = 5489u) : eng_(seed), seed_(seed) {}
   Generator(const Generator&) = delete;
   Generator& operator=(const Generator&) = delete;
 
   /// Seeds both engines; the Philox offset restarts at 0 (as PyTorch's manual_seed).
   void manual_seed(std::uint64_t seed);
+  /// The seed last set (torch.Generator.initial_seed).
   std::uint64_t initial_seed() const {
     std::lock_guard<std::mutex> lk(m_);
     return seed_;
@@ -196,6 +204,7 @@ class Generator {
   /// The whole state (PyTorch's Generator::get_state): seed, Philox offset and the host
   /// engine's words, to restore with set_state() for a bitwise resume (dist::Checkpointer).
   std::vector<std::uint64_t> get_state() const;
+  /// Restores a state written by get_state() (PyTorch's Generator::set_state); throws when malformed.
   void set_state(const std::vector<std::uint64_t>& state);
 
  private:
@@ -272,6 +281,7 @@ inline ReplicaRandom*& current_replica_random() {
 /// numbers]).
 class ReplicaRandomScope {
  public:
+  /// Installs the share on the calling thread; throws when the rows are not within [0, `total`).
   ReplicaRandomScope(std::shared_ptr<ReplicaRandomGroup> group, int replica, std::int64_t dim, std::int64_t offset,
                      std::int64_t size, std::int64_t total);
   ~ReplicaRandomScope() { detail::current_replica_random() = previous_; }

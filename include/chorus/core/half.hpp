@@ -153,41 +153,53 @@ struct ReducedFloatOps {
 
 /// Brain floating point: float's exponent, 8 significant bits. See Note [16-bit storage types].
 struct bfloat16 : detail::lowp::ReducedFloatOps<bfloat16> {
-  std::uint16_t x;  // the bits (uninitialised by default, as a float is)
+  std::uint16_t x;  ///< the bits (uninitialised by default, as a float is)
 
   bfloat16() = default;
+  /// `f` rounded to nearest, ties to even (NaN stays NaN, overflow gives infinity).
   CHORUS_HOST_DEVICE explicit bfloat16(float f) : x(detail::lowp::float_to_bf16(f)) {}
+  /// `d` correctly rounded, ties to even (through float rounded to odd).
   CHORUS_HOST_DEVICE explicit bfloat16(double d) : bfloat16(detail::lowp::double_to_float_odd(d)) {}
+  /// `i` converted through double (exact up to 2^53 in magnitude), then rounded once.
   template <class I>
     requires std::is_integral_v<I>
   CHORUS_HOST_DEVICE explicit bfloat16(I i) : bfloat16(static_cast<double>(i)) {}
 
+  /// The value whose 16-bit pattern is `bits`.
   CHORUS_HOST_DEVICE static constexpr bfloat16 from_bits(std::uint16_t bits) {
     bfloat16 r{};
     r.x = bits;
     return r;
   }
+  /// The 16-bit pattern.
   CHORUS_HOST_DEVICE constexpr std::uint16_t bits() const { return x; }
+  /// The value as a float (exact, so implicit).
   CHORUS_HOST_DEVICE operator float() const { return detail::lowp::bf16_to_float(x); }  // NOLINT: exact
 };
 
 /// IEEE 754 binary16: 5 exponent bits (max 65504), 11 significant bits, subnormals from 2^-24.
 struct half : detail::lowp::ReducedFloatOps<half> {
-  std::uint16_t x;
+  std::uint16_t x;  ///< the bits (uninitialised by default, as a float is)
 
   half() = default;
+  /// `f` rounded to nearest, ties to even (NaN stays NaN, overflow gives infinity).
   CHORUS_HOST_DEVICE explicit half(float f) : x(detail::lowp::float_to_half(f)) {}
+  /// `d` correctly rounded, ties to even (through float rounded to odd).
   CHORUS_HOST_DEVICE explicit half(double d) : half(detail::lowp::double_to_float_odd(d)) {}
+  /// `i` converted through double (exact up to 2^53 in magnitude), then rounded once.
   template <class I>
     requires std::is_integral_v<I>
   CHORUS_HOST_DEVICE explicit half(I i) : half(static_cast<double>(i)) {}
 
+  /// The value whose 16-bit pattern is `bits`.
   CHORUS_HOST_DEVICE static constexpr half from_bits(std::uint16_t bits) {
     half r{};
     r.x = bits;
     return r;
   }
+  /// The 16-bit pattern.
   CHORUS_HOST_DEVICE constexpr std::uint16_t bits() const { return x; }
+  /// The value as a float (exact, so implicit).
   CHORUS_HOST_DEVICE operator float() const { return detail::lowp::half_to_float(x); }  // NOLINT: exact
 };
 
@@ -204,6 +216,8 @@ CHORUS_NAMESPACE_END
 
 namespace std {
 // Following c10: bfloat16 is not IEC 559 (no such interchange format), half is.
+// Specialises the standard's std::numeric_limits for chorus::bfloat16.
+/// \cond
 template <>
 class numeric_limits<chorus::bfloat16> {
   using T = chorus::bfloat16;
@@ -227,7 +241,10 @@ class numeric_limits<chorus::bfloat16> {
   CHORUS_HOST_DEVICE static constexpr T signaling_NaN() noexcept { return T::from_bits(0x7fa0); }
   CHORUS_HOST_DEVICE static constexpr T denorm_min() noexcept { return T::from_bits(0x0001); }
 };
+/// \endcond
 
+// Specialises the standard's std::numeric_limits for chorus::half.
+/// \cond
 template <>
 class numeric_limits<chorus::half> {
   using T = chorus::half;
@@ -251,4 +268,5 @@ class numeric_limits<chorus::half> {
   CHORUS_HOST_DEVICE static constexpr T signaling_NaN() noexcept { return T::from_bits(0x7d00); }
   CHORUS_HOST_DEVICE static constexpr T denorm_min() noexcept { return T::from_bits(0x0001); }  // 2^-24
 };
+/// \endcond
 }  // namespace std

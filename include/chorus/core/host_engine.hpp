@@ -23,16 +23,23 @@ struct HostEngineAccess;
 inline constexpr std::size_t kHostEngineBytes = 312 * sizeof(std::uint64_t) + sizeof(std::size_t);
 }  // namespace detail
 
+/// std::mt19937_64 behind a compiled interface (Note [host engine]); a UniformRandomBitGenerator.
 class HostEngine {
  public:
-  using result_type = std::uint64_t;
+  using result_type = std::uint64_t;  ///< the type of the numbers drawn
+  /// The engine std::mt19937_64(`seed`) would be.
   CHORUS_INLINE explicit HostEngine(std::uint64_t seed = 5489u);
+  /// Restarts the engine from `seed` (std::mt19937_64::seed).
   CHORUS_INLINE void seed(std::uint64_t seed);
+  /// The smallest number drawn: 0.
   static constexpr result_type min() { return 0; }
+  /// The largest number drawn: 2^64 - 1.
   static constexpr result_type max() { return ~result_type{0}; }
+  /// The next 64-bit number of the sequence.
   CHORUS_INLINE result_type operator()();
   /// A uniformly random integer in [0, n) (std::uniform_int_distribution's).
   CHORUS_INLINE std::uint64_t below(std::uint64_t n);
+  /// True when both engines are in the same state (will draw the same numbers).
   CHORUS_INLINE bool operator==(const HostEngine& other) const;
 
  private:

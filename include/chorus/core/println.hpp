@@ -42,6 +42,7 @@ template <class First, class... Rest>
 void println(const First& first, const Rest&... rest) {
   println(std::cout, first, rest...);
 }
+/// Writes an empty line to std::cout.
 inline void println() { println(std::cout); }
 
 CHORUS_NAMESPACE_END

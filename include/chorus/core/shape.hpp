@@ -20,13 +20,17 @@ CHORUS_NAMESPACE_BEGIN
 /// A small fixed-capacity vector of int64 used for sizes and strides.
 class Dims {
  public:
-  static constexpr int kMaxDims = 8;
+  static constexpr int kMaxDims = 8;  ///< the capacity: the most dimensions a tensor has
 
   constexpr Dims() = default;
+  /// The given values, in order; throws when there are more than kMaxDims.
+  ///@{
   Dims(std::initializer_list<std::int64_t> il) { assign(il.begin(), il.end()); }
   explicit Dims(std::span<const std::int64_t> s) { assign(s.begin(), s.end()); }
   explicit Dims(const std::vector<std::int64_t>& v) { assign(v.begin(), v.end()); }
+  ///@}
 
+  /// `n` copies of `value`.
   static Dims filled(int n, std::int64_t value) {
     Dims d;
     d.resize(n);
@@ -34,42 +38,58 @@ class Dims {
     return d;
   }
 
+  /// The number of values (a shape's number of dimensions).
   int size() const { return n_; }
+  /// True when there are no values (a 0-dim shape).
   bool empty() const { return n_ == 0; }
+  /// Value `i`, for `i` in [0, size()) (unchecked).
+  ///@{
   std::int64_t operator[](int i) const { return v_[i]; }
   std::int64_t& operator[](int i) { return v_[i]; }
+  ///@}
+  /// Pointers to the first value and one past the last, for range-for and algorithms.
+  ///@{
   const std::int64_t* begin() const { return v_.data(); }
   const std::int64_t* end() const { return v_.data() + n_; }
   std::int64_t* begin() { return v_.data(); }
   std::int64_t* end() { return v_.data() + n_; }
+  ///@}
+  /// Pointer to the first value.
   const std::int64_t* data() const { return v_.data(); }
+  /// The last value (the container must not be empty).
   std::int64_t back() const { return v_[n_ - 1]; }
 
+  /// Sets the number of values to `n`, new ones 0; throws when `n` is outside [0, kMaxDims].
   void resize(int n) {
     CHORUS_CHECK(n >= 0 && n <= kMaxDims, "tensors have at most ", kMaxDims, " dimensions, got ", n);
     for (int i = n_; i < n; ++i) v_[i] = 0;
     n_ = n;
   }
+  /// Appends `x`; throws when full.
   void push_back(std::int64_t x) {
     resize(n_ + 1);
     v_[n_ - 1] = x;
   }
+  /// Inserts `x` before position `pos` (unchecked, in [0, size()]); throws when full.
   void insert(int pos, std::int64_t x) {
     resize(n_ + 1);
     for (int i = n_ - 1; i > pos; --i) v_[i] = v_[i - 1];
     v_[pos] = x;
   }
+  /// Removes the value at `pos`; throws when `pos` is out of range.
   void erase(int pos) {
     CHORUS_CHECK(pos >= 0 && pos < n_, "dimension ", pos, " is out of range for ", n_, " dimension(s)");
     for (int i = pos; i + 1 < n_; ++i) v_[i] = v_[i + 1];
     --n_;
   }
+  /// The values as a std::vector.
   std::vector<std::int64_t> vec() const { return {begin(), end()}; }
 
   friend bool operator==(const Dims& a, const Dims& b) {
     return a.n_ == b.n_ && std::equal(a.begin(), a.end(), b.begin());
   }
 
+  /// The values as `[30, 5]` (`[]` when empty).
   std::string str() const {
     std::string s = "[";
     for (int i = 0; i < n_; ++i) {
@@ -90,7 +110,9 @@ class Dims {
   int n_ = 0;
 };
 
+/// A tensor's sizes, one per dimension (torch.Size).
 using Shape = Dims;
+/// A tensor's strides in elements, one per dimension.
 using Strides = Dims;
 
 /// Product of the sizes (1 for a 0-dim shape). Throws when a size is negative or the product
@@ -167,10 +189,14 @@ class ExpandingArray {
   template <class... Is>
     requires(N > 1 && sizeof...(Is) == N && (is_size_v<Is> && ...))
   constexpr ExpandingArray(Is... values) : v_{static_cast<std::int64_t>(values)...} {}
+  /// The N values of an array (implicit).
   constexpr ExpandingArray(const std::array<std::int64_t, N>& values) : v_(values) {}  // NOLINT
 
+  /// N, the number of dimensions.
   static constexpr int size() { return N; }
+  /// The value for dimension `i` (unchecked).
   constexpr std::int64_t operator[](int i) const { return v_[i]; }
+  /// All N values.
   constexpr const std::array<std::int64_t, N>& values() const { return v_; }
   friend constexpr bool operator==(const ExpandingArray&, const ExpandingArray&) = default;
 
@@ -186,6 +212,7 @@ class ExpandingArray {
   std::array<std::int64_t, N> v_;
 };
 
+/// A size for each of two spatial dimensions (height, width), as the 2-D layers take.
 using Pair = ExpandingArray<2>;
 
 /// Wraps a possibly negative dimension index into [0, ndim); throws when out of range. A 0-dim

@@ -18,8 +18,11 @@ class BorrowedMemory;
 class HostAlias;
 }
 
+/// One allocation on one device (or a view of another storage's memory), shared by the tensors
+/// that view it, with the version counter of its data.
 class StorageImpl {
  public:
+  /// `nbytes` of fresh memory from `device`'s allocator.
   StorageImpl(Device device, std::size_t nbytes)
       : device_(device), nbytes_(nbytes), alloc_(&allocator_of(device)) {
     data_ = alloc_->allocate(nbytes);
@@ -32,9 +35,10 @@ class StorageImpl {
   /// An alias (Note [host aliases]): `nbytes` of `base`'s memory from byte `offset`, as memory
   /// of CPU device `device`. It shares base's version counter and keeps base alive.
   StorageImpl(Device device, const std::shared_ptr<StorageImpl>& base, std::size_t offset, std::size_t nbytes);
+  /// Tag that selects the slice constructors.
+  struct slice_t {};
   /// A slice (Note [storage slices]): `nbytes` of `block`'s memory from byte `offset`, on
   /// block's device (any kind), with a version counter of its own; it keeps block alive.
-  struct slice_t {};
   StorageImpl(slice_t, const std::shared_ptr<StorageImpl>& block, std::size_t offset, std::size_t nbytes);
   /// A slice of `nbytes` on `device` that views no memory until reseat_slice moves it onto a block.
   StorageImpl(slice_t, Device device, std::size_t nbytes);
@@ -42,13 +46,17 @@ class StorageImpl {
   StorageImpl(const StorageImpl&) = delete;
   StorageImpl& operator=(const StorageImpl&) = delete;
 
+  /// The first byte of the memory (null for 0 bytes, or a slice seated on no block).
   void* data() const { return data_; }
+  /// The size of the memory, in bytes.
   std::size_t nbytes() const { return nbytes_; }
+  /// The device the memory belongs to (for a host alias, the device it is lent to).
   Device device() const { return device_; }
 
   /// The version counter of the data (Note [version counter]): bumped by every in-place write
   /// through the public API, compared by backward against the version a node saved.
   std::uint64_t version() const { return counter().load(std::memory_order_relaxed); }
+  /// Increments the version counter (an in-place write).
   void bump_version() { counter().fetch_add(1, std::memory_order_relaxed); }
   /// True for an alias of another storage's memory (Note [host aliases]).
   bool is_alias() const { return alloc_->alias_owner() != nullptr; }
@@ -191,6 +199,7 @@ inline StorageImpl::StorageImpl(slice_t, const std::shared_ptr<StorageImpl>& blo
 // view of a parameter and the parameter itself still agree. Writes through the block itself
 // (the broadcast that refreshes a replica) bump no slice's counter: they are not writes
 // through the API that a saved tensor could observe.
+/// A shared handle to a StorageImpl; the tensors that view the same memory share one.
 using Storage = std::shared_ptr<StorageImpl>;
 
 /// True when nothing but `s` sees its memory: `s` is held once and, for a storage over
@@ -214,9 +223,11 @@ inline Device memory_device(const Storage& s) {
   return at->device();
 }
 
+/// A new storage of `nbytes` fresh bytes from `device`'s allocator.
 inline Storage make_storage(Device device, std::size_t nbytes) {
   return std::make_shared<StorageImpl>(device, nbytes);
 }
+/// A new storage of `nbytes` bytes of `device` from `alloc`, which must outlive it.
 inline Storage make_storage(Device device, std::size_t nbytes, Allocator& alloc) {
   return std::make_shared<StorageImpl>(device, nbytes, alloc);
 }

@@ -48,6 +48,7 @@ inline Stream*& worker_stream_of_thread() {
 /// and rethrown by the next drain(), so none is lost.
 class Worker {
  public:
+  /// Starts the thread, which runs `on_start` (if any) before its first task.
   explicit Worker(std::function<void()> on_start) : on_start_(std::move(on_start)) {
     thread_ = std::thread([this] { loop(); });
   }
@@ -63,6 +64,7 @@ class Worker {
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
+  /// Queues `task` to run after every task posted before it.
   void post(std::function<void()> task) {
     bool wake;
     {
@@ -74,6 +76,7 @@ class Worker {
     if (wake) cv_.notify_one();
   }
 
+  /// True when called on the worker's own thread.
   bool on_this_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
   /// Keeps the worker spinning for new tasks, instead of sleeping, until `until` (Note
@@ -240,6 +243,7 @@ class Future {
 /// An ordered queue of work on one device (see Note [streams]).
 class Stream {
  public:
+  /// Stream `slot` of `device` (the runtime makes them: get_stream()); its worker thread starts when first used.
   Stream(Device device, int slot) : device_(device), slot_(slot) {}
   ~Stream() {
     worker_.reset();  // joins before the CUDA stream goes away
@@ -256,8 +260,11 @@ class Stream {
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;
 
+  /// The device the stream's work runs on.
   Device device() const { return device_; }
+  /// The stream's number among its device's streams (0 is the default).
   int slot() const { return slot_; }
+  /// "<device>/stream<slot>", e.g. "cpu:0/stream1".
   std::string str() const { return device_.str() + "/stream" + std::to_string(slot_); }
 
   /// True on this stream's worker thread.
@@ -356,6 +363,7 @@ class Stream {
 /// Makes `stream` the calling thread's current stream for its device while alive.
 class StreamGuard {
  public:
+  /// Pushes `stream` as the current stream; the destructor pops it.
   explicit StreamGuard(Stream& stream) { detail::current_stream_overrides().push_back(&stream); }
   ~StreamGuard() { detail::current_stream_overrides().pop_back(); }
   StreamGuard(const StreamGuard&) = delete;

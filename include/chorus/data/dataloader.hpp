@@ -31,15 +31,17 @@
 
 #include "../compiled.hpp"
 #include "../core/host_engine.hpp"
+#include "../core/profiler.hpp"
 #include "dataset.hpp"
 #include "pinned.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace data {
 
+/// DataLoader's options (torch.utils.data.DataLoader's arguments).
 struct DataLoaderOptions {
-  std::int64_t batch_size = 1;  ///< an int64 like every size in the API: `{.batch_size = n}` with an int n
-  bool shuffle = false;
+  std::int64_t batch_size = 1;     ///< examples per batch (> 0); an int64 like every size in the API
+  bool shuffle = false;            ///< a new random order each epoch (not with a sampler)
   std::uint64_t seed = 0;          ///< seeds the shuffling; each epoch draws a new permutation
   bool drop_last = false;          ///< drop a last batch smaller than batch_size
   std::int64_t num_workers = 0;    ///< threads building batches ahead (0: on the calling thread)
@@ -72,11 +74,15 @@ concept EpochAwareDataset = requires(D& d, std::uint64_t e) { d.set_epoch(e); };
 // later sampler.set_epoch(e) on the caller's object (every epoch the same order), and a
 // reference could dangle. To keep calling set_epoch, share it (`auto s = std::make_shared<…>`)
 // or reach the owned one through loader.sampler<S>().
+/// Iterates over batches of a dataset (torch.utils.data.DataLoader): `for (const auto& batch : loader)`
+/// runs one epoch; each begin() starts a new one.
 template <Dataset D>
 class DataLoader {
  public:
+  /// A batch: what the dataset's get() returns, stacked along a new dimension 0.
   using Batch = example_t<D>;
 
+  /// Batches of `dataset` (which the loader takes) in order, or shuffled; throws on an invalid option.
   DataLoader(D dataset, DataLoaderOptions options)
       : dataset_(std::make_shared<D>(std::move(dataset))), options_(options), rng_(options.seed) {
     window_ = detail::checked_prefetch_window(options_);
@@ -105,8 +111,11 @@ class DataLoader {
   DataLoader(D dataset, DataLoaderOptions options, S& sampler) = delete;
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
+  /// Moves the dataset, sampler and active epoch to another loader.
+  ///@{
   DataLoader(DataLoader&&) noexcept = default;
   DataLoader& operator=(DataLoader&&) noexcept = default;
+  ///@}
   ~DataLoader() = default;  // the active epoch's destructor stops and joins its workers
 
   /// Batches in one epoch.
@@ -116,10 +125,13 @@ class DataLoader {
     const auto b = static_cast<std::size_t>(options_.batch_size);
     return options_.drop_last ? n / b : n / b + (n % b != 0);
   }
+  /// The loader's dataset.
   const D& dataset() const { return *dataset_; }
+  /// The loader's options.
   const DataLoaderOptions& options() const { return options_; }
   /// Epochs started so far (begin() calls).
   std::uint64_t epoch() const { return epoch_; }
+  /// Whether the loader was built with a sampler.
   bool has_sampler() const { return sampler_ != nullptr; }
   /// The sampler (PyTorch's loader.sampler), as its type S: loader.sampler<DistributedSampler>().set_epoch(e).
   template <class S>
@@ -155,7 +167,10 @@ class DataLoader {
 #endif
       workers_.reserve(threads);
       try {
-        for (std::size_t w = 0; w < threads; ++w) workers_.emplace_back([this, w] { work(w); });
+        for (std::size_t w = 0; w < threads; ++w) workers_.emplace_back([this, w] {
+            profiler::set_thread_name("loader worker " + std::to_string(w));
+            work(w);
+          });
       } catch (const std::exception& e) {
         stop();  // the started workers are joined: a joinable std::thread's destructor would terminate
         CHORUS_FAIL("DataLoader: could not start worker thread ", workers_.size(), " of ", threads, ": ", e.what());
@@ -181,6 +196,7 @@ class DataLoader {
       // Past the end no worker would ever build the batch (a hang), nor does the order hold it.
       CHORUS_CHECK(b < num_batches_, "DataLoader: batch ", b, " requested from an epoch of ", num_batches_,
                    " batches (an iterator at or past end())");
+      const profiler::Scope span(profiler::Category::data, [&] { return "batch " + std::to_string(b); });
       if (workers_.empty()) {
         current_ = make_batch(b);
       } else {
@@ -236,6 +252,7 @@ class DataLoader {
         }
         Slot slot;
         try {
+          const profiler::Scope span(profiler::Category::other, [&] { return "build batch " + std::to_string(b); });
           slot.batch = make_batch(b);
         } catch (const std::exception& e) {
           slot.error = "DataLoader worker " + std::to_string(w) + " failed on batch " + std::to_string(b) + ": " +
@@ -290,21 +307,28 @@ class DataLoader {
   };
 
  public:
+  /// An input iterator over one epoch's batches; batches must be read in order.
   class Iterator {
    public:
-    using value_type = Batch;
-    using difference_type = std::ptrdiff_t;
+    using value_type = Batch;                ///< A batch.
+    using difference_type = std::ptrdiff_t;  ///< A distance in batches.
+    /// Internal: made by begin() and end() (a null epoch: the end).
     Iterator(std::shared_ptr<Epoch> epoch, std::size_t batch) : epoch_(std::move(epoch)), batch_(batch) {}
+    /// The current batch, waiting for a worker to build it if need be; valid until the next batch is read.
     const Batch& operator*() const {
       CHORUS_CHECK(epoch_ != nullptr, "DataLoader: dereferencing end(), which holds no batch");
       return epoch_->get(batch_);
     }
+    /// Moves to the next batch.
     Iterator& operator++() {
       ++batch_;
       return *this;
     }
+    /// Compares batch positions only (not epochs).
+    ///@{
     bool operator==(const Iterator& o) const { return batch_ == o.batch_; }
     bool operator!=(const Iterator& o) const { return batch_ != o.batch_; }
+    ///@}
 
    private:
     std::shared_ptr<Epoch> epoch_;
@@ -336,6 +360,7 @@ class DataLoader {
     active_ = epoch;
     return Iterator(std::move(epoch), 0);
   }
+  /// The position past the last batch of an epoch.
   Iterator end() { return Iterator(nullptr, num_batches()); }
 
  private:

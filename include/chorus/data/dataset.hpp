@@ -12,10 +12,11 @@
 CHORUS_NAMESPACE_BEGIN
 namespace data {
 
+/// One example, or a batch of them: the input data and its target.
 template <class Data, class Target>
 struct Example {
-  Data data;
-  Target target;
+  Data data;      ///< The input.
+  Target target;  ///< The target (label).
 };
 
 /// A dataset: size() and get(i) for i in [0, size()).
@@ -25,6 +26,7 @@ concept Dataset = requires(const D& d, std::size_t i) {
   d.get(i);
 };
 
+/// What get() of dataset type D returns.
 template <class D>
 using example_t = decltype(std::declval<const D&>().get(std::size_t{}));
 
@@ -40,6 +42,7 @@ Tensor<T> stack_batch(const std::vector<Tensor<T>>& items) {
   NoGradGuard g;
   return stack(items, 0);
 }
+/// Stacks the items' data and their targets separately: an Example of two batches.
 template <class A, class B>
 Example<A, B> stack_batch(const std::vector<Example<A, B>>& items) {
   std::vector<A> data;
@@ -57,19 +60,23 @@ Example<A, B> stack_batch(const std::vector<Example<A, B>>& items) {
 template <class T, class U>
 class TensorDataset {
  public:
+  /// Examples data[i], target[i]; throws unless both have dimension 0 of the same size.
   TensorDataset(Tensor<T> data, Tensor<U> target) : data_(std::move(data)), target_(std::move(target)) {
     CHORUS_CHECK(data_.dim() >= 1 && target_.dim() >= 1 && data_.size(0) == target_.size(0),
                  "TensorDataset: data of shape ", data_.shape(), " and target of shape ", target_.shape(),
                  " disagree in dimension 0");
   }
+  /// The number of examples (the size of dimension 0).
   std::size_t size() const { return static_cast<std::size_t>(data_.size(0)); }
   /// The data and the targets (PyTorch's `dataset.tensors`): `auto [x, y] = ds.tensors();`.
   std::tuple<Tensor<T>, Tensor<U>> tensors() const { return {data_, target_}; }
+  /// Example i: data[i] and target[i], contiguous.
   Example<Tensor<T>, Tensor<U>> get(std::size_t i) const {
     CHORUS_CHECK(i < size(), "TensorDataset: index ", i, " out of range for ", size(), " examples");
     return {data_.select(0, static_cast<std::int64_t>(i)).contiguous(),
             target_.select(0, static_cast<std::int64_t>(i)).contiguous()};
   }
+  /// The examples `idx`, stacked along dimension 0 (index_select, without recording grad).
   Example<Tensor<T>, Tensor<U>> get_batch(const std::vector<std::size_t>& idx) const {
     std::vector<std::int64_t> v(idx.begin(), idx.end());
     for (auto i : idx) CHORUS_CHECK(i < size(), "TensorDataset: index ", i, " out of range for ", size(), " examples");

@@ -48,6 +48,7 @@ template <class T>
 Tensor<T> pin_batch(Tensor<T> t) {
   return pin(t);
 }
+/// Pins an Example's data and target each.
 template <class A, class B>
 Example<A, B> pin_batch(Example<A, B> e) {
   return {pin_batch(std::move(e.data)), pin_batch(std::move(e.target))};

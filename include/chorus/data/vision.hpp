@@ -25,9 +25,13 @@ namespace data {
 
 /// Images as bytes [N, C, H, W] and their labels.
 struct ImageSet {
+  /// The size of every image: channels, height and width.
+  ///@{
   std::int64_t channels = 0, height = 0, width = 0;
-  std::vector<std::uint8_t> pixels;
-  std::vector<std::int64_t> labels;
+  ///@}
+  std::vector<std::uint8_t> pixels;  ///< The pixel bytes of all images, [N][channels][height][width].
+  std::vector<std::int64_t> labels;  ///< One label per image.
+  /// The number of images (the number of labels).
   std::size_t size() const { return labels.size(); }
   /// channels * height * width, checked: throws for a negative size or a product beyond int64.
   std::int64_t image_bytes() const { return numel_of(Shape{channels, height, width}); }
@@ -48,7 +52,9 @@ CHORUS_INLINE void write_bytes(const std::string& path, const std::vector<std::u
 
 // ---- CIFAR-10 -------------------------------------------------------------------------------
 
+/// The pixel bytes of one CIFAR-10 image (3x32x32).
 inline constexpr std::int64_t kCifarImageBytes = 3 * 32 * 32;
+/// The bytes of one CIFAR-10 record: the label byte, then the image.
 inline constexpr std::int64_t kCifarRecordBytes = 1 + kCifarImageBytes;
 
 /// Appends the records of one CIFAR-10 binary file to `set` (empty, or of 3x32x32 images).
@@ -65,10 +71,11 @@ CHORUS_INLINE ImageSet read_cifar10(const std::string& root, bool train);
 
 /// An IDX file of unsigned bytes: its sizes and data.
 struct IdxArray {
-  std::vector<std::int64_t> dims;
-  std::vector<std::uint8_t> data;
+  std::vector<std::int64_t> dims;  ///< The size of each dimension.
+  std::vector<std::uint8_t> data;  ///< The elements, row-major.
 };
 
+/// Reads an IDX file of unsigned bytes; throws on another element type, a bad header or a size mismatch.
 CHORUS_INLINE IdxArray read_idx(const std::string& path);
 
 /// MNIST (or Fashion-MNIST) from an IDX image file [N, H, W] and an IDX label file [N].
@@ -84,17 +91,25 @@ CHORUS_INLINE ImageSet read_mnist(const std::string& root, bool train);
 /// in a given epoch whichever thread builds it (Note [deterministic workers]).
 class ImageDataset {
  public:
+  /// Serves `set` through `transform` (none: the images as they are), seeded by `seed`; throws
+  /// when the set's pixels do not match its sizes.
   explicit ImageDataset(ImageSet set, Transform transform = {}, std::uint64_t seed = 0);
 
+  /// The number of examples.
   std::size_t size() const { return set_->size(); }
+  /// The images and labels served.
   const ImageSet& images() const { return *set_; }
+  /// Sets the epoch the transform's generator is seeded with (call it before each epoch).
   void set_epoch(std::uint64_t epoch) { epoch_ = epoch; }
 
   /// Example i as transformed for the current epoch.
   Image image(std::size_t i) const;
 
+  /// Example i: its transformed image as a float tensor [C, H, W] and its label as a 0-dim tensor.
   Example<Tensor<float>, Tensor<std::int64_t>> get(std::size_t i) const;
 
+  /// The examples `idx` as a batch: images [N, C, H, W] and labels [N]; throws when the
+  /// transform makes images of different sizes.
   Example<Tensor<float>, Tensor<std::int64_t>> get_batch(const std::vector<std::size_t>& idx) const;
 
  private:

@@ -57,8 +57,10 @@ CHORUS_NAMESPACE_BEGIN
 namespace dist {
 inline namespace CHORUS_DIST_NS {
 
+/// How a collective combines the ranks' tensors: their sum or their mean.
 enum class ReduceOp { Sum, Avg };
 
+/// "sum" or "avg", for messages.
 inline const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "avg"; }
 
 // Note [timeout precedence]
@@ -67,10 +69,12 @@ inline const char* op_name(ReduceOp op) { return op == ReduceOp::Sum ? "sum" : "
 // tune the watchdog of a program that does not choose, but never silently overrides one that
 // does. A field left unset also means "no preference" to a second dist::init(options), which
 // refuses only options that contradict the group's (Note [one process group]).
+/// The options of dist::init() and ProcessGroup: `dist::init({.timeout = std::chrono::minutes(30)})`.
 struct Options {
   /// How long a collective may take before it is declared stalled (Note [watchdog]); unset:
   /// CHORUS_DIST_TIMEOUT_S, else 10 minutes (Note [timeout precedence]).
   std::optional<std::chrono::milliseconds> timeout;
+  /// Equal when every field is.
   bool operator==(const Options&) const = default;
 };
 
@@ -92,16 +96,22 @@ inline std::atomic<int>& collective_waiters() {
 /// tensors: Note [NCCL work]), or throws (Note [watchdog]).
 class Work {
  public:
+  /// A collective described by `what` (for messages), started now: wait()'s timeout counts from here.
   explicit Work(std::string what) : what_(std::move(what)), start_(std::chrono::steady_clock::now()) {}
+  /// The collective as messages name it, such as "all_reduce(sum) of 4096 bytes on rank 1 of 4".
   const std::string& what() const { return what_; }
 
+  /// Blocks until the collective completes; throws chorus::Error, and marks the group broken,
+  /// when it failed or did not complete within `timeout` of its start.
   void wait(std::chrono::milliseconds timeout);
+  /// Whether the backend has finished the work (a CUDA collective may still run on its stream).
   bool completed() const {
     std::lock_guard<std::mutex> lk(m_);
     return done_;
   }
 
-  // Called by the communication thread.
+  /// Marks the work complete, failed with `error` unless it is empty; called by the backend
+  /// (the communication thread).
   void finish(std::string error = {}) {
     std::lock_guard<std::mutex> lk(m_);
     done_ = true;
@@ -112,7 +122,7 @@ class Work {
   /// Run by the waiter after completion, with the deadline (CUDA: watches the GPU side).
   std::function<void(std::chrono::steady_clock::time_point)> on_wait;
   std::vector<AnyTensor> keep;    ///< tensors the collective reads or writes, alive until done
-  detail::GroupState* group = nullptr;
+  detail::GroupState* group = nullptr;  ///< the group wait() marks broken on a failure (null: none)
 
  private:
   std::string what_;

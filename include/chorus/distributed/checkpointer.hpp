@@ -31,6 +31,8 @@ CHORUS_NAMESPACE_BEGIN
 namespace dist {
 inline namespace CHORUS_DIST_NS {
 
+/// When a Checkpointer saves, how many checkpoints it keeps, and what it saves besides the model
+/// and optimizer: `{.every = 100, .scheduler = &sched}`.
 struct CheckpointerOptions {
   std::int64_t every = 0;                        ///< save after every `every`-th step (0: only save())
   int keep = 2;                                  ///< the newest checkpoints kept; older ones are removed
@@ -46,6 +48,8 @@ struct CheckpointerOptions {
 /// `dir` must be a directory every rank sees.
 class Checkpointer {
  public:
+  /// Checkpoints `module` (a module or its holder) and `optimizer` in directory `dir`, over
+  /// `group` (default: dist::init()'s).
   template <class M>
   Checkpointer(std::string dir, M& module, optim::Optimizer& optimizer, CheckpointerOptions options = {},
                ProcessGroup* group = nullptr)

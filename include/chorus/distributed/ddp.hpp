@@ -65,7 +65,7 @@ CHORUS_INLINE std::vector<int> gradient_owners(const Reducer& reducer, const std
 template <class M>
 class DistributedDataParallel {
  public:
-  using Options = DistributedDataParallelOptions;
+  using Options = DistributedDataParallelOptions;  ///< the constructor's options
 
   /// Wraps `module` (all of whose tensors live on one device) for the process group `group`
   /// (default: dist::init()).
@@ -126,6 +126,7 @@ class DistributedDataParallel {
     reducer_->expect_finalizers(dtypes);
     return out;
   }
+  /// Calls forward(args...).
   template <class... Args>
   auto operator()(Args&&... args) {
     return forward(std::forward<Args>(args)...);
@@ -135,6 +136,7 @@ class DistributedDataParallel {
   /// reducing them; the first step after it reduces the accumulated sum (gradient accumulation).
   class NoSyncGuard {
    public:
+    /// Turns off `d`'s gradient reduction until the guard is destroyed, which restores the previous setting.
     explicit NoSyncGuard(DistributedDataParallel& d) : d_(d), prev_(d.sync_) { d_.sync_ = false; }
     ~NoSyncGuard() { d_.sync_ = prev_; }
     NoSyncGuard(const NoSyncGuard&) = delete;
@@ -144,6 +146,7 @@ class DistributedDataParallel {
     DistributedDataParallel& d_;
     bool prev_;
   };
+  /// PyTorch's no_sync(): a NoSyncGuard over this DistributedDataParallel.
   [[nodiscard]] NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
   /// Uneven inputs, PyTorch's `with Join([ddp, ...]): ...` (Note [DDP join]): runs `loop` (this
@@ -197,14 +200,23 @@ class DistributedDataParallel {
   }
 
   /// The wrapped module: save() of the wrapper or of module() writes the plain module's keys.
+  ///@{
   M& module() { return module_; }
   const M& module() const { return module_; }
+  ///@}
+  /// The module's parameters.
   std::vector<AnyTensor> parameters() const { return nn::module_of(module_).parameters(); }
+  /// The module's parameters with their dotted names (no prefix).
   std::vector<nn::Module::NamedTensor> named_parameters() const { return nn::module_of(module_).named_parameters(); }
+  /// Sets the module's training mode.
   void train(bool on = true) { nn::module_of(module_).train(on); }
+  /// train(false).
   void eval() { train(false); }
+  /// Clears (set_to_none, the default) or zeroes the gradients of the module's parameters.
   void zero_grad(bool set_to_none = true) { nn::module_of(module_).zero_grad(set_to_none); }
+  /// The device the module's tensors live on, where forward moves tensor arguments.
   Device device() const { return device_; }
+  /// The process group the gradients are averaged over.
   dist::ProcessGroup& process_group() const { return group_; }
 
   /// PyTorch's register_comm_hook with one of its built-in hooks (Note [DDP communication
@@ -237,6 +249,8 @@ class DistributedDataParallel {
  private:
   template <class... Args>
   auto call(Args&&... args) {
+    const profiler::Scope span(profiler::Category::forward, "forward");
+    const nn::detail::RootFrame root(nn::module_of(module_));  // its layers by their names (Note [layer spans])
     return parallel::detail::call_forward(module_, to_device(std::forward<Args>(args))...);
   }
   template <class A>

@@ -94,7 +94,7 @@ using parallel::FullyShardImpl;
 template <class M>
 class FullyShardedDataParallel {
  public:
-  using Options = FullyShardedDataParallelOptions;
+  using Options = FullyShardedDataParallelOptions;  ///< the constructor's options
 
   /// Shards `module` (all of whose tensors live on one device) over `group` (default:
   /// dist::init()). A collective: every rank constructs it.
@@ -123,6 +123,7 @@ class FullyShardedDataParallel {
     group_.check_usable("FullyShardedDataParallel::forward");
     return call(to_device(std::forward<Args>(args))...);
   }
+  /// Calls forward(args...).
   template <class... Args>
   auto operator()(Args&&... args) {
     return forward(std::forward<Args>(args)...);
@@ -180,6 +181,7 @@ class FullyShardedDataParallel {
     }
     detail::FsdpShared& shared_;
   };
+  /// PyTorch's summon_full_params(): a FullParams guard (a collective); throws while another one lives.
   [[nodiscard]] FullParams summon_full_params() {
     group_.check_usable("FullyShardedDataParallel::summon_full_params");
     CHORUS_CHECK(!shared_.summoned, "FullyShardedDataParallel::summon_full_params: already summoned");
@@ -203,13 +205,19 @@ class FullyShardedDataParallel {
 
   /// The wrapped module. Its parameters view no memory outside their unit's forward and backward
   /// (Note [unsharded parameter memory]); use it alone inside summon_full_params().
+  ///@{
   M& module() { return module_; }
   const M& module() const { return module_; }
+  ///@}
+  /// Sets the module's training mode.
   void train(bool on = true) { nn::module_of(module_).train(on); }
+  /// train(false).
   void eval() { train(false); }
+  /// Clears (set_to_none, the default) or zeroes the gradients of this rank's shards (parameters()).
   void zero_grad(bool set_to_none = true) { parallel::detail::zero_shard_grads(parameters(), set_to_none); }
   /// The device of the module's parameters.
   Device device() const { return device_; }
+  /// The process group the parameters are sharded over.
   ProcessGroup& process_group() const { return group_; }
   /// The units' names, the root ("") first, and how many parameter elements each holds.
   std::vector<std::pair<std::string, std::int64_t>> units() const {

@@ -22,6 +22,7 @@
 // in the exit barrier. A clean shutdown of every rank sends and receives all the notices before
 // the communicators are freed, and changes nothing else: every count is past every collective.
 #include "../compiled.hpp"
+#include "../core/profiler.hpp"
 #include "backend.hpp"
 
 #if CHORUS_DIST_MPI
@@ -143,6 +144,9 @@ class CommThread {
     std::shared_ptr<Work> work;
     MPI_Request request;
     std::int64_t seq;  // its number among the group's collectives; -1: the exit barrier
+    std::int64_t started_ns = -1;  // when it started, while a profiler recorded (-1: not recorded)
+    std::int64_t step = 0;         // the profiler's step then
+    int lane = -1;                 // the profiler track it is drawn on (one per collective in flight)
   };
 
   /// A rank that said it is leaving (Note [leaving notice]).
@@ -175,6 +179,7 @@ class CommThread {
   static constexpr std::chrono::milliseconds kSpin{20};
 
   void complete(Op& op, std::string error);
+  void record_span(const Op& op) const;  // Note [profiled collectives]
 
   MPI_Comm exit_comm_;
   int world_;

@@ -160,6 +160,12 @@ CHORUS_INLINE void CommThread::run() {
         complete(op, "MPI error: " + mpi_error_string(rc));
         continue;
       }
+      if (profiler::enabled()) {  // Note [profiled collectives]
+        op.started_ns = profiler::detail::now_ns();
+        op.step = profiler::current_step();
+        op.lane = 0;
+        while (std::any_of(active.begin(), active.end(), [&](const Op& o) { return o.lane == op.lane; })) ++op.lane;
+      }
       active.push_back(std::move(op));
     }
     bool progressed = false;
@@ -172,6 +178,7 @@ CHORUS_INLINE void CommThread::run() {
         std::string err = std::move(orphan);
         if (rc != MPI_SUCCESS) err = "MPI error: " + mpi_error_string(rc);
         else if (flag && active[i].work->on_done) active[i].work->on_done();
+        record_span(active[i]);
         complete(active[i], std::move(err));
         active.erase(active.begin() + static_cast<std::ptrdiff_t>(i));
         progressed = true;
@@ -193,6 +200,26 @@ CHORUS_INLINE void CommThread::run() {
       else std::this_thread::sleep_for(std::chrono::microseconds(std::min(200, 5 * ++idle_polls)));
     }
   }
+}
+
+// Note [profiled collectives]
+// While a profiler records, each collective the communication thread starts is a span from its
+// start to the MPI_Test that finds it complete, named by its kind ("all_reduce") with its bytes
+// (those of the tensors it reads and writes) and description. Several are in flight at once, so
+// each is drawn on the lowest "comm lane k" track free when it started (profiler::record_on_track).
+CHORUS_INLINE void CommThread::record_span(const Op& op) const {
+  if (op.started_ns < 0 || !profiler::enabled()) return;
+  profiler::Span s;
+  const std::string& what = op.work->what();
+  s.name = what.substr(0, what.find_first_of("( "));
+  s.category = profiler::Category::communication;
+  s.start_ns = op.started_ns;
+  s.end_ns = profiler::detail::now_ns();
+  s.step = op.step;
+  s.bytes = 0;
+  for (const auto& t : op.work->keep) s.bytes += t.numel() * static_cast<std::int64_t>(dtype_size(t.dtype()));
+  s.detail = what;
+  profiler::record_on_track("comm lane " + std::to_string(op.lane), std::move(s));
 }
 
 CHORUS_INLINE void CommThread::complete(Op& op, std::string error) {

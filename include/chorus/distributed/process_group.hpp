@@ -35,20 +35,29 @@ inline namespace CHORUS_DIST_NS {
 /// The group of all processes of the job (see Note [process group bootstrap]).
 class ProcessGroup {
  public:
+  /// Joins the job's processes as it was launched (Note [process group bootstrap]); a program
+  /// calls dist::init(), which makes the job's one group.
   explicit ProcessGroup(Options options = {});
 
   ~ProcessGroup();  // at exit: a failed leave has already skipped MPI_Finalize
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
 
+  /// This process's rank, 0 … world_size()-1.
   int rank() const { return state_.rank; }
+  /// The number of processes in the job.
   int world_size() const { return state_.world; }
+  /// This process's rank among the processes on its machine (torchrun's LOCAL_RANK).
   int local_rank() const { return state_.local_rank; }
+  /// The number of processes on this machine (torchrun's LOCAL_WORLD_SIZE).
   int local_world_size() const { return state_.local_world; }
+  /// How the job was launched.
   Launcher launcher() const { return state_.launcher; }
   /// "mpi", "nccl" (torchrun) or "local" (a world of 1 without MPI).
   std::string backend() const;
+  /// How long a collective may take before its wait throws and the group breaks (Note [watchdog]).
   std::chrono::milliseconds timeout() const { return state_.timeout; }
+  /// Sets timeout() (positive) for the waits to come.
   void set_timeout(std::chrono::milliseconds t);
 
   /// The device this process should use: cuda:local_rank when there are GPUs, else cpu:0.
@@ -66,6 +75,7 @@ class ProcessGroup {
     backend_for(t.device(), what).all_reduce(work, AnyTensor(t), op);
     return work;
   }
+  /// all_reduce_async(t, op), waited for within timeout() (PyTorch's dist.all_reduce).
   template <class T>
   void all_reduce(const Tensor<T>& t, ReduceOp op = ReduceOp::Sum) {
     all_reduce_async(t, op)->wait(state_.timeout);
@@ -97,10 +107,12 @@ class ProcessGroup {
     backend_for(t.device(), what).broadcast(work, AnyTensor(t), root);
     return work;
   }
+  /// broadcast_async(t, root), waited for within timeout() (PyTorch's dist.broadcast).
   template <class T>
   void broadcast(const Tensor<T>& t, int root = 0) {
     broadcast_async(t, root)->wait(state_.timeout);
   }
+  /// broadcast(t, root) for a tensor of any dtype.
   void broadcast(const AnyTensor& t, int root = 0);
 
   /// [world_size, *t.shape()]: every rank's t, in rank order.
@@ -162,6 +174,7 @@ class ProcessGroup {
 
   /// Marks the group unusable: later collectives throw, shutdown skips MPI_Finalize.
   void mark_broken(const std::string& why) { state_.mark_broken(why); }
+  /// Whether the group was marked broken (Note [watchdog]).
   bool broken() const { return state_.broken(); }
 
   /// Leaves the group: meets the other ranks (within the timeout), stops the communication
@@ -183,6 +196,7 @@ class ProcessGroup {
   cudaStream_t nccl_stream() const { return nccl_ ? nccl_->stream() : nullptr; }
 #endif
 
+  /// Throws chorus::Error naming `what` if the group is broken or shut down.
   void check_usable(const std::string& what) const;
 
   // ---- optimizers whose step is a collective (Note [DDP join]) ----
@@ -191,6 +205,7 @@ class ProcessGroup {
   /// data must still take part in its steps, so DistributedDataParallel::join refuses to run
   /// without them (instead of the other ranks waiting in the step's broadcasts until the timeout).
   void add_collective_step(const std::vector<AnyTensor>& params);
+  /// Undoes one add_collective_step(params) (the optimizer's destructor).
   void remove_collective_step(const std::vector<AnyTensor>& params) noexcept;
   /// Whether an optimizer with a collective step steps any of `params`.
   bool has_collective_step(const std::vector<AnyTensor>& params) const;
@@ -266,21 +281,29 @@ CHORUS_INLINE std::unique_ptr<ProcessGroup>& global_group();
 /// Joins the job's process group (Note [process group bootstrap], [one process group]). Every
 /// rank calls it.
 CHORUS_INLINE ProcessGroup& init(Options options = {});
+/// Whether init() has made the group.
 inline bool is_initialized() { return detail::global_group() != nullptr; }
 /// The group made by init().
 CHORUS_INLINE ProcessGroup& group();
+/// group().rank().
 inline int rank() { return group().rank(); }
+/// group().world_size().
 inline int world_size() { return group().world_size(); }
+/// group().local_rank().
 inline int local_rank() { return group().local_rank(); }
+/// group().barrier().
 inline void barrier() { group().barrier(); }
+/// group().all_reduce(t, op).
 template <class T>
 void all_reduce(const Tensor<T>& t, ReduceOp op = ReduceOp::Sum) {
   group().all_reduce(t, op);
 }
+/// group().broadcast(t, root).
 template <class T>
 void broadcast(const Tensor<T>& t, int root = 0) {
   group().broadcast(t, root);
 }
+/// group().all_gather(t).
 template <class T>
 Tensor<T> all_gather(const Tensor<T>& t) {
   return group().all_gather(t);

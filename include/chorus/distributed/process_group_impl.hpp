@@ -187,6 +187,7 @@ CHORUS_INLINE ProcessGroup& init(Options options) {
   auto& g = detail::global_group();
   if (!g) {
     g = std::make_unique<ProcessGroup>(options);
+    profiler::set_process_rank(g->rank());  // traces name the process by its rank
     return *g;
   }
   if (options.timeout && *options.timeout != g->timeout())

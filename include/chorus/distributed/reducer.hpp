@@ -65,11 +65,18 @@ namespace dist {
 // (the default); `fp16_compress` and `bf16_compress` convert a wider bucket to 16 bits, divide
 // it by the world size in 16 bits, sum it across the ranks in 16 bits and convert the result
 // back into the bucket: half the bytes on the wire, at 16-bit precision of the average.
+/// A built-in communication hook of DistributedDataParallel::register_comm_hook (Note [DDP communication hooks]).
 enum class CommHook { allreduce, fp16_compress, bf16_compress };
 }  // namespace dist
 
+/// DistributedDataParallel's options, with designated initializers:
+/// `{.bucket_cap_bytes = 50 << 20, .find_unused_parameters = true}`.
 struct DistributedDataParallelOptions {
-  std::size_t bucket_cap_bytes = std::size_t{25} << 20;  ///< Note [DDP buckets]
+  /// The size at which a gradient bucket closes: PyTorch's bucket_cap_mb, in bytes (default 25 MiB;
+  /// Note [DDP buckets]).
+  std::size_t bucket_cap_bytes = std::size_t{25} << 20;
+  /// The same for the first bucket of each dtype, small so that the first all-reduce starts early
+  /// (default 1 MiB, as PyTorch's).
   std::size_t first_bucket_bytes = std::size_t{1} << 20;
   /// Off: a trained parameter that gets no gradient in a backward pass is an error naming it.
   /// On: such parameters are found after forward and count as zeros in the average.
@@ -78,6 +85,7 @@ struct DistributedDataParallelOptions {
   bool broadcast_buffers = true;
 };
 
+/// \cond
 namespace dist::detail {
 
 /// The per-model state behind DistributedDataParallel (shared with its graph nodes).
@@ -259,6 +267,7 @@ CHORUS_INLINE void reachable(const std::vector<std::shared_ptr<autograd::NodeBas
                              std::unordered_set<const void*>& seen);
 
 }  // namespace dist::detail
+/// \endcond
 
 CHORUS_NAMESPACE_END
 

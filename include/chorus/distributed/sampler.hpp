@@ -24,12 +24,15 @@
 CHORUS_NAMESPACE_BEGIN
 namespace data {
 
+/// DistributedSampler's options, as torch.utils.data.DistributedSampler's: `{.shuffle = false}`.
 struct DistributedSamplerOptions {
-  bool shuffle = true;
-  std::uint64_t seed = 0;
-  bool drop_last = false;
+  bool shuffle = true;     ///< draw a new permutation every epoch (else the order 0 … n-1)
+  std::uint64_t seed = 0;  ///< the permutation of epoch e is seeded by seed + e; the same on every rank
+  bool drop_last = false;  ///< cut the order down to a multiple of the world size instead of padding it
 };
 
+/// Each rank's share of a dataset's indices, as torch.utils.data.DistributedSampler: every epoch
+/// the ranks draw one order and rank r takes every num_replicas()-th index from r.
 class DistributedSampler {
  public:
   /// The share of rank `rank` out of `num_replicas` of a dataset of `dataset_size` samples.
@@ -46,12 +49,15 @@ class DistributedSampler {
 
   /// Makes the next indices() use the order of epoch `epoch` (same on every rank).
   void set_epoch(std::uint64_t epoch) { epoch_ = epoch; }
+  /// The epoch set by set_epoch() (0 before).
   std::uint64_t epoch() const { return epoch_; }
   /// Samples per rank and epoch.
   std::size_t size() const { return num_samples_; }
   /// Samples per epoch over all ranks (including the padding).
   std::size_t total_size() const { return total_; }
+  /// The rank whose share this is.
   int rank() const { return rank_; }
+  /// The number of ranks the dataset is shared among.
   int num_replicas() const { return world_; }
 
   /// This rank's indices for the current epoch.

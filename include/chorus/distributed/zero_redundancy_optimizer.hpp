@@ -99,11 +99,13 @@ CHORUS_INLINE void zero_sync_parameters(ProcessGroup& group, const std::vector<A
 template <class O>
 class ZeroRedundancyOptimizer final : public optim::Optimizer {
  public:
-  using Options = typename O::options_type;
+  using Options = typename O::options_type;  ///< O's options (optim::AdamOptions for optim::Adam)
 
+  /// Over `params`, one group with `options`, sharded over `group` (default: dist::init()).
   ZeroRedundancyOptimizer(std::vector<AnyTensor> params, Options options, ProcessGroup* group = nullptr)
       : ZeroRedundancyOptimizer(std::vector<optim::ParamGroup<Options>>{{std::move(params), options}}, group) {}
 
+  /// Over parameter groups, each with its own options, sharded over `group` (default: dist::init()).
   explicit ZeroRedundancyOptimizer(std::vector<optim::ParamGroup<Options>> groups, ProcessGroup* group = nullptr)
       : Optimizer(optim::detail::params_of(groups)), group_(group ? *group : dist::init()) {
     device_ = detail::zero_device(params_);
@@ -186,15 +188,21 @@ class ZeroRedundancyOptimizer final : public optim::Optimizer {
 
   /// The rank that owns (keeps the state of, and steps) parameter i.
   int owner(std::size_t i) const { return owner_.at(i); }
+  /// The process group the parameters are sharded over.
   ProcessGroup& process_group() const { return group_; }
   /// The optimizer over this rank's shard.
+  ///@{
   O& local_optimizer() { return *local_; }
   const O& local_optimizer() const { return *local_; }
+  ///@}
 
   double lr(std::size_t group) const override { return local_->lr(group); }
+  /// Sets the learning rate of group `group` in this rank's shard's optimizer (every rank calls it).
   void set_lr(std::size_t group, double lr) override { local_->set_lr(group, lr); }
   bool has_momentum() const override { return local_->has_momentum(); }
+  /// The momentum of group `group`; throws where O has none.
   double momentum(std::size_t group) const override { return local_->momentum(group); }
+  /// Sets the momentum of group `group` in this rank's shard's optimizer; throws where O has none.
   void set_momentum(std::size_t group, double m) override { local_->set_momentum(group, m); }
   std::vector<std::string> state_keys() const override { return local_->state_keys(); }
   /// The plain optimizer's name: a consolidated checkpoint is the plain optimizer's file.

@@ -27,9 +27,9 @@ namespace io {
 /// What else an optimizer checkpoint holds (each optional):
 /// `save(opt, path, {.scheduler = &sched, .scaler = &scaler, .master = &master})`.
 struct TrainingState {
-  optim::LRScheduler* scheduler = nullptr;  // its position and base lrs (Note [closed-form schedules])
-  amp::GradScaler* scaler = nullptr;        // its scale and growth tracker
-  amp::MasterWeights* master = nullptr;     // the float32 masters the optimizer steps (bitwise resume)
+  optim::LRScheduler* scheduler = nullptr;  ///< the lr scheduler: its epoch and base lrs (Note [closed-form schedules])
+  amp::GradScaler* scaler = nullptr;        ///< the GradScaler: its state_dict() (scale, factors, growth tracker)
+  amp::MasterWeights* master = nullptr;     ///< the float32 masters the optimizer steps (bitwise resume)
 };
 }  // namespace io
 

@@ -41,9 +41,12 @@ using Metadata = std::map<std::string, std::string>;
 
 /// One tensor of a parsed file: where its bytes are inside the data section.
 struct TensorRecord {
-  DType dtype;
-  Shape shape;
-  std::size_t begin = 0, end = 0;  // byte offsets into the data section
+  DType dtype;  ///< The tensor's dtype.
+  Shape shape;  ///< The tensor's shape.
+  /// Byte offsets of the tensor's first byte and one past its last, in the data section.
+  ///@{
+  std::size_t begin = 0, end = 0;
+  ///@}
 };
 
 namespace detail {
@@ -67,12 +70,12 @@ CHORUS_INLINE void pread_exact(int fd, void* dst, std::size_t n, std::uint64_t o
 /// A parsed and validated safetensors file: its header, and where the data is (a file kept
 /// open by read(), or an in-memory image given to parse()).
 struct File {
-  Metadata metadata;
-  std::map<std::string, TensorRecord> tensors;
-  std::size_t data_start = 0;       // 8 + header length
-  std::string source;               // for messages: the quoted path, or "buffer"
-  std::vector<std::uint8_t> bytes;  // the image given to parse(); empty for read()
-  std::shared_ptr<detail::FileHandle> file;  // the open file of read()
+  Metadata metadata;                            ///< The header's "__metadata__".
+  std::map<std::string, TensorRecord> tensors;  ///< The tensors, by name.
+  std::size_t data_start = 0;                   ///< Where the data section starts: 8 + the header's length.
+  std::string source;                           ///< For messages: the quoted path, or "buffer".
+  std::vector<std::uint8_t> bytes;              ///< The image given to parse(); empty for read().
+  std::shared_ptr<detail::FileHandle> file;     ///< The open file of read(); null for parse().
 
   /// Copies the bytes of tensor `r` (r.end - r.begin of them) to host memory at `dst`.
   void read_into(const TensorRecord& r, void* dst) const {

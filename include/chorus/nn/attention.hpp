@@ -14,14 +14,14 @@ namespace nn {
 
 /// Fields in PyTorch's argument order (Note [layer options] in nn/module.hpp).
 struct MultiheadAttentionOptions {
-  double dropout = 0.0;  // on the attention weights, while training
-  bool bias = true;      // in_proj_bias and out_proj.bias
-  bool add_bias_kv = false;
-  bool add_zero_attn = false;
-  std::optional<std::int64_t> kdim = std::nullopt;  // the keys' features (default embed_dim)
-  std::optional<std::int64_t> vdim = std::nullopt;  // the values' features (default embed_dim)
-  bool batch_first = false;                         // [N, L, E] instead of [L, N, E]
-  Device device = Device::cpu();
+  double dropout = 0.0;                             ///< Dropout on the attention weights, while training (default 0).
+  bool bias = true;                                 ///< Adds in_proj_bias and out_proj.bias (default true).
+  bool add_bias_kv = false;                         ///< Learned bias_k and bias_v, appended as one more key and value.
+  bool add_zero_attn = false;                       ///< Appends a zero key and value (per head) to the sequences.
+  std::optional<std::int64_t> kdim = std::nullopt;  ///< The keys' features (default embed_dim).
+  std::optional<std::int64_t> vdim = std::nullopt;  ///< The values' features (default embed_dim).
+  bool batch_first = false;                         ///< [N, L, E] instead of [L, N, E] (default false).
+  Device device = Device::cpu();                    ///< Where the parameters are created (default CPU).
 };
 
 /// Multi-head attention: query [L, N, E] ([N, L, E] with batch_first, [L, E] unbatched), key
@@ -44,8 +44,10 @@ struct MultiheadAttentionOptions {
 template <class T = float>
 class MultiheadAttentionImpl : public Module {
  public:
-  using Mask = AttentionMask<T>;
+  using Mask = AttentionMask<T>;  ///< A mask: boolean (int64) or additive (T), as described above.
 
+  /// `num_heads` heads over `embed_dim` features (embed_dim divisible by num_heads), parameters
+  /// initialised by reset_parameters().
   MultiheadAttentionImpl(std::int64_t embed_dim, std::int64_t num_heads, MultiheadAttentionOptions options = {})
       : embed_dim(embed_dim),
         num_heads(num_heads),
@@ -83,6 +85,7 @@ class MultiheadAttentionImpl : public Module {
   /// True when kdim == vdim == embed_dim: one packed in_proj_weight (PyTorch's _qkv_same_embed_dim).
   bool qkv_same_embed_dim() const { return kdim == embed_dim && vdim == embed_dim; }
 
+  /// Re-initialises every parameter as PyTorch does (see above).
   void reset_parameters() {
     if (qkv_same_embed_dim()) {
       init::xavier_uniform_(in_proj_weight);
@@ -112,10 +115,16 @@ class MultiheadAttentionImpl : public Module {
            ")";
   }
 
+  /// Sizes: embed_dim E, num_heads H, kdim and vdim (the keys' and values' features), head_dim E / H.
+  ///@{
   std::int64_t embed_dim, num_heads, kdim, vdim, head_dim = 0;
-  MultiheadAttentionOptions options;
+  ///@}
+  MultiheadAttentionOptions options;  ///< The options it was built with.
+  /// The parameters described above; those the options leave out are undefined.
+  ///@{
   Tensor<T> in_proj_weight, q_proj_weight, k_proj_weight, v_proj_weight, in_proj_bias, bias_k, bias_v;
-  LinearT<T> out_proj{nullptr};
+  ///@}
+  LinearT<T> out_proj{nullptr};  ///< The output projection, Linear(E, E).
 
  private:
   /// Rows [i·E, (i+1)·E) of the packed projection (weight or bias), or the separate weight.
@@ -255,9 +264,11 @@ template <class T = float>
 class MultiheadAttentionT : public ModuleHolder<MultiheadAttentionImpl<T>> {
  public:
   using ModuleHolder<MultiheadAttentionImpl<T>>::ModuleHolder;
+  /// Constructs the implementation: MultiheadAttentionImpl(embed_dim, num_heads, options).
   explicit MultiheadAttentionT(std::int64_t embed_dim, std::int64_t num_heads, MultiheadAttentionOptions options = {})
       : ModuleHolder<MultiheadAttentionImpl<T>>(
             std::make_shared<MultiheadAttentionImpl<T>>(embed_dim, num_heads, options)) {}
+  /// Calls MultiheadAttentionImpl::forward: (attention output, attention weights or undefined).
   std::tuple<Tensor<T>, Tensor<T>> operator()(const Tensor<T>& query, const Tensor<T>& key, const Tensor<T>& value,
                                               const AttentionMask<T>& key_padding_mask = {}, bool need_weights = true,
                                               const AttentionMask<T>& attn_mask = {}, bool average_attn_weights = true,
@@ -266,7 +277,7 @@ class MultiheadAttentionT : public ModuleHolder<MultiheadAttentionImpl<T>> {
                             is_causal);
   }
 };
-using MultiheadAttention = MultiheadAttentionT<float>;
+using MultiheadAttention = MultiheadAttentionT<float>;  ///< MultiheadAttentionT over float tensors.
 
 }  // namespace nn
 CHORUS_NAMESPACE_END

@@ -144,8 +144,10 @@ auto checkpoint(F fn, const Args&... args) {
 template <class Impl>
 class CheckpointImpl : public Impl {
  public:
+  /// Copy-constructs `block` (sharing its tensors and submodules, as Module's copy does).
   explicit CheckpointImpl(const Impl& block) : Impl(block) {}
-  CheckpointImpl(const CheckpointImpl& other) : Impl(other) {}  // a copy (replica) is alive on its own
+  /// Copies the wrapped module; the copy (a replica) is alive on its own.
+  CheckpointImpl(const CheckpointImpl& other) : Impl(other) {}
   CheckpointImpl& operator=(const CheckpointImpl&) = delete;
 
   /// Impl's forward, its activations recomputed in backward.
@@ -160,6 +162,7 @@ class CheckpointImpl : public Impl {
         },
         args...);
   }
+  /// The wrapped module's name() inside `Checkpoint(...)`.
   std::string name() const override { return "Checkpoint(" + Impl::name() + ")"; }
 
  private:
@@ -176,9 +179,11 @@ class Checkpoint : public ModuleHolder<CheckpointImpl<typename Holder::ImplType>
 
  public:
   using ModuleHolder<CheckpointImpl<Impl>>::ModuleHolder;
+  /// Wraps the module `block` holds (a copy of its Impl that shares its parameters and buffers).
   explicit Checkpoint(const Holder& block)
       : ModuleHolder<CheckpointImpl<Impl>>(std::make_shared<CheckpointImpl<Impl>>(*block)) {}
 };
+/// Deduces Checkpoint's holder type: `nn::Checkpoint(layer)` for a holder `layer`.
 template <class Holder>
   requires requires { typename Holder::ImplType; }
 Checkpoint(const Holder&) -> Checkpoint<Holder>;

@@ -9,18 +9,21 @@
 CHORUS_NAMESPACE_BEGIN
 namespace nn::init {
 
+/// Fills `t` with draws from U(lo, hi), as torch.nn.init.uniform_.
 template <class T>
 Tensor<T>& uniform_(Tensor<T>& t, double lo, double hi, Generator& gen = default_generator()) {
   NoGradGuard g;
   return t.copy_(rand<T>(t.shape(), t.device(), lo, hi, gen));
 }
 
+/// Fills `t` with draws from N(mean, stddev²), as torch.nn.init.normal_.
 template <class T>
 Tensor<T>& normal_(Tensor<T>& t, double mean = 0.0, double stddev = 1.0, Generator& gen = default_generator()) {
   NoGradGuard g;
   return t.copy_(randn<T>(t.shape(), t.device(), mean, stddev, gen));
 }
 
+/// Fills `t` with `value`, as torch.nn.init.constant_.
 template <class T>
 Tensor<T>& constant_(Tensor<T>& t, T value) {
   NoGradGuard g;
@@ -66,6 +69,7 @@ inline double calculate_gain(const std::string& nonlinearity, double param = 0.0
   CHORUS_FAIL("calculate_gain: unsupported nonlinearity '", nonlinearity, "'");
 }
 
+/// The fan the Kaiming initialisers scale by (PyTorch's mode="fan_in" / "fan_out").
 enum class FanMode { FanIn, FanOut };
 
 namespace detail {
@@ -101,10 +105,12 @@ Tensor<T>& xavier_normal_(Tensor<T>& t, double gain = 1.0, Generator& gen = defa
   return normal_(t, 0.0, stddev, gen);
 }
 
+/// Fills `t` with zeros, as torch.nn.init.zeros_.
 template <class T>
 Tensor<T>& zeros_(Tensor<T>& t) {
   return constant_(t, T(0));
 }
+/// Fills `t` with ones, as torch.nn.init.ones_.
 template <class T>
 Tensor<T>& ones_(Tensor<T>& t) {
   return constant_(t, T(1));

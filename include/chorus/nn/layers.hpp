@@ -11,9 +11,10 @@
 CHORUS_NAMESPACE_BEGIN
 namespace nn {
 
+/// Linear's options, braced in PyTorch's order (Note [layer options] in nn/module.hpp).
 struct LinearOptions {
-  bool bias = true;
-  Device device = Device::cpu();
+  bool bias = true;               ///< Adds the learned bias b (default true).
+  Device device = Device::cpu();  ///< Where the parameters are created (default CPU).
 };
 
 /// y = x W^T + b with W: [out, in] and b: [out], initialised as torch.nn.Linear
@@ -21,17 +22,26 @@ struct LinearOptions {
 template <class T = float>
 class LinearImpl : public Module {
  public:
+  /// `in_features` to `out_features` (both non-negative), initialised by reset_parameters().
   LinearImpl(std::int64_t in_features, std::int64_t out_features, LinearOptions options = {});
+  /// Re-initialises weight and bias as torch.nn.Linear does (see above).
   void reset_parameters();
 
+  /// x [..., in_features] to [..., out_features]: x W^T + b.
   Tensor<T> forward(const Tensor<T>& x) const { return linear(x, weight, bias); }
   std::string name() const override {
     return "Linear(" + std::to_string(in_features) + ", " + std::to_string(out_features) + ")";
   }
 
+  /// The input and output feature counts.
+  ///@{
   std::int64_t in_features, out_features;
-  LinearOptions options;
+  ///@}
+  LinearOptions options;  ///< The options it was built with.
+  /// The parameters: weight W [out, in] and bias b [out] (undefined without bias).
+  ///@{
   Tensor<T> weight, bias;
+  ///@}
 };
 
 template <class T>
@@ -60,10 +70,11 @@ template <class T = float>
 class LinearT : public ModuleHolder<LinearImpl<T>> {
  public:
   using ModuleHolder<LinearImpl<T>>::ModuleHolder;
+  /// Constructs the implementation: LinearImpl(in_features, out_features, options).
   explicit LinearT(std::int64_t in_features, std::int64_t out_features, LinearOptions options = {})
       : ModuleHolder<LinearImpl<T>>(std::make_shared<LinearImpl<T>>(in_features, out_features, options)) {}
 };
-using Linear = LinearT<float>;
+using Linear = LinearT<float>;  ///< LinearT over float tensors.
 
 #define CHORUS_ACTIVATION_MODULE(Name, fn)                              \
   class Name##Impl : public Module {                                  \
@@ -86,45 +97,54 @@ CHORUS_ACTIVATION_MODULE(SiLU, silu);
 /// Zeroes inputs with probability p while training (scaled by 1/(1-p)); identity in eval().
 class DropoutImpl : public Module {
  public:
+  /// Dropout with probability `p` in [0, 1].
   explicit DropoutImpl(double p = 0.5) : p(p) {
     CHORUS_CHECK(p >= 0.0 && p <= 1.0, "Dropout: probability must be in [0, 1], got ", p);
   }
+  /// chorus::dropout(x, p) while training; x itself in eval().
   template <class T>
   Tensor<T> forward(const Tensor<T>& x) const {
     return chorus::dropout(x, p, is_training());
   }
   std::string name() const override { return "Dropout(p=" + std::to_string(p) + ")"; }
-  double p;
+  double p;  ///< The probability of zeroing an element.
 };
-using Dropout = ModuleHolder<DropoutImpl>;
+using Dropout = ModuleHolder<DropoutImpl>;  ///< Holder of DropoutImpl: `nn::Dropout(0.1)`.
 
 /// Zeroes whole channels (dim 1) with probability p while training, as torch.nn.Dropout2d.
 class Dropout2dImpl : public Module {
  public:
+  /// Channel dropout with probability `p` in [0, 1].
   explicit Dropout2dImpl(double p = 0.5) : p(p) {
     CHORUS_CHECK(p >= 0.0 && p <= 1.0, "Dropout2d: probability must be in [0, 1], got ", p);
   }
+  /// chorus::dropout2d(x, p) on x [N, C, *] while training; x itself in eval().
   template <class T>
   Tensor<T> forward(const Tensor<T>& x) const {
     return chorus::dropout2d(x, p, is_training());
   }
   std::string name() const override { return "Dropout2d(p=" + std::to_string(p) + ")"; }
-  double p;
+  double p;  ///< The probability of zeroing a channel.
 };
-using Dropout2d = ModuleHolder<Dropout2dImpl>;
+using Dropout2d = ModuleHolder<Dropout2dImpl>;  ///< Holder of Dropout2dImpl: `nn::Dropout2d(0.1)`.
 
 /// Flattens dims [start_dim, end_dim] into one (default: all but the batch dim), as torch.nn.Flatten.
 class FlattenImpl : public Module {
  public:
+  /// Flattens dims [start_dim, end_dim] (negative dims count from the end).
   explicit FlattenImpl(std::int64_t start_dim = 1, std::int64_t end_dim = -1) : start_dim(start_dim), end_dim(end_dim) {}
+  /// x.flatten(start_dim, end_dim).
   template <class T>
   Tensor<T> forward(const Tensor<T>& x) const {
     return x.flatten(start_dim, end_dim);
   }
   std::string name() const override { return "Flatten"; }
+  /// The first and last dims flattened (inclusive).
+  ///@{
   std::int64_t start_dim, end_dim;
+  ///@}
 };
-using Flatten = ModuleHolder<FlattenImpl>;
+using Flatten = ModuleHolder<FlattenImpl>;  ///< Holder of FlattenImpl: `nn::Flatten()` flattens all but dim 0.
 
 namespace detail {
 /// A module Sequential can chain: forward(Tensor<T>) returns a Tensor<T>.
@@ -141,6 +161,7 @@ template <class T = float>
 class SequentialImpl : public Module {
  public:
   SequentialImpl() = default;
+  /// Appends `modules` in order (push_back).
   template <class... Ms>
     requires(sizeof...(Ms) > 0)
   explicit SequentialImpl(Ms&&... modules) {
@@ -163,11 +184,16 @@ class SequentialImpl : public Module {
     }
   }
 
+  /// Passes x through each module in order and returns the last output (x itself when empty).
   Tensor<T> forward(Tensor<T> x) const {
     const auto& children = named_children();
-    for (std::size_t i = 0; i < calls_.size(); ++i) x = calls_[i](*children[i].module, x);
+    for (std::size_t i = 0; i < calls_.size(); ++i) {
+      const detail::LayerSpan span(*children[i].module);  // Note [layer spans]
+      x = calls_[i](*children[i].module, x);
+    }
     return x;
   }
+  /// The number of modules.
   std::size_t size() const { return calls_.size(); }
   std::string name() const override { return "Sequential"; }
 
@@ -184,10 +210,12 @@ class SequentialImpl : public Module {
     CHORUS_CHECK(typed != nullptr, "Sequential: module ", index, " is ", m->name(), ", not the type requested");
     return typed;
   }
+  /// The module at `index` as implementation type M, by reference (checked as ptr<M>).
   template <class M>
   M& at(std::int64_t index) const {
     return *ptr<M>(index);
   }
+  /// The module at `index`, as ptr(index).
   std::shared_ptr<Module> operator[](std::int64_t index) const { return ptr(index); }
 
  private:
@@ -211,9 +239,10 @@ class SequentialImpl : public Module {
   std::vector<Call> calls_;
 };
 
+/// Holder of SequentialImpl<T>, chaining Tensor<T> to Tensor<T>.
 template <class T = float>
 using SequentialT = ModuleHolder<SequentialImpl<T>>;
-using Sequential = SequentialT<float>;
+using Sequential = SequentialT<float>;  ///< SequentialT over float tensors.
 
 }  // namespace nn
 CHORUS_NAMESPACE_END

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "../core/any_tensor.hpp"
+#include "../core/profiler.hpp"
 #include "../ops/ops.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -65,23 +66,35 @@ std::shared_ptr<Impl> map_module(const std::shared_ptr<Impl>& module, CloneFn cl
 CHORUS_INLINE void check_name(const std::string& name, const char* what);
 }  // namespace detail
 
+/// The base of every layer and model: a registry of named parameters, buffers and submodules
+/// (PyTorch's nn.Module; see Note [holders] and Note [tied parameters]).
 class Module {
  public:
+  /// A registered tensor with its dotted name.
   struct NamedTensor {
-    std::string name;
-    AnyTensor tensor;
+    std::string name;  ///< Dotted path from the module walked (`fc.weight`).
+    AnyTensor tensor;  ///< The registered tensor.
   };
+  /// A registered submodule.
   struct Child {
-    std::string name;
-    std::shared_ptr<Module> module;
-    detail::CloneFn clone;
+    std::string name;                ///< The name it was registered under.
+    std::shared_ptr<Module> module;  ///< The submodule.
+    detail::CloneFn clone;           ///< Internal: copies the submodule as its concrete Impl type.
   };
 
+  /// A module with nothing registered, in training mode.
   Module() = default;
+  /// Copies the registry and training mode; tensors and submodules are shared, except under an
+  /// active CloneScope, which maps them to deep copies (Note [deep copy through copy constructors]).
+  ///@{
   Module(const Module& other);
   Module& operator=(const Module& other);
+  ///@}
+  /// Moves the registry and training mode.
+  ///@{
   Module(Module&&) noexcept = default;
   Module& operator=(Module&&) noexcept = default;
+  ///@}
   CHORUS_INLINE virtual ~Module();
 
   /// Registers a parameter (a leaf that requires grad unless requires_grad is false).
@@ -142,17 +155,23 @@ class Module {
   /// Parameters with dotted names (`fc.weight`); with remove_duplicate false, a tied tensor
   /// under each of its names.
   std::vector<NamedTensor> named_parameters(bool recurse = true, bool remove_duplicate = true) const;
+  /// Buffers in registration order, as parameters(): this module's first, then each child's.
   std::vector<AnyTensor> buffers(bool recurse = true) const;
+  /// Buffers with dotted names; with remove_duplicate false, a tied tensor under each of its names.
   std::vector<NamedTensor> named_buffers(bool recurse = true, bool remove_duplicate = true) const;
   /// Parameters then buffers, with dotted names (what a checkpoint holds): a tied tensor under
   /// each of its names, as PyTorch's state_dict().
   std::vector<NamedTensor> named_tensors() const;
+  /// The direct submodules with their names, in registration order.
   const std::vector<Child>& named_children() const { return children_; }
+  /// The direct submodules, in registration order.
   std::vector<std::shared_ptr<Module>> children() const;
 
   /// Sets training mode here and in every submodule.
   CHORUS_INLINE virtual void train(bool on = true);
+  /// Sets evaluation mode here and in every submodule (train(false)).
   void eval() { train(false); }
+  /// True in training mode (the default), false after eval().
   bool is_training() const { return training_; }
 
   /// Moves every parameter and buffer (and accumulated gradient) to `device`, in place: the
@@ -235,6 +254,92 @@ class Module {
   bool training_ = true;
 };
 
+namespace detail {
+
+/// A module whose forward the calling thread runs, with its dotted name (Note [layer spans]).
+struct ForwardFrame {
+  const Module* module;     ///< The module.
+  const std::string* name;  ///< Its dotted name (interned; empty for a root).
+};
+
+/// The modules whose forward the calling thread runs, innermost last.
+inline std::vector<ForwardFrame>& forward_frames() {
+  thread_local std::vector<ForwardFrame> frames;
+  return frames;
+}
+
+// Note [layer spans]
+// While a profiler records, a layer called through its holder (`fc1(x)`, as in LibTorch) or
+// from a Sequential gets a forward span named by its dotted path ("layers.0.attn"): the name it
+// is registered under in the module whose forward calls it, after that module's own. The
+// calling thread keeps the modules whose forward it runs (forward_frames); DataParallel starts
+// each replica's frames at its root, so the replicas' layers carry the module's names. The autograd nodes a layer's forward makes
+// carry the name too (profiler::LayerScope), and backward is grouped under it. A root's span is
+// named by its type and its layers from it ("fc1", as named_parameters() names them).
+
+/// The dotted name of `m` called from the innermost frame (its type name outside any).
+inline std::string layer_name(const Module& m) {
+  const auto& frames = forward_frames();
+  if (frames.empty()) return m.name();
+  const ForwardFrame& parent = frames.back();
+  std::string own = m.name();
+  for (const auto& c : parent.module->named_children())
+    if (c.module.get() == &m) {
+      own = c.name;
+      break;
+    }
+  return parent.name->empty() ? own : *parent.name + "." + own;
+}
+
+/// A layer's forward span while alive, if a profiler records layers (Note [layer spans]).
+class LayerSpan {
+ public:
+  /// Enters `m`'s forward.
+  explicit LayerSpan(const Module& m) {
+    if (!profiler::enabled() || !profiler::options().layers) return;
+    // A root is shown by its type; its layers are named from it, as named_parameters() names them.
+    const bool root = forward_frames().empty();
+    const std::string* name = profiler::detail::intern(layer_name(m));
+    forward_frames().push_back({&m, root ? profiler::detail::intern("") : name});
+    span_.emplace(profiler::Category::forward, name->c_str());
+    layer_.emplace(name);
+  }
+  ~LayerSpan() {
+    if (!span_) return;
+    layer_.reset();
+    span_.reset();
+    forward_frames().pop_back();
+  }
+  LayerSpan(const LayerSpan&) = delete;
+  LayerSpan& operator=(const LayerSpan&) = delete;
+
+ private:
+  std::optional<profiler::Scope> span_;
+  std::optional<profiler::LayerScope> layer_;
+};
+
+/// Names the layers the calling thread calls from `root` by their registered names, without a
+/// span of its own (DataParallel's replicas; Note [layer spans]).
+class RootFrame {
+ public:
+  /// Makes `root` the outermost frame while alive.
+  explicit RootFrame(const Module& root) {
+    if (!profiler::enabled() || !profiler::options().layers) return;
+    forward_frames().push_back({&root, profiler::detail::intern("")});
+    pushed_ = true;
+  }
+  ~RootFrame() {
+    if (pushed_) forward_frames().pop_back();
+  }
+  RootFrame(const RootFrame&) = delete;
+  RootFrame& operator=(const RootFrame&) = delete;
+
+ private:
+  bool pushed_ = false;
+};
+
+}  // namespace detail
+
 /// A shared handle to a module implementation (see Note [holders]).
 ///
 /// Note [layer options]
@@ -260,7 +365,7 @@ class Module {
 template <class Impl>
 class ModuleHolder {
  public:
-  using ImplType = Impl;
+  using ImplType = Impl;  ///< The module implementation type held.
 
   /// An empty holder (assign a constructed one later).
   ModuleHolder(std::nullptr_t) {}  // NOLINT
@@ -269,21 +374,33 @@ class ModuleHolder {
     requires(!(sizeof...(Args) == 1 && (std::is_same_v<std::decay_t<Args>, ModuleHolder> && ...)) &&
              std::is_constructible_v<Impl, Args...>)
   explicit ModuleHolder(Args&&... args) : impl_(std::make_shared<Impl>(std::forward<Args>(args)...)) {}
+  /// Holds an existing implementation (shared, not copied).
   ModuleHolder(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}  // NOLINT
 
+  /// Shares `o`'s module (like std::shared_ptr); under an active CloneScope, holds its deep copy
+  /// instead (Note [deep copy through copy constructors]).
   ModuleHolder(const ModuleHolder& o) : impl_(detail::map_module(o.impl_, &detail::clone_as<Impl>)) {}
+  /// Shares `o`'s module, or its deep copy under an active CloneScope (as the copy constructor).
   ModuleHolder& operator=(const ModuleHolder& o) {
     impl_ = detail::map_module(o.impl_, &detail::clone_as<Impl>);
     return *this;
   }
+  /// Takes over the other holder's module, leaving it empty.
   ModuleHolder(ModuleHolder&&) noexcept = default;
+  /// Takes over the other holder's module, leaving it empty.
   ModuleHolder& operator=(ModuleHolder&&) noexcept = default;
 
+  /// Member access to the implementation; throws chorus::Error when the holder is empty.
   Impl* operator->() const { return &checked(); }
+  /// The implementation; throws chorus::Error when the holder is empty.
   Impl& operator*() const { return checked(); }
+  /// The implementation, or nullptr when empty (unchecked).
   Impl* get() const { return impl_.get(); }
+  /// The shared pointer to the implementation.
   const std::shared_ptr<Impl>& ptr() const { return impl_; }
+  /// True when the holder holds no implementation.
   bool is_empty() const { return impl_ == nullptr; }
+  /// True when the holder holds an implementation.
   explicit operator bool() const { return impl_ != nullptr; }
 
   /// Calls the implementation's forward().
@@ -294,7 +411,11 @@ class ModuleHolder {
                   "this module's forward() cannot be called with these arguments. A layer of one scalar type "
                   "takes tensors of that type only: nn::LinearT<double> takes Tensor<double>, nn::Linear (float) "
                   "takes Tensor<float>; convert the input (x.to<double>()) or build the layers of one type");
-    if constexpr (callable) return checked().forward(std::forward<Args>(args)...);
+    if constexpr (callable) {
+      Impl& m = checked();
+      const detail::LayerSpan span(m);  // Note [layer spans]
+      return m.forward(std::forward<Args>(args)...);
+    }
   }
   /// Indexes the implementation (Sequential: `seq[i]`).
   template <class Arg>
@@ -319,6 +440,7 @@ Module& module_of(M& m) {
   else if constexpr (requires { m.module(); }) return module_of(m.module());
   else return m;
 }
+/// The nn::Module behind `m`, read-only (as the non-const overload).
 template <class M>
 const Module& module_of(const M& m) {
   if constexpr (requires { typename M::ImplType; } || requires { typename M::element_type; }) return *m;

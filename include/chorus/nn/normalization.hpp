@@ -10,14 +10,15 @@
 CHORUS_NAMESPACE_BEGIN
 namespace nn {
 
+/// Batch norm's options, braced in PyTorch's order (Note [layer options] in nn/module.hpp).
 struct BatchNormOptions {
-  double eps = 1e-5;
+  double eps = 1e-5;  ///< Added to the variance for numerical stability (default 1e-5).
   /// Weight of the new batch statistic in the running estimate; nullopt: a cumulative
   /// average (1 / num_batches_tracked), as PyTorch's momentum=None.
   std::optional<double> momentum = 0.1;
-  bool affine = true;
-  bool track_running_stats = true;
-  Device device = Device::cpu();
+  bool affine = true;               ///< Learns a per-channel weight and bias (default true).
+  bool track_running_stats = true;  ///< Keeps the running statistics that eval() normalises with (default true).
+  Device device = Device::cpu();    ///< Where the parameters and buffers are created (default CPU).
 };
 
 namespace detail {
@@ -42,11 +43,14 @@ inline void convert_sync_batchnorm(Module& module);
 /// (SyncBatchNorm, or converted to one: Note [converting to SyncBatchNorm]).
 class BatchNormBase : public Module {
  public:
+  /// True for a synchronised layer (SyncBatchNorm, or converted to one).
   bool is_sync() const { return sync_; }
   bool meets_other_replicas() const override { return sync_; }
 
  protected:
+  /// A layer, synchronised when `sync` is true.
   explicit BatchNormBase(bool sync) : sync_(sync) {}
+  /// The PyTorch class name: SyncBatchNorm when synchronised, else BatchNorm1d (`dim` 1) or BatchNorm2d.
   const char* layer_name(int dim) const { return sync_ ? "SyncBatchNorm" : dim == 1 ? "BatchNorm1d" : "BatchNorm2d"; }
 
  private:
@@ -66,6 +70,7 @@ class BatchNormBase : public Module {
 template <class T, int Dim, bool Sync = false>
 class BatchNormImpl : public BatchNormBase {
  public:
+  /// Over `num_features` channels (C of the input), initialised by reset_parameters().
   explicit BatchNormImpl(std::int64_t num_features, BatchNormOptions options = {})
       : BatchNormBase(Sync), num_features(num_features), options(options) {
     CHORUS_CHECK(num_features > 0, layer_name(), ": num_features must be positive, got ", num_features);
@@ -85,6 +90,7 @@ class BatchNormImpl : public BatchNormBase {
     reset_parameters();
   }
 
+  /// Resets running_mean to zeros, running_var to ones and num_batches_tracked to 0 (when tracking).
   void reset_running_stats() {
     if (!options.track_running_stats) return;
     NoGradGuard g;
@@ -92,6 +98,7 @@ class BatchNormImpl : public BatchNormBase {
     running_var.fill_(T(1));
     num_batches_tracked.fill_(0);
   }
+  /// Resets the running statistics, and weight to ones and bias to zeros (when affine).
   void reset_parameters() {
     reset_running_stats();
     if (options.affine) {
@@ -100,6 +107,7 @@ class BatchNormImpl : public BatchNormBase {
     }
   }
 
+  /// Normalises x [N, C, *] per channel (see above); training also updates the running statistics.
   Tensor<T> forward(const Tensor<T>& x) const {
     if (is_sync()) detail::check_bn_input<0>(layer_name(), num_features, x.shape());
     else detail::check_bn_input<Dim>(layer_name(), num_features, x.shape());
@@ -126,19 +134,26 @@ class BatchNormImpl : public BatchNormBase {
   }
   std::string name() const override { return std::string(layer_name()) + "(" + std::to_string(num_features) + ")"; }
 
-  std::int64_t num_features;
-  BatchNormOptions options;
+  std::int64_t num_features;  ///< The number of channels C.
+  BatchNormOptions options;   ///< The options it was built with.
+  /// Parameters weight and bias (when affine), buffers running_mean and running_var (when
+  /// tracking running statistics), each [num_features]; undefined otherwise.
+  ///@{
   Tensor<T> weight, bias, running_mean, running_var;
-  Tensor<std::int64_t> num_batches_tracked;
+  ///@}
+  Tensor<std::int64_t> num_batches_tracked;  ///< Training batches seen (0-dim buffer, when tracking).
 
  private:
   const char* layer_name() const { return BatchNormBase::layer_name(Dim); }
 };
 
+/// BatchNorm1d's implementation: input [N, C] or [N, C, L].
 template <class T = float>
 using BatchNorm1dImpl = BatchNormImpl<T, 1>;
+/// BatchNorm2d's implementation: input [N, C, H, W].
 template <class T = float>
 using BatchNorm2dImpl = BatchNormImpl<T, 2>;
+/// SyncBatchNorm's implementation: input [N, C, *], statistics over every replica.
 template <class T = float>
 using SyncBatchNormImpl = BatchNormImpl<T, 0, true>;
 
@@ -148,6 +163,7 @@ template <class T, int Dim, bool Sync>
 class BatchNormHolder : public ModuleHolder<BatchNormImpl<T, Dim, Sync>> {
  public:
   using ModuleHolder<BatchNormImpl<T, Dim, Sync>>::ModuleHolder;
+  /// Constructs the implementation: BatchNormImpl(num_features, options).
   explicit BatchNormHolder(std::int64_t num_features, BatchNormOptions options = {})
       : ModuleHolder<BatchNormImpl<T, Dim, Sync>>(std::make_shared<BatchNormImpl<T, Dim, Sync>>(num_features, options)) {}
 };
@@ -168,8 +184,10 @@ inline void detail::convert_sync_batchnorm(Module& module) {
   for (const auto& child : module.named_children()) convert_sync_batchnorm(*child.module);
 }
 
+/// Holder of BatchNorm1dImpl<T>, as torch.nn.BatchNorm1d.
 template <class T = float>
 using BatchNorm1dT = BatchNormHolder<T, 1, false>;
+/// Holder of BatchNorm2dImpl<T>, as torch.nn.BatchNorm2d.
 template <class T = float>
 using BatchNorm2dT = BatchNormHolder<T, 2, false>;
 /// Batch norm whose statistics cover every replica of a DataParallel (and, through the same
@@ -186,15 +204,16 @@ class SyncBatchNormT : public BatchNormHolder<T, 0, true> {
     return std::forward<M>(module);
   }
 };
-using BatchNorm1d = BatchNorm1dT<float>;
-using BatchNorm2d = BatchNorm2dT<float>;
-using SyncBatchNorm = SyncBatchNormT<float>;
+using BatchNorm1d = BatchNorm1dT<float>;      ///< BatchNorm1dT over float tensors.
+using BatchNorm2d = BatchNorm2dT<float>;      ///< BatchNorm2dT over float tensors.
+using SyncBatchNorm = SyncBatchNormT<float>;  ///< SyncBatchNormT over float tensors.
 
+/// LayerNorm's options, braced in PyTorch's order (Note [layer options] in nn/module.hpp).
 struct LayerNormOptions {
-  double eps = 1e-5;
-  bool elementwise_affine = true;
-  bool bias = true;  // with elementwise_affine: a `bias` parameter too (PyTorch 2.1's bias=False has none)
-  Device device = Device::cpu();
+  double eps = 1e-5;               ///< Added to the variance for numerical stability (default 1e-5).
+  bool elementwise_affine = true;  ///< Learns a `weight` of normalized_shape (default true).
+  bool bias = true;                ///< With elementwise_affine: a `bias` too (PyTorch 2.1's bias=False has none).
+  Device device = Device::cpu();   ///< Where the parameters are created (default CPU).
 };
 
 /// Layer normalisation over the trailing `normalized_shape`, as torch.nn.LayerNorm
@@ -202,6 +221,7 @@ struct LayerNormOptions {
 template <class T = float>
 class LayerNormImpl : public Module {
  public:
+  /// Normalises over the trailing dims `normalized_shape` (non-empty).
   explicit LayerNormImpl(Shape normalized_shape, LayerNormOptions options = {})
       : normalized_shape(normalized_shape), options(options) {
     CHORUS_CHECK(normalized_shape.size() > 0 && numel_of(normalized_shape) > 0,
@@ -212,24 +232,31 @@ class LayerNormImpl : public Module {
       if (options.bias) register_parameter("bias", &LayerNormImpl::bias, zeros<T>(normalized_shape, options.device));
     }
   }
+  /// Normalises over the last dim, of size `dim`.
   explicit LayerNormImpl(std::int64_t dim, LayerNormOptions options = {}) : LayerNormImpl(Shape{dim}, options) {}
+  /// layer_norm of x over its trailing normalized_shape dims; same shape as x.
   Tensor<T> forward(const Tensor<T>& x) const { return layer_norm(x, normalized_shape, weight, bias, options.eps); }
   std::string name() const override { return "LayerNorm"; }
 
-  Shape normalized_shape;
-  LayerNormOptions options;
+  Shape normalized_shape;    ///< The trailing dims normalised over.
+  LayerNormOptions options;  ///< The options it was built with.
+  /// The parameters, of normalized_shape: weight (ones) and bias (zeros); undefined when left out.
+  ///@{
   Tensor<T> weight, bias;
+  ///@}
 };
 /// Holder (Note [layer options] in nn/module.hpp): `LayerNormT<T>({4, 5}, {.eps = 1e-6})`.
 template <class T = float>
 class LayerNormT : public ModuleHolder<LayerNormImpl<T>> {
  public:
   using ModuleHolder<LayerNormImpl<T>>::ModuleHolder;
+  /// Constructs the implementation: LayerNormImpl(normalized_shape, options).
   explicit LayerNormT(Shape normalized_shape, LayerNormOptions options = {})
       : ModuleHolder<LayerNormImpl<T>>(std::make_shared<LayerNormImpl<T>>(normalized_shape, options)) {}
+  /// Constructs the implementation: LayerNormImpl(dim, options), over the last dim.
   explicit LayerNormT(std::int64_t dim, LayerNormOptions options = {}) : LayerNormT(Shape{dim}, options) {}
 };
-using LayerNorm = LayerNormT<float>;
+using LayerNorm = LayerNormT<float>;  ///< LayerNormT over float tensors.
 
 }  // namespace nn
 CHORUS_NAMESPACE_END

@@ -24,33 +24,36 @@
 CHORUS_NAMESPACE_BEGIN
 namespace nn {
 
+/// RNN's options, braced in PyTorch's order (Note [layer options] in nn/module.hpp).
 struct RNNOptions {
-  std::int64_t num_layers = 1;
-  std::string nonlinearity = "tanh";  // or "relu"
-  bool bias = true;
-  bool batch_first = false;  // input and output (batch, seq, feature); the states stay (layers, batch, hidden)
-  double dropout = 0.0;      // on the outputs of every layer but the last, while training
-  bool bidirectional = false;
-  Device device = Device::cpu();
+  std::int64_t num_layers = 1;        ///< Stacked layers, each reading the previous one's output (default 1).
+  std::string nonlinearity = "tanh";  ///< The activation: "tanh" (default) or "relu".
+  bool bias = true;                   ///< Adds the biases bias_ih and bias_hh (default true).
+  bool batch_first = false;           ///< Input and output (batch, seq, feature); states stay (layers, batch, hidden).
+  double dropout = 0.0;               ///< Dropout on every layer's output but the last, while training (default 0).
+  bool bidirectional = false;         ///< Adds a reverse direction (D = 2), its output concatenated (default false).
+  Device device = Device::cpu();      ///< Where the parameters are created (default CPU).
 };
 
+/// LSTM's options, braced in PyTorch's order (Note [layer options] in nn/module.hpp).
 struct LSTMOptions {
-  std::int64_t num_layers = 1;
-  bool bias = true;
-  bool batch_first = false;
-  double dropout = 0.0;
-  bool bidirectional = false;
-  std::int64_t proj_size = 0;  // > 0: h is projected to proj_size by weight_hr (must be < hidden_size)
-  Device device = Device::cpu();
+  std::int64_t num_layers = 1;    ///< Stacked layers, each reading the previous one's output (default 1).
+  bool bias = true;               ///< Adds the biases bias_ih and bias_hh (default true).
+  bool batch_first = false;       ///< Input and output (batch, seq, feature); states stay (layers, batch, size).
+  double dropout = 0.0;           ///< Dropout on every layer's output but the last, while training (default 0).
+  bool bidirectional = false;     ///< Adds a reverse direction (D = 2), its output concatenated (default false).
+  std::int64_t proj_size = 0;     ///< > 0: h is projected to proj_size by weight_hr (must be < hidden_size); 0: none.
+  Device device = Device::cpu();  ///< Where the parameters are created (default CPU).
 };
 
+/// GRU's options, braced in PyTorch's order (Note [layer options] in nn/module.hpp).
 struct GRUOptions {
-  std::int64_t num_layers = 1;
-  bool bias = true;
-  bool batch_first = false;
-  double dropout = 0.0;
-  bool bidirectional = false;
-  Device device = Device::cpu();
+  std::int64_t num_layers = 1;    ///< Stacked layers, each reading the previous one's output (default 1).
+  bool bias = true;               ///< Adds the biases bias_ih and bias_hh (default true).
+  bool batch_first = false;       ///< Input and output (batch, seq, feature); states stay (layers, batch, hidden).
+  double dropout = 0.0;           ///< Dropout on every layer's output but the last, while training (default 0).
+  bool bidirectional = false;     ///< Adds a reverse direction (D = 2), its output concatenated (default false).
+  Device device = Device::cpu();  ///< Where the parameters are created (default CPU).
 };
 
 namespace detail {
@@ -235,6 +238,8 @@ class RNNImplBase : public Module {
 template <class T = float>
 class RNNImpl : public detail::RNNImplBase<T> {
  public:
+  /// `input_size` features in, `hidden_size` features of state (both positive); every parameter drawn
+  /// from U(-1/sqrt(hidden_size), 1/sqrt(hidden_size)).
   RNNImpl(std::int64_t input_size, std::int64_t hidden_size, RNNOptions options = {})
       : detail::RNNImplBase<T>("RNN", input_size, hidden_size,
                                {detail::parse_nonlinearity("RNN", options.nonlinearity) ? detail::RNNMode::RNN_RELU
@@ -252,7 +257,7 @@ class RNNImpl : public detail::RNNImplBase<T> {
   }
   std::string name() const override { return this->describe(); }
 
-  RNNOptions options;
+  RNNOptions options;  ///< The options it was built with.
 };
 /// Holder (Note [layer options] in nn/module.hpp): `RNNT<T>(in, hidden, {.batch_first = true})`
 /// takes the options in bare braces, as nn::Linear does.
@@ -260,23 +265,26 @@ template <class T = float>
 class RNNT : public ModuleHolder<RNNImpl<T>> {
  public:
   using ModuleHolder<RNNImpl<T>>::ModuleHolder;
+  /// Constructs the implementation: RNNImpl(input_size, hidden_size, options).
   explicit RNNT(std::int64_t input_size, std::int64_t hidden_size, RNNOptions options = {})
       : ModuleHolder<RNNImpl<T>>(std::make_shared<RNNImpl<T>>(input_size, hidden_size, options)) {}
 };
-using RNN = RNNT<float>;
+using RNN = RNNT<float>;  ///< RNNT over float tensors.
 
 /// LSTM, as torch.nn.LSTM: forward returns (output, (h_n, c_n)), h_n (num_layers*D, batch,
 /// H_out) and c_n (num_layers*D, batch, hidden), H_out = proj_size if > 0, else hidden.
 template <class T = float>
 class LSTMImpl : public detail::RNNImplBase<T> {
  public:
+  /// `input_size` features in, `hidden_size` features of state (both positive); every parameter drawn
+  /// from U(-1/sqrt(hidden_size), 1/sqrt(hidden_size)).
   LSTMImpl(std::int64_t input_size, std::int64_t hidden_size, LSTMOptions options = {})
       : detail::RNNImplBase<T>("LSTM", input_size, hidden_size,
                                {detail::RNNMode::LSTM, options.num_layers, options.bias, options.batch_first,
                                 options.dropout, options.bidirectional, options.proj_size, options.device}),
         options(options) {}
 
-  using State = std::tuple<Tensor<T>, Tensor<T>>;
+  using State = std::tuple<Tensor<T>, Tensor<T>>;  ///< A state (h, c).
   /// (output, (h_n, c_n)) from a zero initial state.
   std::tuple<Tensor<T>, State> forward(const Tensor<T>& input) const { return forward(input, State{}); }
   /// (output, (h_n, c_n)) from (h0, c0); both undefined means zeros.
@@ -288,7 +296,7 @@ class LSTMImpl : public detail::RNNImplBase<T> {
   }
   std::string name() const override { return this->describe(); }
 
-  LSTMOptions options;
+  LSTMOptions options;  ///< The options it was built with.
 };
 /// Holder (Note [layer options] in nn/module.hpp): `LSTMT<T>(in, hidden, {.batch_first = true})`
 /// takes the options in bare braces, as nn::Linear does.
@@ -296,29 +304,34 @@ template <class T = float>
 class LSTMT : public ModuleHolder<LSTMImpl<T>> {
  public:
   using ModuleHolder<LSTMImpl<T>>::ModuleHolder;
+  /// Constructs the implementation: LSTMImpl(input_size, hidden_size, options).
   explicit LSTMT(std::int64_t input_size, std::int64_t hidden_size, LSTMOptions options = {})
       : ModuleHolder<LSTMImpl<T>>(std::make_shared<LSTMImpl<T>>(input_size, hidden_size, options)) {}
 };
-using LSTM = LSTMT<float>;
+using LSTM = LSTMT<float>;  ///< LSTMT over float tensors.
 
 /// GRU, as torch.nn.GRU: forward returns (output, h_n), shaped as RNN's.
 template <class T = float>
 class GRUImpl : public detail::RNNImplBase<T> {
  public:
+  /// `input_size` features in, `hidden_size` features of state (both positive); every parameter drawn
+  /// from U(-1/sqrt(hidden_size), 1/sqrt(hidden_size)).
   GRUImpl(std::int64_t input_size, std::int64_t hidden_size, GRUOptions options = {})
       : detail::RNNImplBase<T>("GRU", input_size, hidden_size,
                                {detail::RNNMode::GRU, options.num_layers, options.bias, options.batch_first,
                                 options.dropout, options.bidirectional, 0, options.device}),
         options(options) {}
 
+  /// (output, h_n) from a zero initial state.
   std::tuple<Tensor<T>, Tensor<T>> forward(const Tensor<T>& input) const { return forward(input, Tensor<T>()); }
+  /// (output, h_n) from h0 of shape (num_layers*D, batch, hidden) (undefined: zeros).
   std::tuple<Tensor<T>, Tensor<T>> forward(const Tensor<T>& input, const Tensor<T>& h0) const {
     auto r = this->run(input, h0, Tensor<T>());
     return {r.output, r.h_n};
   }
   std::string name() const override { return this->describe(); }
 
-  GRUOptions options;
+  GRUOptions options;  ///< The options it was built with.
 };
 /// Holder (Note [layer options] in nn/module.hpp): `GRUT<T>(in, hidden, {.batch_first = true})`
 /// takes the options in bare braces, as nn::Linear does.
@@ -326,10 +339,11 @@ template <class T = float>
 class GRUT : public ModuleHolder<GRUImpl<T>> {
  public:
   using ModuleHolder<GRUImpl<T>>::ModuleHolder;
+  /// Constructs the implementation: GRUImpl(input_size, hidden_size, options).
   explicit GRUT(std::int64_t input_size, std::int64_t hidden_size, GRUOptions options = {})
       : ModuleHolder<GRUImpl<T>>(std::make_shared<GRUImpl<T>>(input_size, hidden_size, options)) {}
 };
-using GRU = GRUT<float>;
+using GRU = GRUT<float>;  ///< GRUT over float tensors.
 
 }  // namespace nn
 CHORUS_NAMESPACE_END

@@ -209,16 +209,19 @@ class RNNCellImplBase : public Module {
 };
 }  // namespace detail
 
+/// RNNCell's options, braced in PyTorch's order (Note [layer options] in nn/module.hpp).
 struct RNNCellOptions {
-  bool bias = true;
-  std::string nonlinearity = "tanh";  // or "relu"
-  Device device = Device::cpu();
+  bool bias = true;                   ///< Adds the biases bias_ih and bias_hh (default true).
+  std::string nonlinearity = "tanh";  ///< The activation: "tanh" (default) or "relu".
+  Device device = Device::cpu();      ///< Where the parameters are created (default CPU).
 };
 
 /// An Elman RNN cell, h' = act(W_ih x + b_ih + W_hh h + b_hh), as torch.nn.RNNCell.
 template <class T = float>
 class RNNCellImpl : public detail::RNNCellImplBase<T> {
  public:
+  /// `input_size` features in, `hidden_size` features of state (both positive); every parameter drawn
+  /// from U(-1/sqrt(hidden_size), 1/sqrt(hidden_size)).
   RNNCellImpl(std::int64_t input_size, std::int64_t hidden_size, RNNCellOptions options = {})
       : detail::RNNCellImplBase<T>("RNNCell", input_size, hidden_size, options.bias, 1, options.device),
         options(options),
@@ -233,7 +236,7 @@ class RNNCellImpl : public detail::RNNCellImplBase<T> {
   }
   std::string name() const override { return this->describe(relu_ ? ", nonlinearity=relu" : ""); }
 
-  RNNCellOptions options;
+  RNNCellOptions options;  ///< The options it was built with.
 
  private:
   bool relu_;
@@ -244,20 +247,24 @@ template <class T = float>
 class RNNCellT : public ModuleHolder<RNNCellImpl<T>> {
  public:
   using ModuleHolder<RNNCellImpl<T>>::ModuleHolder;
+  /// Constructs the implementation: RNNCellImpl(input_size, hidden_size, options).
   explicit RNNCellT(std::int64_t input_size, std::int64_t hidden_size, RNNCellOptions options = {})
       : ModuleHolder<RNNCellImpl<T>>(std::make_shared<RNNCellImpl<T>>(input_size, hidden_size, options)) {}
 };
-using RNNCell = RNNCellT<float>;
+using RNNCell = RNNCellT<float>;  ///< RNNCellT over float tensors.
 
+/// LSTMCell's options, braced in PyTorch's order (Note [layer options] in nn/module.hpp).
 struct LSTMCellOptions {
-  bool bias = true;
-  Device device = Device::cpu();
+  bool bias = true;               ///< Adds the biases bias_ih and bias_hh (default true).
+  Device device = Device::cpu();  ///< Where the parameters are created (default CPU).
 };
 
 /// An LSTM cell (gates i, f, g, o), as torch.nn.LSTMCell: forward returns (h', c').
 template <class T = float>
 class LSTMCellImpl : public detail::RNNCellImplBase<T> {
  public:
+  /// `input_size` features in, `hidden_size` features of state (both positive); every parameter drawn
+  /// from U(-1/sqrt(hidden_size), 1/sqrt(hidden_size)).
   LSTMCellImpl(std::int64_t input_size, std::int64_t hidden_size, LSTMCellOptions options = {})
       : detail::RNNCellImplBase<T>("LSTMCell", input_size, hidden_size, options.bias, 4, options.device),
         options(options) {}
@@ -278,7 +285,7 @@ class LSTMCellImpl : public detail::RNNCellImplBase<T> {
   }
   std::string name() const override { return this->describe(); }
 
-  LSTMCellOptions options;
+  LSTMCellOptions options;  ///< The options it was built with.
 };
 /// Holder (Note [layer options] in nn/module.hpp): `LSTMCellT<T>(in, hidden, {.bias = false})`
 /// takes the options in bare braces, as nn::Linear does.
@@ -286,24 +293,29 @@ template <class T = float>
 class LSTMCellT : public ModuleHolder<LSTMCellImpl<T>> {
  public:
   using ModuleHolder<LSTMCellImpl<T>>::ModuleHolder;
+  /// Constructs the implementation: LSTMCellImpl(input_size, hidden_size, options).
   explicit LSTMCellT(std::int64_t input_size, std::int64_t hidden_size, LSTMCellOptions options = {})
       : ModuleHolder<LSTMCellImpl<T>>(std::make_shared<LSTMCellImpl<T>>(input_size, hidden_size, options)) {}
 };
-using LSTMCell = LSTMCellT<float>;
+using LSTMCell = LSTMCellT<float>;  ///< LSTMCellT over float tensors.
 
+/// GRUCell's options, braced in PyTorch's order (Note [layer options] in nn/module.hpp).
 struct GRUCellOptions {
-  bool bias = true;
-  Device device = Device::cpu();
+  bool bias = true;               ///< Adds the biases bias_ih and bias_hh (default true).
+  Device device = Device::cpu();  ///< Where the parameters are created (default CPU).
 };
 
 /// A GRU cell (gates r, z, n with PyTorch's n = tanh(W_in x + b_in + r*(W_hn h + b_hn))).
 template <class T = float>
 class GRUCellImpl : public detail::RNNCellImplBase<T> {
  public:
+  /// `input_size` features in, `hidden_size` features of state (both positive); every parameter drawn
+  /// from U(-1/sqrt(hidden_size), 1/sqrt(hidden_size)).
   GRUCellImpl(std::int64_t input_size, std::int64_t hidden_size, GRUCellOptions options = {})
       : detail::RNNCellImplBase<T>("GRUCell", input_size, hidden_size, options.bias, 3, options.device),
         options(options) {}
 
+  /// h' for input [batch, input_size] (or [input_size]) and h [batch, hidden] (zeros when omitted).
   Tensor<T> forward(const Tensor<T>& input, const Tensor<T>& hx = {}) const {
     auto x = this->batched_input(input);
     auto h = this->state(input, x, hx, "hx");
@@ -312,7 +324,7 @@ class GRUCellImpl : public detail::RNNCellImplBase<T> {
   }
   std::string name() const override { return this->describe(); }
 
-  GRUCellOptions options;
+  GRUCellOptions options;  ///< The options it was built with.
 };
 /// Holder (Note [layer options] in nn/module.hpp): `GRUCellT<T>(in, hidden, {.bias = false})`
 /// takes the options in bare braces, as nn::Linear does.
@@ -320,10 +332,11 @@ template <class T = float>
 class GRUCellT : public ModuleHolder<GRUCellImpl<T>> {
  public:
   using ModuleHolder<GRUCellImpl<T>>::ModuleHolder;
+  /// Constructs the implementation: GRUCellImpl(input_size, hidden_size, options).
   explicit GRUCellT(std::int64_t input_size, std::int64_t hidden_size, GRUCellOptions options = {})
       : ModuleHolder<GRUCellImpl<T>>(std::make_shared<GRUCellImpl<T>>(input_size, hidden_size, options)) {}
 };
-using GRUCell = GRUCellT<float>;
+using GRUCell = GRUCellT<float>;  ///< GRUCellT over float tensors.
 
 }  // namespace nn
 CHORUS_NAMESPACE_END

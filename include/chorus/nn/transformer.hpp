@@ -20,17 +20,17 @@ namespace nn {
 /// The options of TransformerEncoderLayer and TransformerDecoderLayer, in PyTorch's order
 /// (Note [layer options] in nn/module.hpp).
 struct TransformerLayerOptions {
-  std::int64_t dim_feedforward = 2048;
-  double dropout = 0.1;
-  std::string activation = "relu";  // the feed-forward activation: "relu" or "gelu" (exact, erf)
-  double layer_norm_eps = 1e-5;
-  bool batch_first = false;  // [N, L, E] instead of [L, N, E]
-  bool norm_first = false;   // pre-norm: x + f(norm(x)) instead of norm(x + f(x))
-  bool bias = true;          // in the Linear and LayerNorm layers and the attention projections
-  Device device = Device::cpu();
+  std::int64_t dim_feedforward = 2048;  ///< The feed-forward network's hidden width (default 2048).
+  double dropout = 0.1;                 ///< Dropout on the attention weights and every dropout sublayer (default 0.1).
+  std::string activation = "relu";      ///< The feed-forward activation: "relu" (default) or "gelu" (exact, erf).
+  double layer_norm_eps = 1e-5;         ///< The LayerNorms' eps (default 1e-5).
+  bool batch_first = false;             ///< [N, L, E] instead of [L, N, E] (default false).
+  bool norm_first = false;              ///< Pre-norm: x + f(norm(x)) instead of norm(x + f(x)) (default false).
+  bool bias = true;                     ///< Biases in the Linear and LayerNorm layers and the attention projections.
+  Device device = Device::cpu();        ///< Where the parameters are created (default CPU).
 };
-using TransformerEncoderLayerOptions = TransformerLayerOptions;
-using TransformerDecoderLayerOptions = TransformerLayerOptions;
+using TransformerEncoderLayerOptions = TransformerLayerOptions;  ///< PyTorch-style name of TransformerLayerOptions.
+using TransformerDecoderLayerOptions = TransformerLayerOptions;  ///< PyTorch-style name of TransformerLayerOptions.
 
 namespace detail {
 enum class FeedForwardActivation { Relu, Gelu };
@@ -111,7 +111,8 @@ using LayerList = ModuleHolder<LayerListImpl<Holder>>;
 template <class T = float>
 class TransformerEncoderLayerImpl : public Module {
  public:
-  using Mask = AttentionMask<T>;
+  using Mask = AttentionMask<T>;  ///< A mask, as MultiheadAttention reads it.
+  /// `nhead` heads over `d_model` features (d_model divisible by nhead), sublayers built from `options`.
   TransformerEncoderLayerImpl(std::int64_t d_model, std::int64_t nhead, TransformerLayerOptions options = {})
       : options((detail::check_layer_options("TransformerEncoderLayer", d_model, nhead, options), options)),
         act_(detail::parse_activation("TransformerEncoderLayer", options.activation)),
@@ -139,18 +140,24 @@ class TransformerEncoderLayerImpl : public Module {
   }
   std::string name() const override { return "TransformerEncoderLayer"; }
 
-  TransformerLayerOptions options;
+  TransformerLayerOptions options;  ///< The options it was built with.
 
  private:
   detail::FeedForwardActivation act_;
 
  public:
-  MultiheadAttentionT<T> self_attn;
-  LinearT<T> linear1;
-  Dropout dropout;
-  LinearT<T> linear2;
+  MultiheadAttentionT<T> self_attn;  ///< Self-attention over src.
+  LinearT<T> linear1;                ///< The feed-forward input projection, d_model to dim_feedforward.
+  Dropout dropout;                   ///< Dropout after the feed-forward activation.
+  LinearT<T> linear2;                ///< The feed-forward output projection, dim_feedforward to d_model.
+  /// The LayerNorms of the self-attention and feed-forward blocks.
+  ///@{
   LayerNormT<T> norm1, norm2;
+  ///@}
+  /// Dropout on the self-attention and feed-forward outputs, before the residual add.
+  ///@{
   Dropout dropout1, dropout2;
+  ///@}
 
  private:
   Tensor<T> sa_block(const Tensor<T>& x, const Mask& mask, const Mask& kpm, bool is_causal) const {
@@ -166,15 +173,17 @@ template <class T = float>
 class TransformerEncoderLayerT : public ModuleHolder<TransformerEncoderLayerImpl<T>> {
  public:
   using ModuleHolder<TransformerEncoderLayerImpl<T>>::ModuleHolder;
+  /// Constructs the implementation: TransformerEncoderLayerImpl(d_model, nhead, options).
   explicit TransformerEncoderLayerT(std::int64_t d_model, std::int64_t nhead, TransformerLayerOptions options = {})
       : ModuleHolder<TransformerEncoderLayerImpl<T>>(
             std::make_shared<TransformerEncoderLayerImpl<T>>(d_model, nhead, std::move(options))) {}
+  /// Calls TransformerEncoderLayerImpl::forward.
   Tensor<T> operator()(const Tensor<T>& src, const AttentionMask<T>& src_mask = {},
                        const AttentionMask<T>& src_key_padding_mask = {}, bool is_causal = false) const {
     return (*this)->forward(src, src_mask, src_key_padding_mask, is_causal);
   }
 };
-using TransformerEncoderLayer = TransformerEncoderLayerT<float>;
+using TransformerEncoderLayer = TransformerEncoderLayerT<float>;  ///< TransformerEncoderLayerT over float tensors.
 
 /// Self-attention, attention over the encoder's output (`memory`) and a feed-forward network,
 /// each with a residual connection and a LayerNorm, as torch.nn.TransformerDecoderLayer:
@@ -183,7 +192,8 @@ using TransformerEncoderLayer = TransformerEncoderLayerT<float>;
 template <class T = float>
 class TransformerDecoderLayerImpl : public Module {
  public:
-  using Mask = AttentionMask<T>;
+  using Mask = AttentionMask<T>;  ///< A mask, as MultiheadAttention reads it.
+  /// `nhead` heads over `d_model` features (d_model divisible by nhead), sublayers built from `options`.
   TransformerDecoderLayerImpl(std::int64_t d_model, std::int64_t nhead, TransformerLayerOptions options = {})
       : options((detail::check_layer_options("TransformerDecoderLayer", d_model, nhead, options), options)),
         act_(detail::parse_activation("TransformerDecoderLayer", options.activation)),
@@ -219,18 +229,27 @@ class TransformerDecoderLayerImpl : public Module {
   }
   std::string name() const override { return "TransformerDecoderLayer"; }
 
-  TransformerLayerOptions options;
+  TransformerLayerOptions options;  ///< The options it was built with.
 
  private:
   detail::FeedForwardActivation act_;
 
  public:
+  /// The attentions: self_attn over tgt, multihead_attn from tgt over memory.
+  ///@{
   MultiheadAttentionT<T> self_attn, multihead_attn;
-  LinearT<T> linear1;
-  Dropout dropout;
-  LinearT<T> linear2;
+  ///@}
+  LinearT<T> linear1;  ///< The feed-forward input projection, d_model to dim_feedforward.
+  Dropout dropout;     ///< Dropout after the feed-forward activation.
+  LinearT<T> linear2;  ///< The feed-forward output projection, dim_feedforward to d_model.
+  /// The LayerNorms of the self-attention, memory-attention and feed-forward blocks.
+  ///@{
   LayerNormT<T> norm1, norm2, norm3;
+  ///@}
+  /// Dropout on the self-attention, memory-attention and feed-forward outputs, before the residual add.
+  ///@{
   Dropout dropout1, dropout2, dropout3;
+  ///@}
 
  private:
   Tensor<T> sa_block(const Tensor<T>& x, const Mask& mask, const Mask& kpm, bool is_causal) const {
@@ -250,9 +269,11 @@ template <class T = float>
 class TransformerDecoderLayerT : public ModuleHolder<TransformerDecoderLayerImpl<T>> {
  public:
   using ModuleHolder<TransformerDecoderLayerImpl<T>>::ModuleHolder;
+  /// Constructs the implementation: TransformerDecoderLayerImpl(d_model, nhead, options).
   explicit TransformerDecoderLayerT(std::int64_t d_model, std::int64_t nhead, TransformerLayerOptions options = {})
       : ModuleHolder<TransformerDecoderLayerImpl<T>>(
             std::make_shared<TransformerDecoderLayerImpl<T>>(d_model, nhead, std::move(options))) {}
+  /// Calls TransformerDecoderLayerImpl::forward.
   Tensor<T> operator()(const Tensor<T>& tgt, const Tensor<T>& memory, const AttentionMask<T>& tgt_mask = {},
                        const AttentionMask<T>& memory_mask = {}, const AttentionMask<T>& tgt_key_padding_mask = {},
                        const AttentionMask<T>& memory_key_padding_mask = {}, bool tgt_is_causal = false,
@@ -261,14 +282,16 @@ class TransformerDecoderLayerT : public ModuleHolder<TransformerDecoderLayerImpl
                             tgt_is_causal, memory_is_causal);
   }
 };
-using TransformerDecoderLayer = TransformerDecoderLayerT<float>;
+using TransformerDecoderLayer = TransformerDecoderLayerT<float>;  ///< TransformerDecoderLayerT over float tensors.
 
-/// `num_layers` deep copies of `encoder_layer` (submodule `layers`: `layers.0.…`), run in
+/// `num_layers` deep copies of `encoder_layer` (submodule `layers`: `layers.0`, `layers.1`, …), run in
 /// order, then the optional `norm` (a LayerNorm; nullptr for none), as torch.nn.TransformerEncoder.
 template <class T = float>
 class TransformerEncoderImpl : public Module {
  public:
-  using Mask = AttentionMask<T>;
+  using Mask = AttentionMask<T>;  ///< A mask, as MultiheadAttention reads it.
+  /// `num_layers` deep copies of `encoder_layer` (on the device of its parameters), then `norm`, which is
+  /// registered as given (shared, not copied); an empty `norm` (the default) for none.
   TransformerEncoderImpl(const TransformerEncoderLayerT<T>& encoder_layer, std::int64_t num_layers,
                          LayerNormT<T> norm = nullptr)
       : layers(register_module("layers", detail::LayerList<TransformerEncoderLayerT<T>>(encoder_layer, num_layers))),
@@ -281,33 +304,39 @@ class TransformerEncoderImpl : public Module {
     for (const auto& layer : *layers) x = layer(x, mask, src_key_padding_mask, is_causal);
     return norm.is_empty() ? x : norm(x);
   }
+  /// The number of layers.
   std::int64_t num_layers() const { return static_cast<std::int64_t>(layers->size()); }
   std::string name() const override { return "TransformerEncoder"; }
 
-  detail::LayerList<TransformerEncoderLayerT<T>> layers;
-  LayerNormT<T> norm;
+  detail::LayerList<TransformerEncoderLayerT<T>> layers;  ///< The layer copies, run in order.
+  LayerNormT<T> norm;                                     ///< The final LayerNorm, or an empty holder for none.
 };
 
+/// Holder of TransformerEncoderImpl<T>: `TransformerEncoderT<T>(layer, num_layers, norm)`.
 template <class T = float>
 class TransformerEncoderT : public ModuleHolder<TransformerEncoderImpl<T>> {
  public:
   using ModuleHolder<TransformerEncoderImpl<T>>::ModuleHolder;
+  /// Constructs the implementation: TransformerEncoderImpl(encoder_layer, num_layers, norm).
   explicit TransformerEncoderT(const TransformerEncoderLayerT<T>& encoder_layer, std::int64_t num_layers,
                                LayerNormT<T> norm = nullptr)
       : ModuleHolder<TransformerEncoderImpl<T>>(
             std::make_shared<TransformerEncoderImpl<T>>(encoder_layer, num_layers, std::move(norm))) {}
+  /// Calls TransformerEncoderImpl::forward.
   Tensor<T> operator()(const Tensor<T>& src, const AttentionMask<T>& mask = {},
                        const AttentionMask<T>& src_key_padding_mask = {}, bool is_causal = false) const {
     return (*this)->forward(src, mask, src_key_padding_mask, is_causal);
   }
 };
-using TransformerEncoder = TransformerEncoderT<float>;
+using TransformerEncoder = TransformerEncoderT<float>;  ///< TransformerEncoderT over float tensors.
 
 /// `num_layers` deep copies of `decoder_layer`, then the optional `norm`, as torch.nn.TransformerDecoder.
 template <class T = float>
 class TransformerDecoderImpl : public Module {
  public:
-  using Mask = AttentionMask<T>;
+  using Mask = AttentionMask<T>;  ///< A mask, as MultiheadAttention reads it.
+  /// `num_layers` deep copies of `decoder_layer` (on the device of its parameters), then `norm`, which is
+  /// registered as given (shared, not copied); an empty `norm` (the default) for none.
   TransformerDecoderImpl(const TransformerDecoderLayerT<T>& decoder_layer, std::int64_t num_layers,
                          LayerNormT<T> norm = nullptr)
       : layers(register_module("layers", detail::LayerList<TransformerDecoderLayerT<T>>(decoder_layer, num_layers))),
@@ -325,21 +354,25 @@ class TransformerDecoderImpl : public Module {
                 memory_is_causal);
     return norm.is_empty() ? x : norm(x);
   }
+  /// The number of layers.
   std::int64_t num_layers() const { return static_cast<std::int64_t>(layers->size()); }
   std::string name() const override { return "TransformerDecoder"; }
 
-  detail::LayerList<TransformerDecoderLayerT<T>> layers;
-  LayerNormT<T> norm;
+  detail::LayerList<TransformerDecoderLayerT<T>> layers;  ///< The layer copies, run in order.
+  LayerNormT<T> norm;                                     ///< The final LayerNorm, or an empty holder for none.
 };
 
+/// Holder of TransformerDecoderImpl<T>: `TransformerDecoderT<T>(layer, num_layers, norm)`.
 template <class T = float>
 class TransformerDecoderT : public ModuleHolder<TransformerDecoderImpl<T>> {
  public:
   using ModuleHolder<TransformerDecoderImpl<T>>::ModuleHolder;
+  /// Constructs the implementation: TransformerDecoderImpl(decoder_layer, num_layers, norm).
   explicit TransformerDecoderT(const TransformerDecoderLayerT<T>& decoder_layer, std::int64_t num_layers,
                                LayerNormT<T> norm = nullptr)
       : ModuleHolder<TransformerDecoderImpl<T>>(
             std::make_shared<TransformerDecoderImpl<T>>(decoder_layer, num_layers, std::move(norm))) {}
+  /// Calls TransformerDecoderImpl::forward.
   Tensor<T> operator()(const Tensor<T>& tgt, const Tensor<T>& memory, const AttentionMask<T>& tgt_mask = {},
                        const AttentionMask<T>& memory_mask = {}, const AttentionMask<T>& tgt_key_padding_mask = {},
                        const AttentionMask<T>& memory_key_padding_mask = {}, bool tgt_is_causal = false,
@@ -348,7 +381,7 @@ class TransformerDecoderT : public ModuleHolder<TransformerDecoderImpl<T>> {
                             tgt_is_causal, memory_is_causal);
   }
 };
-using TransformerDecoder = TransformerDecoderT<float>;
+using TransformerDecoder = TransformerDecoderT<float>;  ///< TransformerDecoderT over float tensors.
 
 /// The additive causal mask [sz, sz] of torch.nn.Transformer.generate_square_subsequent_mask:
 /// -inf above the diagonal (query i may not see key j > i), 0 on and below it. Made on `device`.
@@ -360,18 +393,18 @@ Tensor<T> generate_square_subsequent_mask(std::int64_t sz, Device device = Devic
 
 /// Fields in PyTorch's order (custom_encoder/custom_decoder are not offered).
 struct TransformerOptions {
-  std::int64_t d_model = 512;
-  std::int64_t nhead = 8;
-  std::int64_t num_encoder_layers = 6;
-  std::int64_t num_decoder_layers = 6;
-  std::int64_t dim_feedforward = 2048;
-  double dropout = 0.1;
-  std::string activation = "relu";
-  double layer_norm_eps = 1e-5;
-  bool batch_first = false;
-  bool norm_first = false;
-  bool bias = true;
-  Device device = Device::cpu();
+  std::int64_t d_model = 512;           ///< The features E of src, tgt and the output (default 512).
+  std::int64_t nhead = 8;               ///< The attention heads; they must divide d_model (default 8).
+  std::int64_t num_encoder_layers = 6;  ///< The encoder's layers (default 6).
+  std::int64_t num_decoder_layers = 6;  ///< The decoder's layers (default 6).
+  std::int64_t dim_feedforward = 2048;  ///< As TransformerLayerOptions::dim_feedforward.
+  double dropout = 0.1;                 ///< As TransformerLayerOptions::dropout.
+  std::string activation = "relu";      ///< As TransformerLayerOptions::activation.
+  double layer_norm_eps = 1e-5;         ///< The eps of every LayerNorm, the final ones included (default 1e-5).
+  bool batch_first = false;             ///< As TransformerLayerOptions::batch_first.
+  bool norm_first = false;              ///< As TransformerLayerOptions::norm_first.
+  bool bias = true;                     ///< As TransformerLayerOptions::bias (the final LayerNorms included).
+  Device device = Device::cpu();        ///< Where the parameters are created (default CPU).
 };
 
 /// Encoder and decoder with final LayerNorms, as torch.nn.Transformer (submodules `encoder`
@@ -380,7 +413,8 @@ struct TransformerOptions {
 template <class T = float>
 class TransformerImpl : public Module {
  public:
-  using Mask = AttentionMask<T>;
+  using Mask = AttentionMask<T>;  ///< A mask, as MultiheadAttention reads it.
+  /// Builds encoder and decoder from `options`, then reset_parameters().
   explicit TransformerImpl(TransformerOptions options = {})
       : options(options),
         encoder(register_module(
@@ -393,6 +427,7 @@ class TransformerImpl : public Module {
                                    options.num_decoder_layers, final_norm(options)))) {
     reset_parameters();
   }
+  /// Re-draws every parameter with more than one dimension with xavier_uniform_ (PyTorch's _reset_parameters).
   void reset_parameters() {
     for (auto& p : parameters())
       if (p.dim() > 1) init::xavier_uniform_(p.template as<T>());
@@ -425,9 +460,9 @@ class TransformerImpl : public Module {
   }
   std::string name() const override { return "Transformer"; }
 
-  TransformerOptions options;
-  TransformerEncoderT<T> encoder;
-  TransformerDecoderT<T> decoder;
+  TransformerOptions options;      ///< The options it was built with.
+  TransformerEncoderT<T> encoder;  ///< The encoder: num_encoder_layers layers, then a LayerNorm.
+  TransformerDecoderT<T> decoder;  ///< The decoder: num_decoder_layers layers, then a LayerNorm.
 
  private:
   static TransformerLayerOptions layer_options(const TransformerOptions& o) {
@@ -451,8 +486,10 @@ template <class T = float>
 class TransformerT : public ModuleHolder<TransformerImpl<T>> {
  public:
   using ModuleHolder<TransformerImpl<T>>::ModuleHolder;
+  /// Constructs the implementation: TransformerImpl(options).
   explicit TransformerT(TransformerOptions options = {})
       : ModuleHolder<TransformerImpl<T>>(std::make_shared<TransformerImpl<T>>(std::move(options))) {}
+  /// Calls TransformerImpl::forward.
   Tensor<T> operator()(const Tensor<T>& src, const Tensor<T>& tgt, const AttentionMask<T>& src_mask = {},
                        const AttentionMask<T>& tgt_mask = {}, const AttentionMask<T>& memory_mask = {},
                        const AttentionMask<T>& src_key_padding_mask = {},
@@ -462,11 +499,12 @@ class TransformerT : public ModuleHolder<TransformerImpl<T>> {
     return (*this)->forward(src, tgt, src_mask, tgt_mask, memory_mask, src_key_padding_mask, tgt_key_padding_mask,
                             memory_key_padding_mask, src_is_causal, tgt_is_causal, memory_is_causal);
   }
+  /// The additive causal mask [sz, sz] (nn::generate_square_subsequent_mask).
   static Tensor<T> generate_square_subsequent_mask(std::int64_t sz, Device device = Device::cpu()) {
     return nn::generate_square_subsequent_mask<T>(sz, device);
   }
 };
-using Transformer = TransformerT<float>;
+using Transformer = TransformerT<float>;  ///< TransformerT over float tensors.
 
 }  // namespace nn
 CHORUS_NAMESPACE_END

@@ -2,10 +2,9 @@
 // Gradient clipping, torch.nn.utils.clip_grad_norm_ / clip_grad_value_.
 //
 // Note [gradient clipping on the device]
-// Clipping used to copy every gradient to the host and back. Now the gradients stay where they
-// are: per device (all CPU devices are one host), the norm terms of all its gradients are
-// accumulated by one multi-tensor reduction into one device scalar (a launch per 48
-// gradients, then one block); the devices' scalars meet on the first gradient's device, where
+// The gradients stay where they are: per device (all CPU devices are one host), the norm terms
+// of all its gradients are accumulated by one multi-tensor reduction into one device scalar (a
+// launch per 48 gradients, then one block); the devices' scalars meet on the first gradient's device, where
 // one kernel computes the total norm and the coefficient min(1, max_norm / (total + 1e-6));
 // the coefficient goes back to each device and one multi-tensor kernel per 48 gradients
 // multiplies by it (reading it from device memory, and doing nothing when it is 1). Nothing
@@ -28,9 +27,13 @@ namespace nn::utils {
 /// tensor, or ignoring it, does not.
 class TotalNorm {
  public:
+  /// Wraps the 0-dim norm tensor `t`.
   explicit TotalNorm(Tensor<double> t) : t_(std::move(t)) {}
+  /// The norm as a 0-dim float64 tensor on its device (no host sync).
   const Tensor<double>& tensor() const { return t_; }
+  /// The norm as a double (waits for the device).
   double item() const { return t_.item(); }
+  /// The norm as a double, as LibTorch returns it (waits for the device).
   operator double() const { return item(); }  // NOLINT(google-explicit-constructor): as LibTorch's double
 
  private:

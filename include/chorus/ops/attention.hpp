@@ -36,9 +36,13 @@ class AttentionMask {
 
  public:
   AttentionMask() = default;
+  /// No mask.
   AttentionMask(std::nullopt_t) {}                                // NOLINT
+  /// A boolean mask (nonzero = true).
   AttentionMask(Tensor<mask_t> mask) : bool_(std::move(mask)) {}  // NOLINT
+  /// An additive mask, added to the scores.
   AttentionMask(Tensor<T> mask) : float_(std::move(mask)) {}      // NOLINT
+  /// Internal: refuses a tensor of any other scalar type at compile time, with a message.
   template <class U>
     requires(!std::is_same_v<U, T> && !std::is_same_v<U, mask_t>)
   AttentionMask(const Tensor<U>&) {  // NOLINT
@@ -48,13 +52,19 @@ class AttentionMask {
                   "mask of another type with .to<T>()");
   }
 
+  /// Whether there is a mask (boolean or additive).
   bool defined() const { return bool_.defined() || float_.defined(); }
   /// True for a boolean (int64) mask.
   bool is_bool() const { return bool_.defined(); }
+  /// The boolean mask (an undefined tensor unless is_bool()).
   const Tensor<mask_t>& bool_mask() const { return bool_; }
+  /// The additive mask (an undefined tensor for a boolean mask or none).
   const Tensor<T>& float_mask() const { return float_; }
+  /// The mask's shape.
   const Shape& shape() const { return is_bool() ? bool_.shape() : float_.shape(); }
+  /// The mask's device.
   Device device() const { return is_bool() ? bool_.device() : float_.device(); }
+  /// The mask's number of dimensions.
   int dim() const { return shape().size(); }
   /// "a boolean (int64) mask of shape [2, 5]" / "a float mask of shape [2, 5]", for errors.
   std::string describe() const {

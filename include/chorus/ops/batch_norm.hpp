@@ -28,8 +28,10 @@ class StatsReducer {
  public:
   virtual ~StatsReducer() = default;
   /// Replaces `t` (contiguous, same shape everywhere) by its sum over the participants.
+  ///@{
   virtual void all_reduce_sum(Tensor<float>& t) = 0;
   virtual void all_reduce_sum(Tensor<double>& t) = 0;
+  ///@}
   /// The sum of a host count over the participants.
   virtual std::int64_t all_reduce_sum(std::int64_t count) = 0;
   /// Number of participants.
@@ -49,6 +51,7 @@ inline const std::shared_ptr<StatsReducer>& current_stats_reducer() { return ops
 /// Installs `reducer` as this thread's statistics reducer until the scope ends.
 class StatsReducerScope {
  public:
+  /// Installs `reducer` (null: none), keeping the previous one to restore on destruction.
   explicit StatsReducerScope(std::shared_ptr<StatsReducer> reducer)
       : previous_(std::exchange(ops::detail::current_reducer_slot(), std::move(reducer))) {}
   ~StatsReducerScope() { ops::detail::current_reducer_slot() = std::move(previous_); }

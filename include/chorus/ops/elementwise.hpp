@@ -168,18 +168,22 @@ Tensor<T> linear_pointwise(const char* node_name, const Tensor<T>& x, Op op, Bwd
 }  // namespace ops::detail
 
 // ---- binary, tensor ⊕ tensor (broadcasting) ----
+/// a + b elementwise, broadcasting (torch.add).
 template <class T>
 Tensor<T> add(const Tensor<T>& a, const Tensor<T>& b) {
   return ops::detail::binary(ops::detail::BinaryKind::Add, "add", a, b, backend::fn::Add{});
 }
+/// a - b elementwise, broadcasting (torch.sub).
 template <class T>
 Tensor<T> sub(const Tensor<T>& a, const Tensor<T>& b) {
   return ops::detail::binary(ops::detail::BinaryKind::Sub, "sub", a, b, backend::fn::Sub{});
 }
+/// a * b elementwise, broadcasting (torch.mul).
 template <class T>
 Tensor<T> mul(const Tensor<T>& a, const Tensor<T>& b) {
   return ops::detail::binary(ops::detail::BinaryKind::Mul, "mul", a, b, backend::fn::Mul{});
 }
+/// a / b elementwise, broadcasting (torch.div; an int64 tensor divides as C++ does, truncating).
 template <class T>
 Tensor<T> div(const Tensor<T>& a, const Tensor<T>& b) {
   return ops::detail::binary(ops::detail::BinaryKind::Div, "div", a, b, backend::fn::Div{});
@@ -198,38 +202,46 @@ void check_scalar_for(const char* op, double s) {
 }
 }  // namespace ops::detail
 
+/// a + s (torch.add); an int64 tensor takes only a whole `s`.
 template <class T>
 Tensor<T> add(const Tensor<T>& a, double s) {
   ops::detail::check_scalar_for<T>("add", s);
   return ops::detail::linear_pointwise("AddScalarBackward", a, backend::fn::AddScalar{s}, backend::fn::MulScalar{1.0});
 }
+/// a * s (torch.mul); an int64 tensor takes only a whole `s`.
 template <class T>
 Tensor<T> mul(const Tensor<T>& a, double s) {
   ops::detail::check_scalar_for<T>("mul", s);
   return ops::detail::linear_pointwise("MulScalarBackward", a, backend::fn::MulScalar{s}, backend::fn::MulScalar{s});
 }
+/// -a elementwise (torch.neg).
 template <class T>
 Tensor<T> neg(const Tensor<T>& a) {
   return ops::detail::linear_pointwise("NegBackward", a, backend::fn::Neg{}, backend::fn::Neg{});
 }
 
 // ---- unary ----
+/// e^x elementwise (torch.exp).
 template <class T>
 Tensor<T> exp(const Tensor<T>& x) {
   return ops::detail::pointwise("ExpBackward", x, backend::fn::Exp{}, backend::fn::Mul{}, true);
 }
+/// Natural logarithm elementwise (torch.log).
 template <class T>
 Tensor<T> log(const Tensor<T>& x) {
   return ops::detail::pointwise("LogBackward", x, backend::fn::Log{}, backend::fn::LogBackward{}, false);
 }
+/// Square root elementwise (torch.sqrt).
 template <class T>
 Tensor<T> sqrt(const Tensor<T>& x) {
   return ops::detail::pointwise("SqrtBackward", x, backend::fn::Sqrt{}, backend::fn::SqrtBackward{}, true);
 }
+/// x^p elementwise for a scalar exponent `p` (torch.pow).
 template <class T>
 Tensor<T> pow(const Tensor<T>& x, double p) {
   return ops::detail::pointwise("PowBackward", x, backend::fn::PowScalar{p}, backend::fn::PowBackward{p}, false);
 }
+/// x^2 elementwise, as pow(x, 2) (torch.square).
 template <class T>
 Tensor<T> square(const Tensor<T>& x) {
   return pow(x, 2.0);
@@ -239,10 +251,12 @@ template <class T>
 Tensor<T> abs(const Tensor<T>& x) {
   return ops::detail::pointwise("AbsBackward", x, backend::fn::Abs{}, backend::fn::AbsBackward{}, false);
 }
+/// Sine elementwise (torch.sin).
 template <class T>
 Tensor<T> sin(const Tensor<T>& x) {
   return ops::detail::pointwise("SinBackward", x, backend::fn::Sin{}, backend::fn::SinBackward{}, false);
 }
+/// Cosine elementwise (torch.cos).
 template <class T>
 Tensor<T> cos(const Tensor<T>& x) {
   return ops::detail::pointwise("CosBackward", x, backend::fn::Cos{}, backend::fn::CosBackward{}, false);
@@ -256,26 +270,32 @@ Tensor<T> clamp(const Tensor<T>& x, std::optional<double> min, std::optional<dou
   const backend::fn::ClampBackward b{f.lo, f.hi, f.has_lo, f.has_hi};
   return ops::detail::pointwise("ClampBackward", x, f, b, false);
 }
+/// max(x, min) elementwise: clamp with only a lower bound (torch.clamp_min).
 template <class T>
 Tensor<T> clamp_min(const Tensor<T>& x, double min) {
   return clamp(x, min, std::nullopt);
 }
+/// min(x, max) elementwise: clamp with only an upper bound (torch.clamp_max).
 template <class T>
 Tensor<T> clamp_max(const Tensor<T>& x, double max) {
   return clamp(x, std::nullopt, max);
 }
+/// max(x, 0) elementwise (torch.relu).
 template <class T>
 Tensor<T> relu(const Tensor<T>& x) {
   return ops::detail::pointwise("ReluBackward", x, backend::fn::Relu{}, backend::fn::ReluBackward{}, true);
 }
+/// x · Φ(x) elementwise, the exact (erf) form (torch.nn.functional.gelu).
 template <class T>
 Tensor<T> gelu(const Tensor<T>& x) {
   return ops::detail::pointwise("GeluBackward", x, backend::fn::Gelu{}, backend::fn::GeluBackward{}, false);
 }
+/// Hyperbolic tangent elementwise (torch.tanh).
 template <class T>
 Tensor<T> tanh(const Tensor<T>& x) {
   return ops::detail::pointwise("TanhBackward", x, backend::fn::Tanh{}, backend::fn::TanhBackward{}, true);
 }
+/// 1 / (1 + e^-x) elementwise (torch.sigmoid).
 template <class T>
 Tensor<T> sigmoid(const Tensor<T>& x) {
   return ops::detail::pointwise("SigmoidBackward", x, backend::fn::Sigmoid{}, backend::fn::SigmoidBackward{}, true);
@@ -321,6 +341,8 @@ Tensor<T> Tensor<T>::clamp_max(double max) const { return ::chorus::clamp_max(*t
 // dropout lives in ops/dropout.hpp (Note [dropout random numbers]).
 
 // ---- operators ----
+/// `a + b`, `a - b`, `a * b`, `a / b` (add, sub, mul, div, broadcasting) and `-a` (neg).
+///@{
 template <class T>
 Tensor<T> operator+(const Tensor<T>& a, const Tensor<T>& b) { return add(a, b); }
 template <class T>
@@ -331,6 +353,9 @@ template <class T>
 Tensor<T> operator/(const Tensor<T>& a, const Tensor<T>& b) { return div(a, b); }
 template <class T>
 Tensor<T> operator-(const Tensor<T>& a) { return neg(a); }
+///@}
+/// Arithmetic with a scalar on either side, through add, mul, neg and pow (`a / s` is `a * (1 / s)`).
+///@{
 template <class T>
 Tensor<T> operator+(const Tensor<T>& a, double s) { return add(a, s); }
 template <class T>
@@ -347,6 +372,7 @@ template <class T>
 Tensor<T> operator/(const Tensor<T>& a, double s) { return mul(a, 1.0 / s); }
 template <class T>
 Tensor<T> operator/(double s, const Tensor<T>& a) { return mul(pow(a, -1.0), s); }
+///@}
 
 CHORUS_NAMESPACE_END
 

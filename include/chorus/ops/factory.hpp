@@ -24,24 +24,29 @@ Tensor<T> full(const Shape& shape, T value, Device device = Device::cpu()) {
   return t;
 }
 
+/// A tensor of `shape` filled with zeros (torch.zeros).
 template <class T = float>
 Tensor<T> zeros(const Shape& shape, Device device = Device::cpu()) {
   return full<T>(shape, T(0), device);
 }
 
+/// A tensor of `shape` filled with ones (torch.ones).
 template <class T = float>
 Tensor<T> ones(const Shape& shape, Device device = Device::cpu()) {
   return full<T>(shape, T(1), device);
 }
 
+/// An uninitialised contiguous tensor with `t`'s shape and device (torch.empty_like).
 template <class T>
 Tensor<T> empty_like(const Tensor<T>& t) {
   return Tensor<T>::empty(t.shape(), t.device());
 }
+/// Zeros with `t`'s shape and device (torch.zeros_like).
 template <class T>
 Tensor<T> zeros_like(const Tensor<T>& t) {
   return zeros<T>(t.shape(), t.device());
 }
+/// Ones with `t`'s shape and device (torch.ones_like).
 template <class T>
 Tensor<T> ones_like(const Tensor<T>& t) {
   return ones<T>(t.shape(), t.device());
@@ -75,6 +80,7 @@ Tensor<T> arange(double start, double end, double step = 1.0, Device device = De
   backend::arange(t, start, step);
   return t;
 }
+/// [0, end) in steps of 1, as torch.arange(end).
 template <class T = float>
 Tensor<T> arange(double end, Device device = Device::cpu()) {
   return arange<T>(0.0, end, 1.0, device);

@@ -197,11 +197,13 @@ template <class T>
 Tensor<T> where(const Tensor<mask_t>& condition, const Tensor<T>& a, const Tensor<T>& b) {
   return ops::detail::where_impl("where", "WhereBackward", condition, a, b);
 }
+/// where() with the scalar `b` (converted to T) as the value where cond is zero.
 template <class T>
 Tensor<T> where(const Tensor<mask_t>& condition, const Tensor<T>& a, double b) {
   ops::detail::check_defined("where", a, "first value");
   return where(condition, a, full<T>(Shape{}, static_cast<T>(b), a.device()));
 }
+/// where() with the scalar `a` (converted to T) as the value where cond is nonzero.
 template <class T>
 Tensor<T> where(const Tensor<mask_t>& condition, double a, const Tensor<T>& b) {
   ops::detail::check_defined("where", b, "second value");

@@ -5,6 +5,7 @@
 
 CHORUS_NAMESPACE_BEGIN
 
+/// How a loss reduces its per-element values: keep them (None), average them (Mean) or add them (Sum).
 enum class Reduction { None, Mean, Sum };
 
 namespace ops::detail {

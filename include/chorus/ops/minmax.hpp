@@ -177,6 +177,7 @@ Tensor<T> max(const Tensor<T>& x) {
                ") is empty; reduce an empty tensor along a dim with amax or give max a dim");
   return ops::detail::extremum_dims("max", "MaxBackward", x, {}, false, true);
 }
+/// The smallest element (0-dim); NaN if any element is NaN.
 template <class T>
 Tensor<T> min(const Tensor<T>& x) {
   ops::detail::check_defined("min", x);
@@ -189,6 +190,7 @@ template <class T>
 std::tuple<Tensor<T>, Tensor<std::int64_t>> max(const Tensor<T>& x, std::int64_t dim, bool keepdim = false) {
   return ops::detail::extremum_with_index("max", "MaxBackward", x, dim, keepdim, true);
 }
+/// (values, indices) of the minima along `dim`, as torch.min(input, dim, keepdim).
 template <class T>
 std::tuple<Tensor<T>, Tensor<std::int64_t>> min(const Tensor<T>& x, std::int64_t dim, bool keepdim = false) {
   return ops::detail::extremum_with_index("min", "MinBackward", x, dim, keepdim, false);
@@ -198,6 +200,7 @@ template <class T>
 Tensor<T> amax(const Tensor<T>& x, const std::vector<std::int64_t>& dims = {}, bool keepdim = false) {
   return ops::detail::extremum_dims("amax", "AmaxBackward", x, dims, keepdim, true);
 }
+/// The minimum over `dims` (empty: all dims), as torch.amin.
 template <class T>
 Tensor<T> amin(const Tensor<T>& x, const std::vector<std::int64_t>& dims = {}, bool keepdim = false) {
   return ops::detail::extremum_dims("amin", "AminBackward", x, dims, keepdim, false);
@@ -207,6 +210,7 @@ template <class T>
 Tensor<std::int64_t> argmax(const Tensor<T>& x, std::optional<std::int64_t> dim = std::nullopt, bool keepdim = false) {
   return ops::detail::arg_extremum("argmax", x, dim, keepdim, true);
 }
+/// The index of the first minimum along `dim`, or into the flattened tensor without a dim.
 template <class T>
 Tensor<std::int64_t> argmin(const Tensor<T>& x, std::optional<std::int64_t> dim = std::nullopt, bool keepdim = false) {
   return ops::detail::arg_extremum("argmin", x, dim, keepdim, false);

@@ -165,10 +165,12 @@ template <class T>
 Tensor<T> sum(const Tensor<T>& x, std::int64_t dim, bool keepdim = false) {
   return ops::detail::reduce_dim(x, dim, keepdim, false);
 }
+/// Mean of all elements (a 0-dim tensor; NaN for an empty tensor), as torch.mean.
 template <class T>
 Tensor<T> mean(const Tensor<T>& x) {
   return ops::detail::reduce_all(x, true);
 }
+/// Mean over `dim` (kept as size 1 with keepdim), as torch.mean(x, dim, keepdim).
 template <class T>
 Tensor<T> mean(const Tensor<T>& x, std::int64_t dim, bool keepdim = false) {
   return ops::detail::reduce_dim(x, dim, keepdim, true);
@@ -178,6 +180,7 @@ template <class T>
 Tensor<T> sum(const Tensor<T>& x, const std::vector<std::int64_t>& dims, bool keepdim = false) {
   return ops::detail::reduce_dims(x, dims, keepdim, false);
 }
+/// Mean over the dimensions in `dims` (an empty list: all of them), as torch.mean(x, dims, keepdim).
 template <class T>
 Tensor<T> mean(const Tensor<T>& x, const std::vector<std::int64_t>& dims, bool keepdim = false) {
   return ops::detail::reduce_dims(x, dims, keepdim, true);
@@ -187,10 +190,12 @@ Tensor<T> mean(const Tensor<T>& x, const std::vector<std::int64_t>& dims, bool k
 // int64 dim as well as to a vector, and the int wins. A std::initializer_list parameter beats
 // both (C++'s tie-breaker for list-initialisation), so each operator taking one dim or a list of
 // dims has this third overload; `{1}` still means dim 1.
+/// sum(x, dims, keepdim) for a braced list of dims; `{}` means all of them (Note [braced dim lists]).
 template <class T>
 Tensor<T> sum(const Tensor<T>& x, std::initializer_list<std::int64_t> dims, bool keepdim = false) {
   return ops::detail::reduce_dims(x, std::vector<std::int64_t>(dims), keepdim, false);
 }
+/// mean(x, dims, keepdim) for a braced list of dims; `{}` means all of them (Note [braced dim lists]).
 template <class T>
 Tensor<T> mean(const Tensor<T>& x, std::initializer_list<std::int64_t> dims, bool keepdim = false) {
   return ops::detail::reduce_dims(x, std::vector<std::int64_t>(dims), keepdim, true);
@@ -215,10 +220,12 @@ Tensor<T> cumsum(const Tensor<T>& x, std::int64_t dim) {
   return out;
 }
 
+/// exp(x) normalised to sum to 1 along `dim` (torch.softmax).
 template <class T>
 Tensor<T> softmax(const Tensor<T>& x, std::int64_t dim) {
   return ops::detail::softmax_impl(x, dim, false);
 }
+/// The logarithm of softmax(x, dim), computed in log space (torch.log_softmax).
 template <class T>
 Tensor<T> log_softmax(const Tensor<T>& x, std::int64_t dim) {
   return ops::detail::softmax_impl(x, dim, true);

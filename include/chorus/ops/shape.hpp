@@ -143,6 +143,7 @@ Tensor<T> movedim(const Tensor<T>& x, const std::vector<std::int64_t>& source,
   }
   return permute(x, order);
 }
+/// Dimension `source` moved to position `destination`, the others keeping their order (a view; torch.movedim).
 template <class T>
 Tensor<T> movedim(const Tensor<T>& x, std::int64_t source, std::int64_t destination) {
   return movedim(x, std::vector<std::int64_t>{source}, std::vector<std::int64_t>{destination});
@@ -154,10 +155,12 @@ Tensor<T> transpose(const Tensor<T>& x, std::int64_t d0, std::int64_t d1) {
   ops::detail::check_defined("transpose", x);
   return x.transpose(d0, d1);
 }
+/// transpose(x, d0, d1) under NumPy's name (torch.swapaxes).
 template <class T>
 Tensor<T> swapaxes(const Tensor<T>& x, std::int64_t d0, std::int64_t d1) {
   return transpose(x, d0, d1);
 }
+/// transpose(x, d0, d1) under another name (torch.swapdims).
 template <class T>
 Tensor<T> swapdims(const Tensor<T>& x, std::int64_t d0, std::int64_t d1) {
   return transpose(x, d0, d1);
@@ -204,6 +207,7 @@ Tensor<T> expand(const Tensor<T>& x, const Shape& sizes) {
   }
   return out;
 }
+/// A view of x expanded to `other`'s shape, as expand (torch.Tensor.expand_as).
 template <class T, class U>
 Tensor<T> expand_as(const Tensor<T>& x, const Tensor<U>& other) {
   return expand(x, other.shape());

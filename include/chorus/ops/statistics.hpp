@@ -139,10 +139,12 @@ Tensor<T> logsumexp(const Tensor<T>& x, const std::vector<std::int64_t>& dims, b
   auto keep = chorus::log(chorus::sum(chorus::exp(x - shift), dims, true)) + shift;
   return ops::detail::finish_reduction(keep, x.shape(), ds, keepdim);
 }
+/// logsumexp over the one dimension `dim`.
 template <class T>
 Tensor<T> logsumexp(const Tensor<T>& x, std::int64_t dim, bool keepdim = false) {
   return logsumexp(x, std::vector<std::int64_t>{dim}, keepdim);
 }
+/// logsumexp(x, dims, keepdim) for a braced list of dims; `{}` means all of them.
 template <class T>  // Note [braced dim lists]
 Tensor<T> logsumexp(const Tensor<T>& x, std::initializer_list<std::int64_t> dims, bool keepdim = false) {
   return logsumexp(x, std::vector<std::int64_t>(dims), keepdim);
@@ -156,10 +158,12 @@ Tensor<T> var(const Tensor<T>& x, const std::vector<std::int64_t>& dims, double 
               bool keepdim = false) {
   return ops::detail::variance("var", x, dims, correction, keepdim);
 }
+/// Variance over the one dimension `dim`, divided by N - correction.
 template <class T>
 Tensor<T> var(const Tensor<T>& x, std::int64_t dim, double correction = 1.0, bool keepdim = false) {
   return var(x, std::vector<std::int64_t>{dim}, correction, keepdim);
 }
+/// var(x, dims, correction, keepdim) for a braced list of dims; `{}` means all of them.
 template <class T>  // Note [braced dim lists]
 Tensor<T> var(const Tensor<T>& x, std::initializer_list<std::int64_t> dims, double correction = 1.0,
               bool keepdim = false) {
@@ -183,19 +187,23 @@ Tensor<T> std(const Tensor<T>& x, const std::vector<std::int64_t>& dims, double 
               bool keepdim = false) {
   return chorus::sqrt(ops::detail::variance("std", x, dims, correction, keepdim));
 }
+/// Standard deviation over the one dimension `dim`: sqrt(var(x, dim, correction, keepdim)).
 template <class T>
 Tensor<T> std(const Tensor<T>& x, std::int64_t dim, double correction = 1.0, bool keepdim = false) {
   return chorus::std(x, std::vector<std::int64_t>{dim}, correction, keepdim);
 }
+/// std(x, dims, correction, keepdim) for a braced list of dims; `{}` means all of them.
 template <class T>  // Note [braced dim lists]
 Tensor<T> std(const Tensor<T>& x, std::initializer_list<std::int64_t> dims, double correction = 1.0,
               bool keepdim = false) {
   return chorus::std(x, std::vector<std::int64_t>(dims), correction, keepdim);
 }
+/// Standard deviation over all elements, unbiased (correction 1).
 template <class T>
 Tensor<T> std(const Tensor<T>& x) {
   return chorus::std(x, std::vector<std::int64_t>{});
 }
+/// Over all elements, as torch.std(x, unbiased): only a bool (an int means a dim).
 template <class T, class B>
   requires std::same_as<B, bool>
 Tensor<T> std(const Tensor<T>& x, B unbiased) {
@@ -208,14 +216,17 @@ template <class T>
 Tensor<T> norm(const Tensor<T>& x, double p, const std::vector<std::int64_t>& dims, bool keepdim = false) {
   return ops::detail::vector_norm(x, p, dims, keepdim);
 }
+/// The vector p-norm over the one dimension `dim`.
 template <class T>
 Tensor<T> norm(const Tensor<T>& x, double p, std::int64_t dim, bool keepdim = false) {
   return ops::detail::vector_norm(x, p, std::vector<std::int64_t>{dim}, keepdim);
 }
+/// norm(x, p, dims, keepdim) for a braced list of dims; `{}` means all of them.
 template <class T>  // Note [braced dim lists]
 Tensor<T> norm(const Tensor<T>& x, double p, std::initializer_list<std::int64_t> dims, bool keepdim = false) {
   return ops::detail::vector_norm(x, p, std::vector<std::int64_t>(dims), keepdim);
 }
+/// The vector p-norm over all elements (p = 2 by default: the Euclidean norm), as torch.norm(x, p).
 template <class T>
 Tensor<T> norm(const Tensor<T>& x, double p = 2.0) {
   return ops::detail::vector_norm(x, p, {}, false);
@@ -261,12 +272,14 @@ template <class T>
 Tensor<T> Tensor<T>::norm(double p, std::initializer_list<std::int64_t> dims, bool keepdim) const {
   return chorus::norm(*this, p, dims, keepdim);
 }
+/// The variance over all elements, unbiased or not (PyTorch's x.var(unbiased)); a bool only, an int is a dim.
 template <class T>
 template <class B>
   requires std::is_same_v<B, bool>
 Tensor<T> Tensor<T>::var(B unbiased) const {
   return chorus::var(*this, unbiased);
 }
+/// The standard deviation over all elements, unbiased or not (torch.std(unbiased)); only a bool.
 template <class T>
 template <class B>
   requires std::is_same_v<B, bool>

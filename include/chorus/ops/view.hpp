@@ -328,6 +328,11 @@ template <class T>
 Tensor<T> Tensor<T>::to(Device device) const {
   if (device == this->device()) return *this;
   check_device(device);
+  profiler::Scope span(profiler::Category::copy, [&] { return "copy to " + device.str(); });
+  if (span.active()) {
+    span.set_device(device);
+    span.set_bytes(numel() * static_cast<std::int64_t>(sizeof(T)));
+  }
   auto out = Tensor<T>::empty(shape(), device);
   backend::copy(out, *this);
   if (autograd::needs_grad(*this)) {

@@ -8,25 +8,26 @@
 CHORUS_NAMESPACE_BEGIN
 namespace optim {
 
+/// Adam's options (torch.optim.Adam's arguments; betas is split into beta1 and beta2).
 struct AdamOptions {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.0;
-  bool amsgrad = false;
-  bool maximize = false;
+  double lr = 1e-3;            ///< Learning rate (default 1e-3).
+  double beta1 = 0.9;          ///< Coefficient of the running average of the gradient (betas[0]), in [0, 1).
+  double beta2 = 0.999;        ///< Coefficient of the running average of the squared gradient (betas[1]), in [0, 1).
+  double eps = 1e-8;           ///< Term added to the denominator for numerical stability.
+  double weight_decay = 0.0;   ///< L2 penalty: weight_decay * p is added to the gradient (default 0).
+  bool amsgrad = false;        ///< Use the AMSGrad variant (the maximum of the squared-gradient averages).
+  bool maximize = false;       ///< Maximize the objective: step along the gradient instead of against it.
 };
 
 /// AdamW's options: Adam's, with PyTorch's AdamW default weight_decay of 1e-2.
 struct AdamWOptions {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 1e-2;
-  bool amsgrad = false;
-  bool maximize = false;
+  double lr = 1e-3;            ///< Learning rate (default 1e-3).
+  double beta1 = 0.9;          ///< Coefficient of the running average of the gradient (betas[0]), in [0, 1).
+  double beta2 = 0.999;        ///< Coefficient of the running average of the squared gradient (betas[1]), in [0, 1).
+  double eps = 1e-8;           ///< Term added to the denominator for numerical stability.
+  double weight_decay = 1e-2;  ///< Decoupled weight decay: each step scales p by 1 - lr * weight_decay (default 1e-2).
+  bool amsgrad = false;        ///< Use the AMSGrad variant (the maximum of the squared-gradient averages).
+  bool maximize = false;       ///< Maximize the objective: step along the gradient instead of against it.
 };
 
 namespace detail {
@@ -61,16 +62,21 @@ extern template class AdamBase<AdamWOptions>;
 #endif
 }  // namespace detail
 
+/// Adam (torch.optim.Adam), with L2 weight decay added to the gradient.
 class Adam final : public detail::AdamBase<AdamOptions> {
  public:
+  /// One group of parameters with `options`; throws on an invalid option.
   Adam(std::vector<AnyTensor> params, AdamOptions options = {});
+  /// Parameter groups, each with its own options; throws on an invalid option.
   explicit Adam(std::vector<ParamGroup<AdamOptions>> groups);
 };
 
 /// AdamW: Adam with decoupled weight decay.
 class AdamW final : public detail::AdamBase<AdamWOptions> {
  public:
+  /// One group of parameters with `options`; throws on an invalid option.
   AdamW(std::vector<AnyTensor> params, AdamWOptions options = {});
+  /// Parameter groups, each with its own options; throws on an invalid option.
   explicit AdamW(std::vector<ParamGroup<AdamWOptions>> groups);
 };
 

@@ -32,6 +32,7 @@ void AdamBase<Options>::set_momentum(std::size_t group, double m) {
 
 template <class Options>
 void AdamBase<Options>::step() {
+  const profiler::Scope span(profiler::Category::optimizer, [&] { return name() + ".step"; });
   this->for_each_with_grad([&](auto& p, auto& g, State& s, std::size_t group) {
     using T = typename std::decay_t<decltype(p)>::value_type;
     const Options& options = this->options(group);

@@ -26,6 +26,8 @@
 CHORUS_NAMESPACE_BEGIN
 namespace optim {
 
+/// Base class of the learning-rate schedulers (torch.optim.lr_scheduler.LRScheduler): sets each
+/// group's lr to lr_at(base lr, epoch) (Note [closed-form schedules]).
 class LRScheduler {
  public:
   virtual ~LRScheduler() = default;
@@ -42,14 +44,18 @@ class LRScheduler {
   std::int64_t last_epoch() const { return last_epoch_; }
   /// The learning rates the last step set, one per parameter group.
   std::vector<double> get_last_lr() const;
+  /// The base learning rates the schedule is computed from, one per parameter group.
   const std::vector<double>& base_lrs() const { return base_lrs_; }
+  /// The optimizer whose learning rates this scheduler sets.
   Optimizer& optimizer() const { return *opt_; }
 
   /// The learning rate of a group whose base lr is `base` at `epoch` (Note [closed-form schedules]).
   virtual double lr_at(double base, std::int64_t epoch) const = 0;
   /// The momentum to set at `epoch`, for schedules that cycle it (OneCycleLR); none by default.
+  ///@{
   virtual bool sets_momentum() const { return false; }
   virtual double momentum_at(std::size_t /*group*/, std::int64_t /*epoch*/) const { return 0.0; }
+  ///@}
   /// The scheduler's name, recorded in checkpoints.
   virtual std::string name() const = 0;
   /// Throws when the schedule is not defined at `epoch` (OneCycleLR beyond its total_steps).
@@ -61,6 +67,7 @@ class LRScheduler {
   void check_state(std::int64_t last_epoch, const std::vector<double>& base_lrs) const;
 
  protected:
+  /// Records each group's current lr as its base lr; the concrete scheduler then calls start().
   explicit LRScheduler(Optimizer& opt);
   /// Called by each concrete scheduler's constructor, once its options are checked (virtual
   /// calls are not dispatched to the derived class from the base's constructor).
@@ -68,7 +75,7 @@ class LRScheduler {
     last_epoch_ = 0;
     apply();
   }
-  std::vector<double> base_lrs_;
+  std::vector<double> base_lrs_;  ///< The base learning rates, one per parameter group.
 
  private:
   void apply();
@@ -80,6 +87,7 @@ class LRScheduler {
 /// lr = base * gamma^floor(epoch / step_size).
 class StepLR final : public LRScheduler {
  public:
+  /// Decays the lr by `gamma` every `step_size` epochs (step_size > 0).
   StepLR(Optimizer& opt, std::int64_t step_size, double gamma = 0.1);
   double lr_at(double base, std::int64_t epoch) const override {
     return base * std::pow(gamma_, static_cast<double>(epoch / step_size_));
@@ -94,6 +102,7 @@ class StepLR final : public LRScheduler {
 /// lr = base * gamma^(number of milestones <= epoch).
 class MultiStepLR final : public LRScheduler {
  public:
+  /// Decays the lr by `gamma` at each of the `milestones` (epochs, in increasing order).
   MultiStepLR(Optimizer& opt, std::vector<std::int64_t> milestones, double gamma = 0.1);
   double lr_at(double base, std::int64_t epoch) const override {
     const auto passed = std::upper_bound(milestones_.begin(), milestones_.end(), epoch) - milestones_.begin();
@@ -109,6 +118,7 @@ class MultiStepLR final : public LRScheduler {
 /// lr = eta_min + (base - eta_min) * (1 + cos(pi * epoch / T_max)) / 2 (SGDR without restarts).
 class CosineAnnealingLR final : public LRScheduler {
  public:
+  /// Anneals the lr from its base to `eta_min` over `t_max` epochs (t_max > 0).
   CosineAnnealingLR(Optimizer& opt, std::int64_t t_max, double eta_min = 0.0);
   double lr_at(double base, std::int64_t epoch) const override {
     return eta_min_ + (base - eta_min_) * (1 + std::cos(std::numbers::pi * static_cast<double>(epoch) /
@@ -121,6 +131,7 @@ class CosineAnnealingLR final : public LRScheduler {
   double eta_min_;
 };
 
+/// LinearLR's options (torch.optim.lr_scheduler.LinearLR's arguments).
 struct LinearLROptions {
   double start_factor = 1.0 / 3;  ///< the first epoch's factor, in (0, 1]
   double end_factor = 1.0;        ///< the factor from total_iters on, in [0, 1]
@@ -131,6 +142,8 @@ struct LinearLROptions {
 /// `optim::LinearLR warmup(opt, {.start_factor = 0.1, .total_iters = 100});`.
 class LinearLR final : public LRScheduler {
  public:
+  /// Ramps the lr factor from start_factor to end_factor over total_iters epochs; throws on an
+  /// option out of range.
   explicit LinearLR(Optimizer& opt, LinearLROptions options = {});
   double lr_at(double base, std::int64_t epoch) const override {
     const double f = static_cast<double>(std::min(epoch, total_)) / static_cast<double>(total_);
@@ -143,17 +156,18 @@ class LinearLR final : public LRScheduler {
   std::int64_t total_;
 };
 
+/// OneCycleLR's options (torch.optim.lr_scheduler.OneCycleLR's arguments).
 struct OneCycleOptions {
   double max_lr = 0.1;              ///< the peak lr of every group
   std::int64_t total_steps = 0;     ///< iterations in the cycle (required)
   double pct_start = 0.3;           ///< fraction of the cycle spent increasing the lr
   bool cos_anneal = true;           ///< anneal_strategy 'cos' (true) or 'linear'
   bool cycle_momentum = true;       ///< cycle momentum (SGD) / beta1 (Adam) inversely to the lr
-  double base_momentum = 0.85;
-  double max_momentum = 0.95;
+  double base_momentum = 0.85;      ///< the momentum at the peak lr (the cycle's lowest)
+  double max_momentum = 0.95;       ///< the momentum at the initial and final lr (the cycle's highest)
   double div_factor = 25.0;         ///< initial lr = max_lr / div_factor
   double final_div_factor = 1e4;    ///< final lr = initial lr / final_div_factor
-  bool three_phase = false;
+  bool three_phase = false;         ///< anneal back to the initial lr, then to the final lr (three phases)
 };
 
 /// The 1cycle policy (Smith & Topin 2017), torch.optim.lr_scheduler.OneCycleLR: stepped once
@@ -171,11 +185,14 @@ struct OneCycleOptions {
 /// also keeps a stray extra optimizer step from ascending the gradient.
 class OneCycleLR final : public LRScheduler {
  public:
+  /// Sets every group's base lr to max_lr; throws on an invalid option, or if cycle_momentum is
+  /// set and the optimizer has no momentum.
   OneCycleLR(Optimizer& opt, OneCycleOptions o);
 
   /// lr levels: 0 = initial (max / div), 1 = max, 2 = min (initial / final_div).
   CHORUS_INLINE double lr_at(double base, std::int64_t epoch) const override;
   bool sets_momentum() const override { return o_.cycle_momentum; }
+  /// The momentum at `epoch`, moving opposite to the lr between base_momentum and max_momentum.
   CHORUS_INLINE double momentum_at(std::size_t, std::int64_t epoch) const override;
   std::string name() const override { return "OneCycleLR"; }
   CHORUS_INLINE void check_epoch(std::int64_t epoch) const override;
@@ -202,17 +219,22 @@ class SequentialLR final : public LRScheduler {
   /// One of the schedulers: moved in from a scheduler, or a shared one.
   class Scheduler {
    public:
+    /// Takes a scheduler by moving it into a new shared one.
     template <class S>
       requires std::derived_from<S, LRScheduler>
     Scheduler(S&& scheduler) : ptr_(std::make_shared<S>(std::move(scheduler))) {}  // NOLINT
+    /// Shares `scheduler`.
     template <class S>
       requires std::derived_from<S, LRScheduler>
     Scheduler(std::shared_ptr<S> scheduler) : ptr_(std::move(scheduler)) {}  // NOLINT
+    /// The scheduler.
     const std::shared_ptr<LRScheduler>& ptr() const { return ptr_; }
 
    private:
     std::shared_ptr<LRScheduler> ptr_;
   };
+  /// Runs `schedulers` in turn, switching at `milestones` (one fewer, in increasing order); throws
+  /// unless every scheduler drives `opt` and none cycles momentum.
   SequentialLR(Optimizer& opt, std::vector<Scheduler> schedulers, std::vector<std::int64_t> milestones);
   CHORUS_INLINE double lr_at(double base, std::int64_t epoch) const override;
   /// The active scheduler's limit, at its own epoch (PyTorch steps it, and it raises there).

@@ -7,6 +7,7 @@
 
 #include "../compiled.hpp"
 #include "../core/any_tensor.hpp"
+#include "../core/profiler.hpp"
 #include "../ops/ops.hpp"
 
 CHORUS_NAMESPACE_BEGIN
@@ -16,8 +17,8 @@ namespace optim {
 /// biases without weight decay. Optimizers take one options struct or a list of groups.
 template <class Options>
 struct ParamGroup {
-  std::vector<AnyTensor> params;
-  Options options;
+  std::vector<AnyTensor> params;  ///< The group's parameters.
+  Options options;                ///< The options the group's parameters are updated with.
 };
 
 namespace detail {
@@ -30,8 +31,11 @@ std::vector<std::vector<AnyTensor>> params_of(const std::vector<ParamGroup<Optio
 }
 }  // namespace detail
 
+/// Base class of the optimizers (torch.optim.Optimizer): holds the parameters, their groups and
+/// the per-parameter state; subclasses implement step().
 class Optimizer {
  public:
+  /// All parameters in one group.
   explicit Optimizer(std::vector<AnyTensor> params);
 
   /// Parameters in groups; parameter i (in the flattened order) belongs to group group_of(i).
@@ -46,25 +50,33 @@ class Optimizer {
   /// Clears (set_to_none, the default) or zeroes the parameters' gradients.
   void zero_grad(bool set_to_none = true);
 
+  /// The parameters, all groups flattened in order.
   const std::vector<AnyTensor>& parameters() const { return params_; }
 
   /// Parameter groups: how many, which group parameter i belongs to.
+  ///@{
   std::size_t num_groups() const { return num_groups_; }
   std::size_t group_of(std::size_t i) const { return group_of_.at(i); }
+  ///@}
 
   /// The learning rate of a group (what learning-rate schedulers read and set).
+  ///@{
   virtual double lr(std::size_t group) const = 0;
   virtual void set_lr(std::size_t group, double lr) = 0;
+  ///@}
   /// The momentum of a group (SGD's momentum, Adam's beta1), for schedulers that cycle it;
   /// has_momentum() is false for an optimizer without one.
   virtual bool has_momentum() const { return false; }
+  /// The momentum of a group; throws for an optimizer without one.
   CHORUS_INLINE virtual double momentum(std::size_t group) const;
+  /// Sets the momentum of a group; throws for an optimizer without one.
   CHORUS_INLINE virtual void set_momentum(std::size_t group, double m);
 
   /// Per-parameter state: for parameter i, named tensors (momentum_buffer, exp_avg, …).
   /// Scalars such as Adam's step are one-element float64 tensors, so all state is tensors.
   /// (Virtual: a sharded optimizer holds only its shard and gathers the rest on request.)
   using State = std::map<std::string, AnyTensor>;
+  /// The state of every parameter, in parameters() order.
   virtual const std::vector<State>& state() const { return state_; }
 
   /// Replaces the state (for checkpoints): one entry per parameter, each tensor matching
@@ -88,6 +100,8 @@ class Optimizer {
  protected:
   /// Throws unless `state` has one fitting entry per parameter (load_state's check).
   void validate_states(const std::vector<State>& state) const;
+  /// Throws unless every entry of `s` is one of state_keys() and matches parameter i ("step": a
+  /// one-element float64 tensor; the others: the parameter's dtype and shape).
   CHORUS_INLINE virtual void validate_state(std::size_t i, const State& s) const;
 
   /// Calls f(index, param, grad) with typed tensors for each floating-point parameter that has a
@@ -130,6 +144,8 @@ class Optimizer {
   // using them, as PyTorch's load_state_dict casts state to its parameter's device: an
   // optimizer keeps working after its model moved, with the same numbers. The "step" count
   // is a host scalar and stays where it is.
+  /// Moves the state tensors other than "step" to `device` (Note [optimizer state follows the
+  /// parameters]).
   static void follow_parameter(State& s, Device device);
 
   /// The state tensor `key` of a parameter, created as zeros on first use.
@@ -139,16 +155,18 @@ class Optimizer {
     if (it == s.end()) it = s.emplace(key, zeros_like(like)).first;
     return it->second.as<T>();
   }
+  /// The "step" count of a parameter's state (0 before its first step).
   static double step_count(State& s) {
     auto it = s.find("step");
     return it == s.end() ? 0.0 : it->second.as<double>().item();
   }
+  /// Sets the "step" count of a parameter's state (stored as a one-element float64 tensor).
   static void set_step_count(State& s, double step) { s["step"] = AnyTensor(scalar_tensor<double>(step)); }
 
-  std::vector<AnyTensor> params_;
-  std::vector<std::size_t> group_of_;
-  std::size_t num_groups_ = 0;
-  std::vector<State> state_;
+  std::vector<AnyTensor> params_;      ///< The parameters, all groups flattened in order.
+  std::vector<std::size_t> group_of_;  ///< The group of each parameter.
+  std::size_t num_groups_ = 0;         ///< The number of parameter groups.
+  std::vector<State> state_;           ///< The state of each parameter.
 };
 
 namespace detail {

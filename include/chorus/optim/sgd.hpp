@@ -8,13 +8,14 @@
 CHORUS_NAMESPACE_BEGIN
 namespace optim {
 
+/// SGD's options (torch.optim.SGD's arguments).
 struct SGDOptions {
-  double lr = 0.01;
-  double momentum = 0.0;
-  double dampening = 0.0;
-  double weight_decay = 0.0;
-  bool nesterov = false;
-  bool maximize = false;
+  double lr = 0.01;            ///< Learning rate (default 0.01).
+  double momentum = 0.0;       ///< Momentum factor (default 0: no momentum buffer).
+  double dampening = 0.0;      ///< Dampening for momentum: the gradient enters the buffer scaled by 1 - dampening.
+  double weight_decay = 0.0;   ///< L2 penalty: weight_decay * p is added to the gradient (default 0).
+  bool nesterov = false;       ///< Nesterov momentum (needs momentum > 0 and zero dampening).
+  bool maximize = false;       ///< Maximize the objective: step along the gradient instead of against it.
 };
 
 // The options holder of SGD is compiled into chorus::compiled (Note [compiled chorus]).
@@ -22,13 +23,19 @@ struct SGDOptions {
 extern template class detail::GroupedOptimizer<SGDOptions>;
 #endif
 
+/// Stochastic gradient descent with optional momentum, Nesterov momentum and weight decay
+/// (torch.optim.SGD).
 class SGD final : public detail::GroupedOptimizer<SGDOptions> {
  public:
+  /// One group of parameters with `options`; throws on an invalid option.
   SGD(std::vector<AnyTensor> params, SGDOptions options);
+  /// Parameter groups, each with its own options; throws on an invalid option.
   explicit SGD(std::vector<ParamGroup<SGDOptions>> groups);
 
   bool has_momentum() const override { return true; }
+  /// The momentum factor of a group.
   double momentum(std::size_t group) const override { return options(group).momentum; }
+  /// Sets the momentum factor of a group; throws if `m` is negative.
   CHORUS_INLINE void set_momentum(std::size_t group, double m) override;
 
   CHORUS_INLINE void step() override;

@@ -26,6 +26,7 @@ CHORUS_INLINE void SGD::set_momentum(std::size_t group, double m) {
 }
 
 CHORUS_INLINE void SGD::step() {
+  const profiler::Scope span(profiler::Category::optimizer, "SGD.step");
   for_each_with_grad([&](auto& p, auto& g, State& s, std::size_t group) {
     using T = typename std::decay_t<decltype(p)>::value_type;
     const SGDOptions& options = this->options(group);

@@ -14,12 +14,15 @@
 CHORUS_NAMESPACE_BEGIN
 namespace parallel {
 
+/// How a batch splits over devices: chunk r, of sizes[r] rows from row offsets[r], goes to device r.
 struct ChunkPlan {
   std::vector<std::int64_t> sizes;    ///< rows per used device (sizes.size() devices are used)
   std::vector<std::int64_t> offsets;  ///< first row of each chunk
+  /// The number of devices used (chunks), at most the number of devices planned for.
   std::size_t used() const { return sizes.size(); }
 };
 
+/// torch.chunk's split of `batch` rows over `devices` devices (Note [chunk plan]).
 inline ChunkPlan plan_chunks(std::int64_t batch, std::size_t devices) {
   CHORUS_CHECK(devices > 0, "chunk plan: no devices");
   CHORUS_CHECK(batch >= 0, "chunk plan: negative batch size ", batch);

@@ -51,8 +51,11 @@ Tensor<T> host_view(Tensor<T>&& handed_over, Device device) {
 }
 }  // namespace detail
 
+/// The collectives DataParallel runs over its device group: broadcast from rank 0 and sums into
+/// rank 0 (Note [communicators]).
 class Communicator {
  public:
+  /// A group with one rank per stream, rank r on streams[r]; at least one stream.
   explicit Communicator(std::vector<Stream*> streams);
   virtual ~Communicator() = default;
   Communicator(const Communicator&) = delete;
@@ -60,6 +63,7 @@ class Communicator {
 
   /// The streams of the group; rank r works on streams()[r]; rank 0 is the root.
   const std::vector<Stream*>& streams() const { return streams_; }
+  /// The number of ranks (devices) in the group.
   std::size_t size() const { return streams_.size(); }
 
   /// dsts[r - 1] (on rank r, r = 1 … dsts.size()) = src (on rank 0); contiguous, equal sizes.
@@ -75,16 +79,18 @@ class Communicator {
   /// instead of copying it (Note [host aliases]).
   CHORUS_INLINE virtual std::vector<AnyTensor> reduce(std::vector<std::vector<AnyTensor>>&& srcs);
 
+  /// The implementation's name, such as "copy" or "nccl".
   virtual std::string name() const = 0;
 
  protected:
-  std::vector<Stream*> streams_;
+  std::vector<Stream*> streams_;  ///< the stream of each rank, rank 0's first
 };
 
 /// Collectives made of copies: each destination's copy is posted to its stream (so copies to
 /// different devices run in parallel), and reductions copy to rank 0 and add there.
 class CopyCommunicator final : public Communicator {
  public:
+  /// A group with one rank per stream, rank r on streams[r].
   using Communicator::Communicator;
 
   CHORUS_INLINE void broadcast(const AnyTensor& src, const std::vector<AnyTensor>& dsts) override;
@@ -98,6 +104,7 @@ class CopyCommunicator final : public Communicator {
   /// new memory (Note [host aliases]).
   CHORUS_INLINE std::vector<AnyTensor> reduce(std::vector<std::vector<AnyTensor>>&& srcs) override;
 
+  /// "copy".
   std::string name() const override { return "copy"; }
 
  private:

@@ -79,6 +79,9 @@ struct ForwardLossOptions {
   std::int64_t ignore_index = -100;
 };
 
+/// One module on several devices of one process, as PyTorch's nn.DataParallel: each call splits
+/// the batch over the devices, runs the replicas concurrently and gathers the outputs; backward
+/// sums the replicas' gradients into the module's parameters.
 template <class M>
 class DataParallel : public parallel::DataParallelCore {
   static_assert(std::is_base_of_v<nn::Module, M> || requires { typename M::ImplType; },
@@ -101,6 +104,7 @@ class DataParallel : public parallel::DataParallelCore {
                                                             .output_device = output_device,
                                                             .dim = dim,
                                                             .bucket_bytes = bucket_bytes}) {}
+  /// The same, for a braced list of devices.
   DataParallel(M module, std::initializer_list<Device> devices, std::optional<Device> output_device = std::nullopt,
                std::int64_t dim = 0, std::optional<std::size_t> bucket_bytes = std::nullopt)
       : DataParallel(std::move(module), std::vector<Device>(devices), output_device, dim, bucket_bytes) {}
@@ -159,12 +163,14 @@ class DataParallel : public parallel::DataParallelCore {
     return forward_split(WithLoss<std::remove_reference_t<Criterion>, Target>{criterion, options, target}, input,
                          target);
   }
+  /// The same with only the reduction given (default Reduction::Mean, `ignore_index` -100).
   template <class Criterion, class Input, class Target>
   auto forward_loss(Criterion&& criterion, const Input& input, const Target& target,
                     Reduction reduction = Reduction::Mean) {
     return forward_loss(std::forward<Criterion>(criterion), input, target, ForwardLossOptions{.reduction = reduction});
   }
 
+  /// Calls forward(args...).
   template <class... Args>
   auto operator()(Args&&... args) {
     return forward(std::forward<Args>(args)...);
@@ -245,8 +251,12 @@ class DataParallel : public parallel::DataParallelCore {
     if (runs_on_caller(plan, batch, args...)) return forward_on_caller<R>(how, plan, args...);
     fork_replica_streams();  // after the work issued so far (inputs, optimizer step)
     keep_workers_hot(plan.used());
-    auto modules = replicator_->prepare(plan.used());
-    if (has_buffers_) wait_for_broadcasts();
+    auto modules = [&] {
+      const profiler::Scope span(profiler::Category::copy, "replicate");
+      auto made = replicator_->prepare(plan.used());
+      if (has_buffers_) wait_for_broadcasts();
+      return made;
+    }();
     std::vector<Stream*> streams(streams_.begin(), streams_.begin() + static_cast<std::ptrdiff_t>(plan.used()));
     streams[0] = &current_stream(devices_[0]);
     // SyncBatchNorm layers sum their statistics over the replicas of this call (Note [statistics reducer]).
@@ -257,6 +267,7 @@ class DataParallel : public parallel::DataParallelCore {
       StatsReducerScope sync(stats->member(static_cast<int>(r)));
       ReplicaRandomScope rs(random, static_cast<int>(r), random_dim_, plan.offsets[r], plan.sizes[r], batch);
       try {
+        const parallel::detail::ReplicaSpan span(*modules[r], r, devices_[r]);
         auto&& m = how.wrap(*modules[r]);
         return call_replica(m, plan, r, args...);
       } catch (...) {
@@ -272,15 +283,21 @@ class DataParallel : public parallel::DataParallelCore {
   /// The wrapped (primary) module, as PyTorch's `model.module`: the nn::Module itself (for a
   /// holder such as nn::Sequential, the module it holds), so that `dp.module().named_buffers()`,
   /// `dp.module().fc1` and `dp.module().forward(x)` work whatever M is.
+  ///@{
   auto& module() { return unwrap(module_); }
   const auto& module() const { return unwrap(module_); }
+  ///@}
 
   // The registry, as on the module, with names prefixed by name_prefix().
+  /// The module's parameters (of its submodules too unless `recurse` is false).
   std::vector<AnyTensor> parameters(bool recurse = true) const { return nn::module_of(module_).parameters(recurse); }
+  /// The module's parameters with their names, each prefixed by name_prefix().
   std::vector<nn::Module::NamedTensor> named_parameters(bool recurse = true) const {
     return prefixed(nn::module_of(module_).named_parameters(recurse));
   }
+  /// The module's buffers (of its submodules too unless `recurse` is false).
   std::vector<AnyTensor> buffers(bool recurse = true) const { return nn::module_of(module_).buffers(recurse); }
+  /// The module's buffers with their names, each prefixed by name_prefix().
   std::vector<nn::Module::NamedTensor> named_buffers(bool recurse = true) const {
     return prefixed(nn::module_of(module_).named_buffers(recurse));
   }
@@ -320,9 +337,13 @@ class DataParallel : public parallel::DataParallelCore {
     return *this;
   }
 
+  /// Sets the module's training mode (the replicas follow at the next forward).
   void train(bool on = true) { nn::module_of(module_).train(on); }
+  /// train(false).
   void eval() { train(false); }
+  /// Whether the module is in training mode.
   bool is_training() const { return nn::module_of(module_).is_training(); }
+  /// Clears (set_to_none, the default) or zeroes the gradients of the module's parameters.
   void zero_grad(bool set_to_none = true) { nn::module_of(module_).zero_grad(set_to_none); }
 
   /// Moves the primary module to `device` and rebuilds the replicas (PyTorch's
@@ -363,6 +384,7 @@ class DataParallel : public parallel::DataParallelCore {
   }
   /// The replica on devices()[r] (0 is the primary module itself), as module() is.
   const auto& replica(std::size_t r) const { return unwrap(built().replica(r)); }
+  /// The communicator that refreshes the replicas and sums their gradients (Note [communicators]).
   const parallel::Communicator& communicator() const { return (built(), *comm_); }
 
  private:
@@ -445,6 +467,7 @@ class DataParallel : public parallel::DataParallelCore {
       if (r > 0) on_stream.emplace(*streams_[r]);
       autograd::ReplicaGuard rg(static_cast<int>(r));  // its nodes name the replica in backward errors
       try {
+        const parallel::detail::ReplicaSpan span(*modules[r], r, devices_[r]);
         auto&& m = how.wrap(*modules[r]);
         outs.push_back(call_replica(m, plan, r, args...));
       } catch (...) {
@@ -490,6 +513,8 @@ class DataParallel : public parallel::DataParallelCore {
   }
   template <class R>
   R gather_outputs(std::vector<R>& outs) const {
+    profiler::Scope span(profiler::Category::copy, "gather");
+    span.set_device(output_device_);
     return parallel::detail::gather_outputs(outs, gather_dims_, dim_, output_device_);
   }
 

@@ -65,6 +65,7 @@ inline constexpr std::size_t kDefaultCpuBucketBytes = 0;
 // of one core's small-op work) the step stays on the caller. 0 turns it off. A module with a
 // layer that meets the other replicas inside forward (SyncBatchNorm: nn::Module::
 // meets_other_replicas) never runs inline: its replicas must run at the same time.
+/// The default inline-work threshold, 2^16 (Note [inline small steps]).
 inline constexpr std::int64_t kDefaultInlineWork = std::int64_t{1} << 16;
 
 namespace parallel {
@@ -79,6 +80,7 @@ inline void set_inline_work_default(std::int64_t work) {
   CHORUS_CHECK(work >= 0, "set_inline_work_default: work must be >= 0, got ", work);
   detail::inline_work_default().store(work);
 }
+/// The inline-work threshold new DataParallels start with: kDefaultInlineWork until set_inline_work_default.
 inline std::int64_t inline_work_default() { return detail::inline_work_default().load(); }
 }  // namespace parallel
 

@@ -43,7 +43,9 @@ CHORUS_INLINE void unlink_units(nn::Module& root, const std::vector<std::shared_
 template <class Impl>
 class FullyShardImpl : public Impl, public detail::FsdpUnitSlot {
  public:
+  /// A copy of `block` (Impl's copy constructor: its tensors and submodules are shared), not yet adopted.
   explicit FullyShardImpl(const Impl& block) : Impl(block) {}
+  /// A copy of `other` as Impl copies; the copy is not adopted by `other`'s FullyShardedDataParallel.
   FullyShardImpl(const FullyShardImpl& other) : Impl(other) {}  // a copy is not adopted
   FullyShardImpl& operator=(const FullyShardImpl&) = delete;
 
@@ -59,6 +61,7 @@ class FullyShardImpl : public Impl, public detail::FsdpUnitSlot {
         },
         args...);
   }
+  /// "FullyShard(" + Impl's name + ")".
   std::string name() const override { return "FullyShard(" + Impl::name() + ")"; }
 };
 
@@ -71,9 +74,11 @@ class FullyShard : public nn::ModuleHolder<FullyShardImpl<typename Holder::ImplT
 
  public:
   using nn::ModuleHolder<FullyShardImpl<Impl>>::ModuleHolder;
+  /// Wraps the module `block` holds, sharing its parameters and buffers.
   explicit FullyShard(const Holder& block)
       : nn::ModuleHolder<FullyShardImpl<Impl>>(std::make_shared<FullyShardImpl<Impl>>(*block)) {}
 };
+/// Deduces Holder from the block, so `FullyShard(block)` needs no template argument.
 template <class Holder>
   requires requires { typename Holder::ImplType; }
 FullyShard(const Holder&) -> FullyShard<Holder>;

@@ -122,7 +122,7 @@ CHORUS_INLINE AnyTensor whole_flat(const std::vector<std::vector<std::shared_ptr
 template <class M>
 class FullyShardedDataParallel : public DataParallelCore {
  public:
-  using Options = FullyShardedDataParallelOptions;
+  using Options = FullyShardedDataParallelOptions;  ///< the constructor's options
 
   /// Shards `module` (on devices[0]) over `options.devices`.
   explicit FullyShardedDataParallel(M module, Options options = {})
@@ -176,6 +176,7 @@ class FullyShardedDataParallel : public DataParallelCore {
     });
     return detail::gather_outputs(outs, gather_dims_, dim_, output_device_);
   }
+  /// Calls forward(args...).
   template <class... Args>
   auto operator()(Args&&... args) {
     return forward(std::forward<Args>(args)...);
@@ -236,13 +237,19 @@ class FullyShardedDataParallel : public DataParallelCore {
 
   /// The wrapped module (replica 0). Its parameters view no memory outside their unit's forward
   /// and backward; full_state_dict() has their values.
+  ///@{
   M& module() { return module_; }
   const M& module() const { return module_; }
+  ///@}
+  /// Sets training mode in the module and every replica.
   void train(bool on = true) {
     for (std::size_t r = 0; r < units_.size(); ++r) replica_root(r).train(on);
   }
+  /// train(false).
   void eval() { train(false); }
+  /// Whether the module is in training mode.
   bool is_training() const { return nn::module_of(module_).is_training(); }
+  /// Clears (set_to_none, the default) or zeroes the gradients of every device's shards (parameters()).
   void zero_grad(bool set_to_none = true) { parallel::detail::zero_shard_grads(parameters(), set_to_none); }
   /// The units' names, the root ("") first, and how many parameter elements each holds.
   std::vector<std::pair<std::string, std::int64_t>> units() const {

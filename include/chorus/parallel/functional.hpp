@@ -47,6 +47,7 @@ inline std::vector<Stream*> replica_streams(const std::vector<Device>& devices, 
 template <class M>
 class Replicas {
  public:
+  /// Replicates `module` (on devices[0]) onto `devices`, which must be of one kind.
   Replicas(M& module, std::vector<Device> devices) : devices_(std::move(devices)) {
     CHORUS_CHECK(!devices_.empty(), "replicate: no devices");
     for (const auto& d : devices_) {
@@ -59,11 +60,17 @@ class Replicas {
                                                   devices_[0].is_cpu() ? kDefaultCpuBucketBytes : kDefaultBucketBytes);
     modules_ = replicator_->prepare(devices_.size());
   }
+  /// The number of replicas, one per device.
   std::size_t size() const { return modules_.size(); }
+  /// Replica `r` (checked: std::out_of_range past size()).
   M& operator[](std::size_t r) { return *modules_.at(r); }
+  /// The devices, replica r's at [r].
   const std::vector<Device>& devices() const { return devices_; }
+  /// Iterators over pointers to the replicas (M*), replica 0 first.
+  ///@{
   auto begin() { return modules_.begin(); }
   auto end() { return modules_.end(); }
+  ///@}
 
  private:
   std::vector<Device> devices_;

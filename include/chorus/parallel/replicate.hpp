@@ -35,12 +35,31 @@
 #include <vector>
 
 #include "../compiled.hpp"
+#include "../core/profiler.hpp"
 #include "../nn/module.hpp"
 #include "comm.hpp"
 
 CHORUS_NAMESPACE_BEGIN
 namespace parallel {
 namespace detail {
+
+/// Replica r's forward span on `device` while alive, its layers named from the replica's root
+/// (Note [layer spans]); the device's allocated memory is sampled when it ends.
+class ReplicaSpan {
+ public:
+  /// Enters replica `r`'s forward of `module` on `device`.
+  template <class M>
+  ReplicaSpan(const M& module, std::size_t r, Device device)
+      : span_(profiler::Category::forward, [&] { return "forward replica " + std::to_string(r); }),
+        root_(nn::module_of(module)) {
+    span_.set_device(device);
+    span_.sample_memory_at_end(device);
+  }
+
+ private:
+  profiler::Scope span_;
+  nn::detail::RootFrame root_;
+};
 
 /// Sums one bucket's gradients from replicas 1 … n-1 into the primary device.
 template <class T>
@@ -54,6 +73,15 @@ class BroadcastBackward final : public autograd::Node<T> {
     std::vector<std::vector<AnyTensor>> srcs(replicas_);
     for (std::size_t r = 0; r < replicas_; ++r)
       for (std::size_t j = 0; j < m; ++j) srcs[r].push_back(AnyTensor(std::move(grads[r * m + j])));
+    profiler::Scope span(profiler::Category::communication, "reduce gradients");
+    if (span.active()) {
+      std::int64_t bytes = 0;
+      for (const auto& s : shapes_) bytes += numel_of(s) * static_cast<std::int64_t>(sizeof(T));
+      span.set_bytes(bytes);
+      span.set_device(primary_);
+      span.set_detail(std::to_string(m) + (m == 1 ? " gradient" : " gradients") + " from " + std::to_string(replicas_) +
+                      (replicas_ == 1 ? " replica" : " replicas"));
+    }
     typename autograd::Node<T>::TensorList out;
     for (auto& sum : comm_->reduce(std::move(srcs))) {
       CHORUS_CHECK(sum.device() == primary_ && sum.shape() == shapes_[out.size()], "BroadcastBackward: the ",
@@ -133,24 +161,28 @@ class ReplicaScope final : public CloneScope {
 /// The part of Replicator that works on any module (Note [replicator core]).
 class ReplicatorCore {
  protected:
+  /// One registered tensor of the primary module.
   struct Entry {
-    std::string name;
-    AnyTensor tensor;
-    bool is_param;
-    Shape shape;  // at construction: the flat layout has room for this many elements
+    std::string name;  ///< its dotted name in the module
+    AnyTensor tensor;  ///< the primary's tensor
+    bool is_param;     ///< a parameter (else a buffer)
+    Shape shape;       ///< its shape at construction: the flat layout has room for this many elements
   };
 
+  /// Tensors whose replica gradients are summed by one BroadcastBackward node (Note [gradient buckets]).
   struct Bucket {
-    DType dtype;
-    std::vector<std::size_t> members;  // indices into tensors_
+    DType dtype;                       ///< the dtype of every member
+    std::vector<std::size_t> members;  ///< indices into tensors_, latest registered first
   };
 
   /// What building replica r needs: its flat buffers, and the tensors its copy made.
   struct ReplicaBuild {
-    std::vector<AnyTensor> flats;
-    std::unordered_map<const void*, AnyTensor> made;
+    std::vector<AnyTensor> flats;  ///< the replica's flat buffer of each group (undefined: aliased)
+    std::unordered_map<const void*, AnyTensor> made;  ///< the replica's tensor for each primary tensor impl
   };
 
+  /// Re-seats `primary`'s parameters and buffers into flat buffers on devices[0] and groups them
+  /// into buckets of about `bucket_bytes`; the replicas are added by add_replica().
   ReplicatorCore(nn::Module& primary, const std::vector<Device>& devices, std::shared_ptr<Communicator> comm,
                  std::size_t bucket_bytes);
   ~ReplicatorCore() = default;
@@ -285,6 +317,8 @@ class ReplicatorCore {
 template <class M>
 class Replicator : public ReplicatorCore {
  public:
+  /// Builds a replica of `primary` on each of devices[1 …] (Note [flat replication]); `comm` is
+  /// the devices' communicator, `bucket_bytes` the gradient bucket size (Note [gradient buckets]).
   Replicator(M& primary, const std::vector<Device>& devices, std::shared_ptr<Communicator> comm,
              std::size_t bucket_bytes)
       : ReplicatorCore(nn::module_of(primary), devices, std::move(comm), bucket_bytes), primary_(primary) {
@@ -307,6 +341,7 @@ class Replicator : public ReplicatorCore {
     return out;
   }
 
+  /// Replica `r`: the primary for 0, else the copy on devices[r].
   const M& replica(std::size_t r) const { return r == 0 ? primary_ : *replicas_[r - 1]; }
 
  private:

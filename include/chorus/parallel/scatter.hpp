@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../compiled.hpp"
+#include "../core/profiler.hpp"
 #include "arguments.hpp"
 #include "chunk_plan.hpp"
 #include "data_parallel_options.hpp"
@@ -77,6 +78,13 @@ template <class A>
 decltype(auto) scatter_part(const A& a, std::int64_t dim, std::int64_t offset, std::int64_t size, Device device) {
   auto part = [&](const auto& t) {
     if (!t.defined()) return t;
+    profiler::Scope span(profiler::Category::copy, "scatter");
+    if (span.active()) {
+      span.set_device(device);
+      using T = typename std::remove_cvref_t<decltype(t)>::value_type;
+      const std::int64_t rows = dim == kBroadcast ? 1 : std::max<std::int64_t>(t.size(dim), 1);
+      span.set_bytes(t.numel() / rows * (dim == kBroadcast ? 1 : size) * static_cast<std::int64_t>(sizeof(T)));
+    }
     if (dim == kBroadcast) return t.to(device);
     return t.narrow(dim < 0 ? dim + t.dim() : dim, offset, size).to(device);
   };

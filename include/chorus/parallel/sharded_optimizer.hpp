@@ -90,7 +90,7 @@ CHORUS_INLINE void return_from_shard(const std::vector<std::size_t>& members, co
 template <class O>
 class ShardedOptimizer final : public optim::Optimizer {
  public:
-  using Options = typename O::options_type;
+  using Options = typename O::options_type;  ///< O's options (optim::AdamOptions for optim::Adam)
 
   /// Over a DataParallel's parameters and devices.
   template <class M>
@@ -100,6 +100,7 @@ class ShardedOptimizer final : public optim::Optimizer {
   /// (a DataParallel's: `ShardedOptimizer<optim::AdamW> opt(groups, dp.devices())`).
   ShardedOptimizer(std::vector<AnyTensor> params, Options options, std::vector<Device> devices)
       : ShardedOptimizer(std::vector<optim::ParamGroup<Options>>{{std::move(params), options}}, std::move(devices)) {}
+  /// Over parameter groups, each with its own options, that live on devices[0], sharded over `devices`.
   ShardedOptimizer(std::vector<optim::ParamGroup<Options>> groups, std::vector<Device> devices)
       : Optimizer(optim::detail::params_of(groups)), devices_(std::move(devices)) {
     CHORUS_CHECK(!devices_.empty(), "ShardedOptimizer: no devices");
@@ -181,15 +182,19 @@ class ShardedOptimizer final : public optim::Optimizer {
 
   /// The device whose shard holds parameter i (an index into the devices).
   std::size_t shard_of(std::size_t i) const { return shard_of_.at(i); }
+  /// The devices, shard r's at [r] (devices[0] holds the parameters).
   const std::vector<Device>& devices() const { return devices_; }
 
   double lr(std::size_t group) const override { return first().lr(group); }
+  /// Sets the learning rate of group `group` in every shard's optimizer.
   void set_lr(std::size_t group, double lr) override {
     for (auto& s : shards_)
       if (s) s->set_lr(group, lr);
   }
   bool has_momentum() const override { return first().has_momentum(); }
+  /// The momentum of group `group` (the first shard's; every shard has the same); throws where O has none.
   double momentum(std::size_t group) const override { return first().momentum(group); }
+  /// Sets the momentum of group `group` in every shard's optimizer; throws where O has none.
   void set_momentum(std::size_t group, double m) override {
     for (auto& s : shards_)
       if (s) s->set_momentum(group, m);

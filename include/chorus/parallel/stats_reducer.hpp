@@ -36,11 +36,13 @@ namespace parallel {
 /// but takes another path (skips a SyncBatchNorm layer) or hangs.
 class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup> {
  public:
+  /// A group of `size` replicas (ranks 0 … size-1; positive) whose waits fail after `timeout` (default 5 minutes).
   explicit ReplicaStatsGroup(int size, std::chrono::milliseconds timeout = std::chrono::minutes(5));
 
   /// The reducer replica `rank` uses.
   std::shared_ptr<StatsReducer> member(int rank);
 
+  /// t = the sum of every replica's `t`, added in replica order on t's device (same bits on every replica).
   template <class T>
   void all_reduce(int rank, Tensor<T>& t) {
     if (size_ == 1) return;
@@ -62,6 +64,7 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
     backend::copy(t, acc);
   }
 
+  /// The sum of every replica's `v`.
   std::int64_t all_reduce(int rank, std::int64_t v);
 
   // The collectives of FullyShard units over one process's devices (parallel::
@@ -113,11 +116,13 @@ class ReplicaStatsGroup : public std::enable_shared_from_this<ReplicaStatsGroup>
     });
   }
 
+  /// The number of replicas in the group.
   int size() const { return size_; }
 
   /// Replica `rank` failed and will reach no reduction: every waiter, now or later, gives up
   /// (Note [cancelled reductions]).
   void cancel(int rank);
+  /// Whether some replica has cancelled the group.
   bool cancelled() const {
     std::lock_guard lk(m_);
     return cancelled_by_ >= 0;
