@@ -7,6 +7,7 @@
 //
 //   profiler_cost_bench --peer PATH/profiler_cost_bench_out [--rounds R (9)] [--reps N (40)]
 //                       [--workloads mlp-tiny,mlp-small] [--json FILE]
+//   profiler_cost_bench_out --peer PATH/profiler_cost_bench ...   (the roles swapped: no recording)
 // mlp-tiny = 32-32-32-10 ReLU MLP, batch 64 (a step of tens of microseconds: the instrumentation's
 // share is largest); mlp-small = 784-512-512-10, batch 256; both cross-entropy and SGD.
 // benchmarks/profiler_cost.sh builds both programs and runs this.
@@ -15,6 +16,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -90,16 +92,15 @@ int main(int argc, char** argv) try {
     }
   }
   if (serve) return bench::serve(offers);
-  CHORUS_CHECK(CHORUS_PROFILER, "this is the compiled-out build: run profiler_cost_bench, which serves it as its peer");
-  CHORUS_CHECK(!peer_path.empty(), "--peer PATH/profiler_cost_bench_out is needed (the baseline)");
+  CHORUS_CHECK(!peer_path.empty(), "--peer PATH is needed: the other build (profiler_cost_bench_out, or the reverse)");
   CHORUS_CHECK(rounds >= 1 && reps >= 1, "--rounds and --reps must be positive");
   bench::PeerProcess peer({peer_path, "--serve"}, {"OPENBLAS_NUM_THREADS=1"});
   nlohmann::json results = nlohmann::json::array();
-  std::printf("%d rounds of %d steps; ratio = step time / the compiled-out build's, per round: median [min-max]\n",
-              rounds, reps);
+  std::printf("%d rounds of %d steps; ratios of step times, per round: median [min-max]\n", rounds, reps);
   for (const auto& w : workloads) {
     std::vector<bench::Entry> mine;
     for (bool recording : {false, true}) {
+      if (recording && !CHORUS_PROFILER) continue;  // the compiled-out build cannot record
       auto meta = offers(w)[0].meta;
       if (recording) meta["impl"] = "chorus, profiler recording";
       auto timed = std::make_shared<bench::Timed>(make_step(w), 2);
@@ -114,15 +115,28 @@ int main(int argc, char** argv) try {
     const auto theirs = peer.entries(w);
     const auto samples = bench::run_rounds(mine, theirs, rounds, reps);
     peer.release(w);
-    const auto off = bench::make_record(mine[0].meta, samples[0], "gflops", 1e6);
-    const auto on = bench::make_record(mine[1].meta, samples[1], "gflops", 1e6);
-    const auto out = bench::make_record(theirs[0].meta, samples[2], "gflops", 1e6);
-    const auto off_ratio = bench::paired_json(off, out), on_ratio = bench::paired_json(on, out);
-    std::printf("%-10s compiled out %.4f ms, compiled in and off %.4f ms (%s), recording %.4f ms (%s)\n", w.c_str(),
-                out["median_ms"].get<double>(), off["median_ms"].get<double>(), fmt(off_ratio).c_str(),
-                on["median_ms"].get<double>(), fmt(on_ratio).c_str());
-    results.push_back({{"workload", w}, {"off_over_out", off_ratio}, {"recording_over_out", on_ratio},
-                       {"records", {off, on, out}}});
+    // The records by what they ran, whichever side this program is.
+    std::map<std::string, nlohmann::json> by;
+    for (std::size_t i = 0; i < samples.size(); ++i) {
+      const auto& meta = i < mine.size() ? mine[i].meta : theirs[i - mine.size()].meta;
+      by[meta["impl"]] = bench::make_record(meta, samples[i], "gflops", 1e6);
+    }
+    const auto& out = by.at("chorus, profiler compiled out");
+    const auto& off = by.at("chorus, profiler compiled in");
+    const auto off_ratio = bench::paired_json(off, out);
+    std::printf("%-10s compiled out %.4f ms (%s), compiled in and off %.4f ms (over out: %s)", w.c_str(),
+                out["median_ms"].get<double>(), CHORUS_PROFILER ? "served" : "this program",
+                off["median_ms"].get<double>(), fmt(off_ratio).c_str());
+    nlohmann::json result = {{"workload", w}, {"off_over_out", off_ratio}, {"records", {off, out}}};
+    if (by.count("chorus, profiler recording")) {
+      const auto& on = by.at("chorus, profiler recording");
+      result["recording_over_off"] = bench::paired_json(on, off);  // both in this process
+      std::printf(", recording %.4f ms (over off: %s)", on["median_ms"].get<double>(),
+                  fmt(result["recording_over_off"]).c_str());
+      result["records"].push_back(on);
+    }
+    std::printf("\n");
+    results.push_back(result);
   }
   std::ofstream(json_path) << nlohmann::json{{"rounds", rounds}, {"reps", reps}, {"results", results}}.dump(2) << "\n";
   std::printf("wrote %s\n", json_path.c_str());

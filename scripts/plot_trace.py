@@ -68,7 +68,7 @@ def plot(trace, out, step=None, title=None):
         step = steps[-2] if len(steps) > 1 else steps[0]
     lanes, labels, start = lanes_of(trace, step)
     keys = sorted(lanes, key=lambda k: lane_order(k, labels[k]))
-    fig, ax = plt.subplots(figsize=(12, 0.55 * len(keys) + 1.6))
+    fig, ax = plt.subplots(figsize=(12, 0.55 * len(keys) + 1.2))
     end = 0.0
     for row, key in enumerate(keys):
         y = len(keys) - 1 - row
@@ -82,12 +82,12 @@ def plot(trace, out, step=None, title=None):
     ax.set_yticklabels([labels[k] for k in reversed(keys)], fontsize=8)
     ax.set_xlim(0, end * 1.01 if end > 0 else 1)
     ax.set_xlabel("ms from the step's first span")
-    ax.set_title(title or f"step {step}", fontsize=10)
+    ax.set_title(title or f"step {step}", fontsize=10, loc="left", pad=22)
     used = sorted({e.get("cat") for spans in lanes.values() for e in spans} & COLOURS.keys(), key=list(COLOURS).index)
-    ax.legend(handles=[Patch(color=COLOURS[c], label=c) for c in used], loc="upper center",
-              bbox_to_anchor=(0.5, -0.22 if len(keys) > 3 else -0.35), ncol=len(used), fontsize=8, frameon=False)
+    ax.legend(handles=[Patch(color=COLOURS[c], label=c) for c in used], loc="lower right", bbox_to_anchor=(1.0, 1.0),
+              ncol=len(used), fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return step
 

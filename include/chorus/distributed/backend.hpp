@@ -36,6 +36,7 @@
 #include "../backend/backend.hpp"
 #include "../compiled.hpp"
 #include "../core/any_tensor.hpp"
+#include "../core/profiler.hpp"
 #include "../core/runtime.hpp"
 #include "../core/tensor.hpp"
 

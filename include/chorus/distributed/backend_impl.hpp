@@ -67,6 +67,11 @@ CHORUS_INLINE void Work::wait(std::chrono::milliseconds timeout) {
   bool done = false;
   {
     const Waiting waiting;
+    // The waiting thread's time, as communication (Note [profiled collectives]): nested in a
+    // backward node it is no computation, and what it waits for is not hidden.
+    const profiler::Scope span(profiler::Category::communication, [this] {
+      return "wait for " + what_.substr(0, what_.find_first_of("( "));
+    });
     done = cv_.wait_until(lk, deadline, [this] { return done_; });
   }
   if (!done) {

@@ -207,6 +207,11 @@ CHORUS_INLINE void CommThread::run() {
 // start to the MPI_Test that finds it complete, named by its kind ("all_reduce") with its bytes
 // (those of the tensors it reads and writes) and description. Several are in flight at once, so
 // each is drawn on the lowest "comm lane k" track free when it started (profiler::record_on_track).
+// A collective is in flight from its start, also while it waits for a rank that still computes;
+// a thread that waits for one (Work::wait: DDP's last buckets at the end of backward) records a
+// communication span "wait for all_reduce" on its own track. The summary counts neither as
+// computation, so the share hidden is that of the time in flight during which some thread
+// computed, and the waits at the end of backward are what the overlap did not hide.
 CHORUS_INLINE void CommThread::record_span(const Op& op) const {
   if (op.started_ns < 0 || !profiler::enabled()) return;
   profiler::Span s;
