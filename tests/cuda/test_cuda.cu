@@ -2,6 +2,7 @@
 // DataParallel on repeated-GPU sets. Every test skips where no GPU is present.
 #include <cmath>
 #include <limits>
+#include <map>
 #include <atomic>
 #include <functional>
 #include <iostream>
@@ -244,6 +245,57 @@ TEST(Cuda, TheTutorialsLinearUnderDataParallelOnTheGpu) {
           << p[i].name << ", batch " << batch;
   }
   synchronize(kGpu);
+}
+
+// Note [GPU spans]: while a profiler records, the replicas' forward and backward spans are also
+// timed by CUDA events and placed on their streams' GPU tracks, in stream order, after the host
+// queued them.
+TEST(Cuda, ProfilerPlacesTheReplicasSpansOnTheirStreamsGpuTracks) {
+  REQUIRE_GPU();
+  struct Net : nn::Module {
+    nn::Linear fc1, fc2;
+    Net() : fc1(register_module("fc1", nn::Linear(256, 256))), fc2(register_module("fc2", nn::Linear(256, 8))) {}
+    Tensor<float> forward(const Tensor<float>& x) { return fc2(relu(fc1(x))); }
+  };
+  manual_seed(4);
+  std::vector<Device> devices = cuda_device_count() > 1 ? available_devices() : std::vector<Device>{kGpu, kGpu};
+  DataParallel<Net> dp(nn::clone(Net(), kGpu), devices);
+  optim::SGD opt(dp.parameters(), {.lr = 0.01});
+  const auto x = randn<float>({512, 256});
+  auto prof = profiler::start();
+  for (int step = 0; step < 2; ++step) {
+    opt.zero_grad();
+    dp(x).square().mean().backward();
+    opt.step();
+    prof.step();
+  }
+  const auto& p = prof.stop();
+  std::map<int, std::vector<const profiler::Span*>> gpu;  // by track
+  for (const auto& s : p.spans())
+    if (p.tracks()[s.track].name.find("(GPU)") != std::string::npos) gpu[s.track].push_back(&s);
+  ASSERT_FALSE(gpu.empty()) << "no span on a GPU track";
+  for (std::size_t r = 0; r < devices.size(); ++r) {
+    const std::string name = "forward replica " + std::to_string(r);
+    const profiler::Span *host = nullptr, *on_gpu = nullptr;
+    for (const auto& s : p.spans())
+      if (s.name == name && s.step == 1) (p.tracks()[s.track].name.find("(GPU)") == std::string::npos ? host : on_gpu) = &s;
+    ASSERT_TRUE(host && on_gpu) << name;
+    EXPECT_EQ(on_gpu->device, devices[r].str());
+    EXPECT_GE(on_gpu->end_ns, on_gpu->start_ns) << name;
+    EXPECT_GE(on_gpu->start_ns, host->start_ns - 1'000'000) << name << ": ran on the GPU before it was queued";
+  }
+  bool backward = false;
+  for (auto& [track, spans] : gpu) {
+    std::sort(spans.begin(), spans.end(), [](auto* a, auto* b) { return a->start_ns < b->start_ns; });
+    std::vector<std::int64_t> open;  // a stream runs in order: its spans nest or follow
+    for (const auto* s : spans) {
+      backward |= s->category == profiler::Category::backward;
+      while (!open.empty() && open.back() <= s->start_ns) open.pop_back();
+      if (!open.empty()) EXPECT_LE(s->end_ns, open.back() + 1000) << p.tracks()[track].name << ": " << s->name;
+      open.push_back(s->end_ns);
+    }
+  }
+  EXPECT_TRUE(backward) << "no backward span on a GPU track";
 }
 
 TEST(Cuda, MoreThan65535RowsAndTwoDimensionalReductions) {

@@ -13,6 +13,14 @@
 // set_thread_name() (DDP's communication thread, the DataLoader's workers). The step number on
 // every span is the profiler's (step()). io/profile.hpp turns the records into a Profile (Chrome
 // trace, summary).
+//
+// Note [GPU spans]
+// On a CUDA device a span's host time is when its work was queued. A span given a CUDA device
+// (Scope::set_device) also records a timing CUDA event on that device's current stream of the
+// calling thread when it begins and when it ends: nothing waits for them during the steps. stop()
+// waits for each device, records one more event on the idle device and reads the host clock at
+// once, and places every span's GPU begin and end by their distance to that event, as a copy of
+// the span on the track "<device> stream <slot> (GPU)".
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -110,6 +118,15 @@ inline std::atomic<bool>& active_flag() {
   return flag;
 }
 
+#if CHORUS_CUDA
+/// A span's CUDA events on the stream it worked on (Note [GPU spans]).
+struct GpuRecord {
+  Span span;
+  int device = 0, slot = 0;
+  cudaEvent_t begin = nullptr, end = nullptr;
+};
+#endif
+
 /// One thread's records of one recording.
 struct ThreadBuffer {
   std::mutex m;
@@ -117,12 +134,15 @@ struct ThreadBuffer {
   int track = 0;
   std::vector<Span> spans;
   std::vector<CounterSample> counters;
+#if CHORUS_CUDA
+  std::vector<GpuRecord> gpu;
+#endif
 };
 
 /// The process's recorder: the recording's generation, start time, threads and step.
 struct Recorder {
   std::mutex m;
-  std::uint64_t generation = 0;
+  std::atomic<std::uint64_t> generation{0};  // the recording's number (written under m)
   std::chrono::steady_clock::time_point origin{};
   std::int64_t origin_unix_ns = 0;
   std::thread::id main_thread{};
@@ -159,10 +179,11 @@ inline std::int64_t now_ns() {
 inline ThreadBuffer& this_thread_buffer() {
   thread_local std::shared_ptr<ThreadBuffer> buffer;
   Recorder& r = recorder();
+  if (buffer && buffer->generation == r.generation.load(std::memory_order_acquire)) return *buffer;
   std::lock_guard<std::mutex> lk(r.m);
-  if (buffer && buffer->generation == r.generation) return *buffer;
+  if (buffer && buffer->generation == r.generation.load()) return *buffer;
   buffer = std::make_shared<ThreadBuffer>();
-  buffer->generation = r.generation;
+  buffer->generation = r.generation.load();
   Track t;
   if (const Stream* s = chorus::detail::worker_stream_of_thread()) {
     t.device = s->device().str();
@@ -252,9 +273,9 @@ inline void record_on_track(const std::string& track, Span span) {
   {
     std::lock_guard<std::mutex> lk(r.m);
     auto& b = r.named[track];
-    if (!b || b->generation != r.generation) {
+    if (!b || b->generation != r.generation.load()) {
       b = std::make_shared<detail::ThreadBuffer>();
-      b->generation = r.generation;
+      b->generation = r.generation.load();
       b->track = static_cast<int>(r.tracks.size());
       r.tracks.push_back({track, ""});
       r.buffers.push_back(b);
@@ -282,8 +303,18 @@ class Scope {
   }
   ~Scope() {
     if (!span_) return;
+    // A span of a recording that has stopped since it began belongs to none.
+    if (generation_ != detail::recorder().generation.load(std::memory_order_acquire)) {
+#if CHORUS_CUDA
+      if (gpu_) (void)cuda::tolerate(cudaEventDestroy(gpu_->begin));
+#endif
+      return;
+    }
     span_->end_ns = detail::now_ns();
     if (sample_device_) sample_memory(*sample_device_);
+#if CHORUS_CUDA
+    end_gpu();
+#endif
     detail::append(std::move(*span_));
   }
   Scope(const Scope&) = delete;
@@ -291,9 +322,13 @@ class Scope {
 
   /// True when this scope records.
   bool active() const noexcept { return span_ != nullptr; }
-  /// The device the span works for.
+  /// The device the span works for (on a CUDA device, also timed by CUDA events: Note [GPU spans]).
   void set_device(Device d) {
-    if (span_) span_->device = d.str();
+    if (!span_) return;
+    span_->device = d.str();
+#if CHORUS_CUDA
+    begin_gpu(d);
+#endif
   }
   /// The bytes the span moves or reduces.
   void set_bytes(std::int64_t bytes) {
@@ -310,6 +345,7 @@ class Scope {
 
  private:
   void begin(Category category, std::string name) {
+    generation_ = detail::recorder().generation.load(std::memory_order_acquire);
     span_ = std::make_unique<Span>();
     span_->name = std::move(name);
     span_->category = category;
@@ -317,8 +353,46 @@ class Scope {
     span_->start_ns = detail::now_ns();
   }
 
+#if CHORUS_CUDA
+  // Note [GPU spans]: a timing event on the device's current stream (a failure only loses the span).
+  void begin_gpu(Device d) {
+    if (!d.is_cuda() || gpu_) return;
+    Stream& s = current_stream(d);
+    cuda::DeviceGuard g(d.index);
+    cudaEvent_t e = nullptr;
+    if (cuda::tolerate(cudaEventCreate(&e)) != cudaSuccess) return;
+    if (cuda::tolerate(cudaEventRecord(e, s.handle())) != cudaSuccess) {
+      (void)cuda::tolerate(cudaEventDestroy(e));
+      return;
+    }
+    gpu_ = std::make_unique<detail::GpuRecord>();
+    gpu_->begin = e;
+    gpu_->device = d.index;
+    gpu_->slot = s.slot();
+    gpu_stream_ = &s;
+  }
+  void end_gpu() {
+    if (!gpu_) return;
+    cuda::DeviceGuard g(gpu_->device);
+    cudaEvent_t e = nullptr;
+    if (cuda::tolerate(cudaEventCreate(&e)) != cudaSuccess ||
+        cuda::tolerate(cudaEventRecord(e, gpu_stream_->handle())) != cudaSuccess) {
+      if (e) (void)cuda::tolerate(cudaEventDestroy(e));
+      (void)cuda::tolerate(cudaEventDestroy(gpu_->begin));
+      return;
+    }
+    gpu_->end = e;
+    gpu_->span = *span_;
+    detail::ThreadBuffer& b = detail::this_thread_buffer();
+    std::lock_guard<std::mutex> lk(b.m);
+    b.gpu.push_back(std::move(*gpu_));
+  }
+  std::unique_ptr<detail::GpuRecord> gpu_;
+  Stream* gpu_stream_ = nullptr;
+#endif
   std::unique_ptr<Span> span_;
   std::unique_ptr<Device> sample_device_;
+  std::uint64_t generation_ = 0;
 };
 
 /// Makes the calling thread's forward belong to layer `name` while alive: the autograd nodes it
@@ -349,7 +423,7 @@ inline void start_recording(const Options& options) {
   std::lock_guard<std::mutex> lk(r.m);
   CHORUS_CHECK(CHORUS_PROFILER, "profiler::start: this program was compiled with CHORUS_PROFILER=0 (no instrumentation)");
   CHORUS_CHECK(!active_flag().load(), "profiler::start: a profiler already records in this process (stop it first)");
-  ++r.generation;
+  r.generation.fetch_add(1);
   r.buffers.clear();
   r.named.clear();
   r.tracks.clear();
@@ -363,6 +437,44 @@ inline void start_recording(const Options& options) {
   active_flag().store(true);
 }
 
+#if CHORUS_CUDA
+/// Note [GPU spans]: each span's CUDA events placed on the host clock, on the tracks of the
+/// streams they ran on; the events are destroyed.
+inline void place_gpu_spans(std::vector<GpuRecord>& gpu, Records& out) {
+  std::map<int, std::pair<cudaEvent_t, std::int64_t>> now;  // per device: an event and the host time it completed
+  for (const auto& g : gpu) {
+    if (now.count(g.device)) continue;
+    cuda::DeviceGuard guard(g.device);
+    cudaEvent_t e = nullptr;
+    if (cuda::tolerate(cudaDeviceSynchronize()) == cudaSuccess && cuda::tolerate(cudaEventCreate(&e)) == cudaSuccess &&
+        cuda::tolerate(cudaEventRecord(e, nullptr)) == cudaSuccess &&
+        cuda::tolerate(cudaEventSynchronize(e)) == cudaSuccess)
+      now[g.device] = {e, now_ns()};
+    else if (e)
+      (void)cuda::tolerate(cudaEventDestroy(e));
+  }
+  std::map<std::string, int> tracks;
+  for (auto& g : gpu) {
+    float to_begin = 0, to_end = 0;
+    const auto it = now.find(g.device);
+    if (it != now.end() && cuda::tolerate(cudaEventElapsedTime(&to_begin, g.begin, it->second.first)) == cudaSuccess &&
+        cuda::tolerate(cudaEventElapsedTime(&to_end, g.end, it->second.first)) == cudaSuccess) {
+      const std::string name = "cuda:" + std::to_string(g.device) + " stream " + std::to_string(g.slot) + " (GPU)";
+      auto [t, fresh] = tracks.emplace(name, static_cast<int>(out.tracks.size()));
+      if (fresh) out.tracks.push_back({name, "cuda:" + std::to_string(g.device)});
+      Span s = std::move(g.span);
+      s.track = t->second;
+      s.start_ns = it->second.second - static_cast<std::int64_t>(static_cast<double>(to_begin) * 1e6);
+      s.end_ns = it->second.second - static_cast<std::int64_t>(static_cast<double>(to_end) * 1e6);
+      out.spans.push_back(std::move(s));
+    }
+    (void)cuda::tolerate(cudaEventDestroy(g.begin));
+    (void)cuda::tolerate(cudaEventDestroy(g.end));
+  }
+  for (auto& [device, e] : now) (void)cuda::tolerate(cudaEventDestroy(e.first));
+}
+#endif
+
 /// Stops the recording and hands over what it recorded. Spans still open on other threads when
 /// it stops are left out.
 inline Records stop_recording() {
@@ -373,7 +485,7 @@ inline Records stop_recording() {
     std::lock_guard<std::mutex> lk(r.m);
     CHORUS_CHECK(active_flag().load(), "profiler: stop() without a recording in progress");
     active_flag().store(false);
-    ++r.generation;  // a Scope that ends later starts a buffer no one reads
+    r.generation.fetch_add(1);  // a Scope that ends later records nothing (~Scope)
     buffers = std::move(r.buffers);
     out.tracks = std::move(r.tracks);
     r.buffers.clear();
@@ -383,11 +495,20 @@ inline Records stop_recording() {
     out.origin_unix_ns = r.origin_unix_ns;
     out.steps = r.step.load();
   }
+#if CHORUS_CUDA
+  std::vector<GpuRecord> gpu;
+#endif
   for (auto& b : buffers) {
     std::lock_guard<std::mutex> lk(b->m);
     for (auto& s : b->spans) out.spans.push_back(std::move(s));
     for (auto& c : b->counters) out.counters.push_back(std::move(c));
+#if CHORUS_CUDA
+    for (auto& g : b->gpu) gpu.push_back(std::move(g));
+#endif
   }
+#if CHORUS_CUDA
+  place_gpu_spans(gpu, out);
+#endif
   return out;
 }
 
