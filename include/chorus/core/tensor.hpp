@@ -376,7 +376,7 @@ class Tensor {
   Tensor log_softmax(std::int64_t dim) const;
   /// A copy with elements converted to U (this tensor when U is T); recorded by autograd between floating types.
   template <class U>
-  Tensor<U> to() const;  // dtype conversion (not differentiable)
+  Tensor<U> to() const;
 
   /// The elements in row-major order, copied to the host.
   std::vector<T> to_vector() const;

@@ -164,8 +164,7 @@ class Backend {
   virtual void reduce(const std::shared_ptr<Work>& work, const AnyTensor& t, ReduceOp op, int root) = 0;
   /// t = rank root's t, in place.
   virtual void broadcast(const std::shared_ptr<Work>& work, const AnyTensor& t, int root) = 0;
-  /// out ([world, *in.shape()]) = every rank's `in`, in rank order, once `work` is waited for;
-  /// returns the tensor that holds it then (out).
+  /// out ([world, *in.shape()]) = every rank's `in`, in rank order, once `work` is waited for.
   virtual void all_gather(const std::shared_ptr<Work>& work, const AnyTensor& in, const AnyTensor& out) = 0;
   /// out (n elements) = rank's part [rank·n, rank·n + n) of the sum (or mean) over all ranks of
   /// `in` (world·n elements).

@@ -4,7 +4,7 @@
 // Every epoch, every rank draws the same order (a permutation seeded by seed + epoch, or
 // 0 … n-1), pads it by repeating its start to a multiple of the world size (or, with
 // drop_last, cuts it down to one), and takes every world-th index starting at its rank — so the
-// ranks together see the dataset exactly once (plus the padding) and never the same sample.
+// ranks together see the dataset exactly once, plus the padding (samples a second rank sees again).
 // Call set_epoch(e) at the start of each epoch, or every epoch repeats the first one's order.
 // The permutation is chorus's own Fisher-Yates over std::mt19937_64 (std::shuffle's algorithm
 // differs between standard libraries, and all ranks must agree).
