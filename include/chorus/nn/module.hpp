@@ -272,10 +272,12 @@ inline std::vector<ForwardFrame>& forward_frames() {
 // While a profiler records, a layer called through its holder (`fc1(x)`, as in LibTorch) or
 // from a Sequential gets a forward span named by its dotted path ("layers.0.attn"): the name it
 // is registered under in the module whose forward calls it, after that module's own. The
-// calling thread keeps the modules whose forward it runs (forward_frames); DataParallel starts
-// each replica's frames at its root, so the replicas' layers carry the module's names. The autograd nodes a layer's forward makes
-// carry the name too (profiler::LayerScope), and backward is grouped under it. A root's span is
-// named by its type and its layers from it ("fc1", as named_parameters() names them).
+// calling thread keeps the modules whose forward it runs (forward_frames); DataParallel and
+// DistributedDataParallel start the frames at the module's root, so the replicas' layers carry
+// the module's names. The autograd nodes a layer's forward makes carry the name too
+// (profiler::LayerScope), and backward is grouped under it. A root called through its holder
+// has a span named by its type, and its layers are named from it ("fc1", as named_parameters()
+// names them).
 
 /// The dotted name of `m` called from the innermost frame (its type name outside any).
 inline std::string layer_name(const Module& m) {
